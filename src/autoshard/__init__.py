@@ -1,0 +1,45 @@
+"""autoshard: run JAX programs on many devices without writing shardings."""
+
+from . import markers as markers
+from ._api import Executable as Executable
+from ._api import ParallelizedFunc as ParallelizedFunc
+from ._api import clear_executable_cache as clear_executable_cache
+from ._api import init as init
+from ._api import parallelize as parallelize
+from ._api import shutdown as shutdown
+from ._grad import grad as grad
+from ._grad import value_and_grad as value_and_grad
+from ._methods import DataParallel as DataParallel
+from ._methods import ManualShardingOption as ManualShardingOption
+from ._methods import ParallelMethod as ParallelMethod
+from ._methods import ShardParallel as ShardParallel
+from ._methods import Zero2Parallel as Zero2Parallel
+from ._methods import Zero3Parallel as Zero3Parallel
+from .markers import mark_gradient as mark_gradient
+from .markers import mark_pipeline_boundary as mark_pipeline_boundary
+from .sharding.options import AutoShardingOption as AutoShardingOption
+from .sharding.plan import ShardingPlan as ShardingPlan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoShardingOption",
+    "DataParallel",
+    "Executable",
+    "ManualShardingOption",
+    "ParallelMethod",
+    "ParallelizedFunc",
+    "ShardParallel",
+    "ShardingPlan",
+    "Zero2Parallel",
+    "Zero3Parallel",
+    "clear_executable_cache",
+    "grad",
+    "init",
+    "mark_gradient",
+    "mark_pipeline_boundary",
+    "markers",
+    "parallelize",
+    "shutdown",
+    "value_and_grad",
+]

@@ -1,0 +1,140 @@
+"""Tracing a user function into a flat ClosedJaxpr, walking it, and splitting it at markers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat
+from .markers import pipeline_p
+
+
+# Flattening arguments into dynamic (array) and static (hashable) leaves ---------------------------
+def is_array_leaf(x) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic) or _compat.is_tracer(x)
+
+
+@dataclass(frozen=True)
+class FlatArgs:
+    """Arguments split into array leaves (traced) and the hashable rest (baked into the trace)."""
+
+    treedef: Any
+    """Tree structure of the positional argument tuple."""
+    is_dynamic: tuple[bool, ...]
+    """Per leaf: True for array leaves."""
+    static_leaves: tuple[Any, ...]
+    """The non-array leaves, in order (hashable)."""
+    dynamic_leaves: tuple[Any, ...]
+    """The array leaves, in order."""
+    leaf_argnum: tuple[int, ...]
+    """Per dynamic leaf: the positional argument it belongs to."""
+    paths: tuple[str, ...]
+    """Per dynamic leaf: readable path."""
+
+    def key(self):
+        avals = tuple((tuple(x.shape), np.dtype(x.dtype).name) for x in self.dynamic_leaves)
+        return (self.treedef, self.is_dynamic, self.static_leaves, avals)
+
+    def rebuild(self, dynamic):
+        it_dyn, it_static = iter(dynamic), iter(self.static_leaves)
+        leaves = [next(it_dyn) if d else next(it_static) for d in self.is_dynamic]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float | complex) and not isinstance(x, bool)
+
+
+def flatten_args(args: tuple, static_argnums: Sequence[int]) -> FlatArgs:
+    is_dynamic, static, dynamic, argnum, paths = [], [], [], [], []
+    per_arg = [jax.tree_util.tree_flatten_with_path(a)[0] for a in args]
+    for i, leaves in enumerate(per_arg):
+        # A Python number next to arrays in one argument (a train state's step counter) is
+        # data, not configuration: it becomes a weakly typed scalar array.
+        mixed = i not in static_argnums and any(is_array_leaf(x) for _, x in leaves)
+        for path, leaf in leaves:
+            if mixed and _is_number(leaf):
+                leaf = jnp.asarray(leaf)
+            if i not in static_argnums and is_array_leaf(leaf):
+                is_dynamic.append(True)
+                dynamic.append(leaf)
+                argnum.append(i)
+                paths.append(f"arg{i}{jax.tree_util.keystr(path)}")
+                continue
+            if _compat.is_tracer(leaf):
+                raise TypeError(
+                    f"Argument {i} is a static argument (static_argnums) but got a tracer "
+                    f"{leaf}. A static value must be concrete: mark it static with "
+                    "static_argnums only if it is a Python value, or do not call a "
+                    "parallelized function inside jax.jit/vmap/grad.")
+            try:
+                hash(leaf)
+            except TypeError:
+                raise TypeError(
+                    f"Argument {i} has a non-array leaf of type {type(leaf).__name__} that is "
+                    "not hashable, so it cannot be a static value. Pass it as an array or make "
+                    "it hashable.") from None
+            is_dynamic.append(False)
+            static.append(leaf)
+    treedef = jax.tree.structure(args)
+    return FlatArgs(treedef, tuple(is_dynamic), tuple(static), tuple(dynamic), tuple(argnum),
+                    tuple(paths))
+
+
+def output_paths(out_tree) -> list[str]:
+    leaves = jax.tree_util.tree_flatten_with_path(out_tree)[0]
+    return [f"out{jax.tree_util.keystr(p)}" for p, _ in leaves]
+
+
+# Walking ---------------------------------------------------------------------------------------
+def grad_marker_index(jaxpr) -> int | None:
+    """Index of the top-level gradient marker equation, or None; more than one is an error."""
+    found = [i for i, e in enumerate(jaxpr.eqns)
+             if e.primitive is pipeline_p and e.params["mark_type"] == "grad"]
+    if len(found) > 1:
+        raise ValueError(
+            f"The traced function has {len(found)} gradient markers; gradient accumulation "
+            "needs exactly one. Call autoshard.grad/value_and_grad once per step, or mark all "
+            "gradients together with autoshard.markers.mark_gradient.")
+    return found[0] if found else None
+
+
+def dependents(eqns, seeds: set) -> set:
+    """Variables computed (transitively) from ``seeds`` by ``eqns``."""
+    out = set(seeds)
+    for e in eqns:
+        if any(isinstance(v, _compat.Var) and v in out for v in e.invars):
+            out.update(e.outvars)
+    return out
+
+
+def used_vars(eqns) -> set:
+    return {v for e in eqns for v in e.invars if isinstance(v, _compat.Var)}
+
+
+# Evaluation ------------------------------------------------------------------------------------
+class Env:
+    """Values of jaxpr variables while re-evaluating a jaxpr equation by equation."""
+
+    def __init__(self):
+        self.values: dict = {}
+
+    def read(self, v):
+        return v.val if isinstance(v, _compat.Literal) else self.values[v]
+
+    def write(self, v, value):
+        if not isinstance(v, _compat.DropVar):
+            self.values[v] = value
+
+    def run(self, eqns, on_eqn: Callable | None = None):
+        for e in eqns:
+            outs = _compat.bind_eqn(e, [self.read(v) for v in e.invars])
+            if on_eqn is not None:
+                outs = on_eqn(e, outs)
+            for v, o in zip(e.outvars, outs, strict=True):
+                self.write(v, o)

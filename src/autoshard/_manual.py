@@ -1,0 +1,113 @@
+"""ShardParallel with a ManualShardingOption: the user's PartitionSpecs, validated and applied."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
+from ._methods import Compiled, leaf_plan
+from ._program import Program
+from .sharding.plan import ShardingPlan, format_spec, spec_axes
+
+_UNSET = object()
+
+
+def compile_manual(method, program: Program) -> Compiled:
+    option = method.manual_sharding_option
+    names = option.mesh_axis_names
+    devices, user_mesh = resolve_devices(method.devices)
+    if user_mesh is not None:
+        if tuple(user_mesh.axis_names) != names:
+            raise ValueError(
+                f"manual_sharding_option.mesh_axis_names {names} differ from the axis names "
+                f"{tuple(user_mesh.axis_names)} of the Mesh passed as devices. Use the same names.")
+        mesh = as_auto_mesh(user_mesh)
+    else:
+        shape = _mesh_shape(method, names, len(devices))
+        mesh = mesh_from_shape(devices, shape, names)
+    sizes = dict(zip(names, mesh.devices.shape, strict=True))
+
+    in_specs = _leaf_specs(option.in_axis_resources, program.args_shape, "in_axis_resources",
+                           len(program.in_avals))
+    out_specs = _leaf_specs(option.out_axis_resources, program.out_shape,
+                            "out_axis_resources", len(program.out_avals))
+    in_specs = [P() if s is _UNSET else s for s in in_specs]
+    for i, o in program.aliases:
+        if out_specs[o] is _UNSET:
+            out_specs[o] = in_specs[i]
+    out_specs = [P() if s is _UNSET else s for s in out_specs]
+    for specs, avals, paths, arg in ((in_specs, program.in_avals, program.in_paths,
+                                      "in_axis_resources"),
+                                     (out_specs, program.out_avals, program.out_paths,
+                                      "out_axis_resources")):
+        for spec, aval, path in zip(specs, avals, paths, strict=True):
+            validate_spec(spec, aval.shape, sizes, where=f"{arg} for {path}")
+    plan = ShardingPlan(
+        method="ShardParallel(manual)", mesh_shape=tuple(mesh.devices.shape), axis_names=names,
+        inputs=tuple(leaf_plan(program, i, s) for i, s in enumerate(in_specs)),
+        outputs=tuple(leaf_plan(program, i, s, output=True) for i, s in enumerate(out_specs)))
+    return Compiled(plan=plan, mesh=mesh, fn=program.step())
+
+
+def _mesh_shape(method, names, num_devices):
+    if len(names) == 1:
+        return (num_devices,)
+    opt = method.auto_sharding_option
+    if opt is None or opt.logical_mesh_shape is None:
+        raise ValueError(
+            f"manual_sharding_option names {len(names)} mesh axes {names} but no mesh shape is "
+            "given. Pass devices=jax.make_mesh(shape, names) or auto_sharding_option="
+            "AutoShardingOption(logical_mesh_shape=shape).")
+    shape = opt.logical_mesh_shape
+    if len(shape) != len(names) or math.prod(shape) != num_devices:
+        raise ValueError(
+            f"logical_mesh_shape {shape} must have one entry per axis name {names} and a "
+            f"product equal to the device count ({num_devices}).")
+    return shape
+
+
+def _leaf_specs(prefix, tree, arg_name: str, count: int) -> list:
+    """One spec (or _UNSET) per array leaf of ``tree`` from a pytree prefix of specs."""
+    if prefix is None:
+        return [_UNSET] * count
+    is_spec = lambda x: x is None or isinstance(x, P)  # noqa: E731
+    if is_spec(prefix):
+        full = jax.tree.map(lambda _: prefix, tree)
+    else:
+        try:
+            full = jax.tree.map(
+                lambda s, sub: jax.tree.map(lambda _: _UNSET if s is None else s, sub),
+                prefix, tree, is_leaf=is_spec)
+        except ValueError as e:
+            raise ValueError(
+                f"{arg_name} must be a PartitionSpec or a pytree prefix of the "
+                f"{'arguments' if arg_name.startswith('in') else 'outputs'} with PartitionSpec "
+                f"leaves; its structure does not match: {e}") from None
+    leaves = jax.tree.leaves(full, is_leaf=lambda x: x is _UNSET or isinstance(x, P))
+    assert len(leaves) == count, (len(leaves), count)
+    return leaves
+
+
+def validate_spec(spec, shape, sizes: dict[str, int], *, where: str):
+    if not isinstance(spec, P):
+        raise TypeError(f"{where}: expected a PartitionSpec, got {spec!r}.")
+    if len(spec) > len(shape):
+        raise ValueError(
+            f"{where}: spec {spec} has {len(spec)} entries but the array has {len(shape)} dims "
+            f"(shape {tuple(shape)}). Give at most one entry per dim.")
+    for d, entry in enumerate(spec):
+        axes = spec_axes(entry)
+        for a in axes:
+            if a not in sizes:
+                raise ValueError(
+                    f"{where}: spec {spec} names mesh axis {a!r}, which is not one of the "
+                    f"mesh axes {tuple(sizes)}. Use one of those names.")
+        parts = math.prod(sizes[a] for a in axes)
+        if shape[d] % parts:
+            raise ValueError(
+                f"{where}: spec {format_spec(spec)} splits dim {d} of size {shape[d]} into "
+                f"{parts} parts, which does not divide it. Choose axes whose sizes divide "
+                f"{shape[d]}, or leave dim {d} unsplit (None).")

@@ -1,0 +1,187 @@
+"""Program: a traced step with everything a method needs to plan it."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from ._jaxpr import FlatArgs, output_paths
+from .grad_accum import StepHooks, build_step
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    """A traced step plus its roles: batch inputs, donated state, parameters, aliases."""
+
+    closed: Any
+    """ClosedJaxpr of the user's step (batch inputs have micro-batch shape when accumulating)."""
+    in_avals: tuple[jax.ShapeDtypeStruct, ...]
+    """Full-batch abstract inputs, one per array leaf."""
+    out_avals: tuple[jax.ShapeDtypeStruct, ...]
+    """Abstract outputs, one per leaf."""
+    in_paths: tuple[str, ...]
+    """Readable input leaf paths."""
+    out_paths: tuple[str, ...]
+    """Readable output leaf paths."""
+    batch_invars: tuple[bool, ...]
+    """Inputs that are batch arguments (split on dim 0)."""
+    donated_invars: tuple[bool, ...]
+    """Inputs whose buffers are donated."""
+    param_invars: tuple[bool, ...]
+    """Donated inputs that are model parameters (the rest of the state is optimizer state)."""
+    aliases: tuple[tuple[int, int], ...]
+    """(input, output) leaf pairs where the output replaces the donated input."""
+    num_micro_batches: int
+    """Micro-batches for gradient accumulation."""
+    args_shape: Any = None
+    """The positional arguments with array leaves as ShapeDtypeStruct and the rest as None."""
+    out_shape: Any = None
+    """The output pytree with ShapeDtypeStruct leaves."""
+
+    def step(self, hooks: StepHooks | None = None) -> Callable:
+        return build_step(self.closed, batch_invars=self.batch_invars,
+                          num_micro_batches=self.num_micro_batches, hooks=hooks or StepHooks(),
+                          batch_paths=[p for p, b in zip(self.in_paths, self.batch_invars,
+                                                         strict=True) if b])
+
+    @functools.cached_property
+    def has_grad_marker(self) -> bool:
+        from ._jaxpr import grad_marker_index
+        return grad_marker_index(self.closed.jaxpr) is not None
+
+    def full_jaxpr(self):
+        """The whole step (accumulation included) as one ClosedJaxpr on full-batch inputs."""
+        if "_full" not in self.__dict__:
+            self.__dict__["_full"] = jax.make_jaxpr(self.step())(*self.in_avals)
+        return self.__dict__["_full"]
+
+
+def trace_program(fun: Callable, args: tuple, flat: FlatArgs, *, batch_argnums: Sequence[int],
+                  donate_argnums, num_micro_batches: int) -> tuple[Program, Any]:
+    """Trace ``fun`` on abstract values of ``flat``; return the Program and the output treedef."""
+    _check_batch_argnums(args, flat, batch_argnums)
+    k = num_micro_batches
+    batch_invars = tuple(a in batch_argnums for a in flat.leaf_argnum)
+    in_avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat.dynamic_leaves)
+    trace_avals = []
+    for aval, b, path in zip(in_avals, batch_invars, flat.paths, strict=True):
+        if b and k > 1:
+            if not aval.shape or aval.shape[0] % k:
+                size = aval.shape[0] if aval.shape else "scalar"
+                raise ValueError(
+                    f"num_micro_batches ({k}) must divide the batch size ({size}) of {path} "
+                    f"(batch_argnums={tuple(batch_argnums)}). Choose a divisor of {size} or "
+                    "change batch_argnums.")
+            aval = jax.ShapeDtypeStruct((aval.shape[0] // k,) + aval.shape[1:], aval.dtype)
+        trace_avals.append(aval)
+
+    def flat_fun(*dynamic):
+        return fun(*flat.rebuild(dynamic))
+
+    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*trace_avals)
+    out_leaves, out_tree = jax.tree.flatten(out_shape)
+    out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
+    candidates = _donation_candidates(args, donate_argnums, batch_argnums)
+    aliases, matched = _aliases(args, flat, out_shape, candidates)
+    if donate_argnums == "auto":
+        donated = matched | {i for i in candidates if _is_train_state(args[i])}
+        aliases = tuple(p for p in aliases if flat.leaf_argnum[p[0]] in donated)
+    else:
+        donated = candidates
+    donated_invars = tuple(a in donated for a in flat.leaf_argnum)
+    param_invars = _param_invars(flat, donated)
+    program = Program(
+        closed=closed, in_avals=in_avals, out_avals=out_avals, in_paths=flat.paths,
+        out_paths=tuple(output_paths(out_shape)), batch_invars=batch_invars,
+        donated_invars=donated_invars, param_invars=param_invars, aliases=aliases,
+        num_micro_batches=k, args_shape=_args_shape(flat, in_avals),
+        out_shape=out_shape)
+    return program, out_tree
+
+
+def _check_batch_argnums(args, flat: FlatArgs, batch_argnums):
+    for b in batch_argnums:
+        if not isinstance(b, int) or not -len(args) <= b < len(args):
+            raise ValueError(
+                f"batch_argnums ({tuple(batch_argnums)}) names argument {b!r}, but the function "
+                f"was called with {len(args)} positional argument(s). Use indices in "
+                f"range(0, {len(args)}), or batch_argnums=() when there is no batch.")
+        if b not in flat.leaf_argnum:
+            raise ValueError(
+                f"batch_argnums ({tuple(batch_argnums)}) names argument {b}, which holds no "
+                f"array (got {type(args[b]).__name__}). A batch argument must be an array or a "
+                "pytree of arrays split on dim 0; fix batch_argnums.")
+
+
+def _is_train_state(x) -> bool:
+    return hasattr(x, "apply_gradients") and hasattr(x, "params") and hasattr(x, "opt_state")
+
+
+def _donation_candidates(args, donate_argnums, batch_argnums) -> set[int]:
+    if donate_argnums == "auto":
+        return {i for i, a in enumerate(args)
+                if i not in batch_argnums and _has_array_leaves(a)}
+    nums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    for i in nums:
+        if not isinstance(i, int) or not 0 <= i < len(args):
+            raise ValueError(
+                f"donate_argnums ({donate_argnums!r}) names argument {i!r}, but there are "
+                f"{len(args)} positional arguments. Use indices below {len(args)} or 'auto'.")
+    return set(nums)
+
+
+def _has_array_leaves(a) -> bool:
+    from ._jaxpr import is_array_leaf
+    return any(is_array_leaf(x) for x in jax.tree.leaves(a))
+
+
+def _aliases(args, flat: FlatArgs, out_shape, donated: set[int]):
+    """Pair each donated argument with an output of the same structure and leaf types."""
+    outs = list(out_shape) if isinstance(out_shape, tuple | list) else [out_shape]
+    out_offsets, offset = [], 0
+    for o in outs:
+        out_offsets.append(offset)
+        offset += len(jax.tree.leaves(o))
+    if not isinstance(out_shape, tuple | list):
+        out_offsets = [0]
+    taken, pairs, matched = set(), [], set()
+    for i in sorted(donated):
+        in_idx = [j for j, a in enumerate(flat.leaf_argnum) if a == i]
+        sig = (jax.tree.structure(args[i]),
+               tuple((tuple(flat.dynamic_leaves[j].shape), str(flat.dynamic_leaves[j].dtype))
+                     for j in in_idx))
+        for n, o in enumerate(outs):
+            if n in taken or _signature(o) != sig or not in_idx:
+                continue
+            taken.add(n)
+            matched.add(i)
+            pairs += [(j, out_offsets[n] + m) for m, j in enumerate(in_idx)]
+            break
+    return tuple(pairs), matched
+
+
+def _signature(tree):
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))))
+                          for x in leaves)
+
+
+def _param_invars(flat: FlatArgs, donated: set[int]) -> tuple[bool, ...]:
+    def under_params(i, path):
+        return path.startswith((f"arg{i}.params", f"arg{i}['params']"))
+
+    has_params = {i for i, p in zip(flat.leaf_argnum, flat.paths, strict=True)
+                  if i in donated and under_params(i, p)}
+    return tuple(
+        a in donated and (under_params(a, p) if a in has_params else True)
+        for a, p in zip(flat.leaf_argnum, flat.paths, strict=True))
+
+
+def _args_shape(flat: FlatArgs, in_avals):
+    it = iter(in_avals)
+    leaves = [next(it) if d else None for d in flat.is_dynamic]
+    return jax.tree.unflatten(flat.treedef, leaves)

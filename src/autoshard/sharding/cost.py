@@ -1,0 +1,132 @@
+"""Alpha-beta cost model: collectives, resharding, compute and memory, all in seconds or bytes.
+
+Every constant of the model lives here. A collective over mesh axis ``a`` moving ``b`` bytes
+costs ``alpha[a] + beta[a] * f(n) * b`` with ``n`` the axis size and ``f`` the volume factor of
+the collective (as in Alpa): all-reduce ``2(n-1)/n``, all-gather and reduce-scatter
+``(n-1)/n``, all-to-all ``(n-1)/n^2``. A collective over several axes runs axis by axis and
+costs the sum. Replace the constants with measured ones through ``AutoShardingOption``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .options import AutoShardingOption
+from .spec import Spec, axis_dim, dim_shards, shards
+
+DEFAULT_ALPHA_S = 5e-6
+"""Latency of one collective on any axis, seconds."""
+DEFAULT_BETA_S_PER_BYTE = 1e-10
+"""Inverse bandwidth of the first mesh axis (10 GB/s); later axes are 10x cheaper each."""
+SECOND_AXIS_SPEEDUP = 10.0
+"""How much cheaper per byte each later mesh axis is than the one before (Alpa's default)."""
+FLOP_COST_S = 1e-14
+"""Seconds per floating-point operation of a device (100 TFLOP/s): the compute term."""
+BYTE_COST_S = 1e-12
+"""Seconds per byte touched by a memory-bound op (1 TB/s): the compute term of cheap ops."""
+FORBIDDEN_S = 1e3
+"""Penalty of a resharding step the options forbid (large but finite, so the ILP stays feasible)."""
+
+VOLUME = {
+    "all-reduce": lambda n: 2.0 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / (n * n),
+}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-axis alpha-beta constants of one logical mesh."""
+
+    mesh_shape: tuple[int, ...]
+    alpha: tuple[float, ...]
+    beta: tuple[float, ...]
+    allow_all_gather: bool = True
+    allow_all_to_all: bool = True
+
+    @classmethod
+    def from_option(cls, mesh_shape: tuple[int, ...], option: AutoShardingOption) -> CostModel:
+        rank = len(mesh_shape)
+        alpha = option.mesh_alpha or (DEFAULT_ALPHA_S,) * rank
+        beta = option.mesh_beta or tuple(
+            DEFAULT_BETA_S_PER_BYTE / SECOND_AXIS_SPEEDUP**i for i in range(rank))
+        for name, value in (("mesh_alpha", alpha), ("mesh_beta", beta)):
+            if len(value) != rank:
+                raise ValueError(
+                    f"{name} ({value!r}) must have one entry per logical mesh axis "
+                    f"(mesh shape {mesh_shape}). Give {rank} values or None for the defaults.")
+        return cls(tuple(mesh_shape), tuple(alpha), tuple(beta),
+                   option.allow_all_gather, option.allow_all_to_all)
+
+    def collective(self, kind: str, axes: tuple[int, ...], num_bytes: float) -> float:
+        """Cost of one collective of ``kind`` over ``axes`` (run axis by axis)."""
+        total = 0.0
+        for a in axes:
+            n = self.mesh_shape[a]
+            if n > 1:
+                total += self.alpha[a] + self.beta[a] * VOLUME[kind](n) * num_bytes
+        return total
+
+    def reshard_steps(self, src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int
+                      ) -> list[tuple[str, int, float, float]]:
+        """Collectives that turn an array laid out as ``src`` into ``dst``: (kind, axis, bytes, s).
+
+        Per mesh axis: keep (free), add a split (local slice, free), drop a split (all-gather),
+        or move a split to another dim (all-to-all, or all-gather then slice when all-to-all is
+        off). Bytes of a step are those of the array held by the group of devices running it.
+        """
+        if src == dst:
+            return []
+        total_bytes = math.prod(shape) * itemsize
+        steps = []
+        for a, n in enumerate(self.mesh_shape):
+            if n == 1:
+                continue
+            ds, dd = axis_dim(src, a), axis_dim(dst, a)
+            if ds == dd or ds is None:
+                continue
+            # The other axes that split the array the same way in both specs cut the group.
+            others = [b for b in range(len(self.mesh_shape))
+                      if b != a and axis_dim(src, b) is not None
+                      and axis_dim(src, b) == axis_dim(dst, b)]
+            group_bytes = total_bytes / math.prod(self.mesh_shape[b] for b in others)
+            if dd is None or not self.allow_all_to_all:
+                cost = self.collective("all-gather", (a,), group_bytes)
+                if not self.allow_all_gather:
+                    cost += FORBIDDEN_S
+                steps.append(("all-gather", a, group_bytes, cost))
+            else:
+                steps.append(("all-to-all", a, group_bytes,
+                              self.collective("all-to-all", (a,), group_bytes)))
+        return steps
+
+    def reshard(self, src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int) -> float:
+        """Cost in seconds of turning an array laid out as ``src`` into ``dst``."""
+        if src == dst:
+            return 0.0
+        return sum(step[3] for step in self.reshard_steps(src, dst, shape, itemsize))
+
+
+def array_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    return math.prod(shape) * itemsize
+
+
+def bytes_per_device(spec: Spec, shape: tuple[int, ...], itemsize: int,
+                     mesh_shape: tuple[int, ...]) -> int:
+    return array_bytes(shape, itemsize) // shards(spec, mesh_shape)
+
+
+def flop_cost(flops: float, num_pieces: int) -> float:
+    """Compute term of a flop-bound op whose work is cut into ``num_pieces`` per device."""
+    return FLOP_COST_S * flops / max(1, num_pieces)
+
+
+def byte_cost(num_bytes: float, num_pieces: int) -> float:
+    """Compute term of a memory-bound op."""
+    return BYTE_COST_S * num_bytes / max(1, num_pieces)
+
+
+__all__ = ["CostModel", "array_bytes", "bytes_per_device", "flop_cost", "byte_cost",
+           "dim_shards"]

@@ -1,0 +1,59 @@
+"""AutoShardingOption: knobs of the automatic intra-operator planner."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoShardingOption:
+    """Options of the automatic planner (``ShardParallel()`` without a manual option)."""
+
+    logical_mesh_shape: tuple[int, ...] | None = None
+    """Shape of the logical device mesh; None tries 1-D and every 2-D factorization."""
+    mesh_alpha: tuple[float, ...] | None = None
+    """Per-axis latency in seconds; None uses the defaults of ``sharding.cost``."""
+    mesh_beta: tuple[float, ...] | None = None
+    """Per-axis inverse bandwidth in seconds per byte; None: second axis 10x cheaper."""
+    memory_budget_per_device: int | None = None
+    """Upper bound on the estimated bytes per device; None means unbounded."""
+    force_data_parallel: bool = False
+    """Split the batch over all devices and replicate everything else."""
+    force_batch_dim_to_mesh_dim: int | None = None
+    """Mesh axis the batch dim must be split over; None lets the solver choose."""
+    prefer_reduce_scatter: bool = False
+    """Use reduce-scatter instead of all-reduce where the consumer can take a shard."""
+    allow_all_gather: bool = True
+    """Allow strategies that all-gather an operand."""
+    allow_all_to_all: bool = True
+    """Allow resharding through all-to-all."""
+    allow_replicated_parameters: bool = True
+    """Allow parameters to stay replicated."""
+    solver_time_limit_s: float = 60.0
+    """Wall-clock limit of the ILP solver; on timeout the best incumbent is used."""
+    show_progress: bool = True
+    """Show a progress bar while planning long searches."""
+
+    def __post_init__(self):
+        if self.logical_mesh_shape is not None:
+            shape = tuple(self.logical_mesh_shape)
+            if not shape or any(not isinstance(s, int) or s < 1 for s in shape):
+                raise ValueError(
+                    f"logical_mesh_shape ({self.logical_mesh_shape!r}) must be a tuple of "
+                    "positive ints, e.g. (2, 4). Pass None to let the planner choose.")
+            object.__setattr__(self, "logical_mesh_shape", shape)
+        for name in ("mesh_alpha", "mesh_beta"):
+            value = getattr(self, name)
+            if value is not None:
+                value = tuple(float(v) for v in value)
+                if any(v < 0 or not math.isfinite(v) for v in value):
+                    raise ValueError(f"{name} ({value!r}) must hold finite non-negative floats.")
+                object.__setattr__(self, name, value)
+        if self.memory_budget_per_device is not None and self.memory_budget_per_device <= 0:
+            raise ValueError(
+                f"memory_budget_per_device ({self.memory_budget_per_device}) must be a positive "
+                "number of bytes, or None for no budget.")
+        if self.solver_time_limit_s <= 0:
+            raise ValueError(
+                f"solver_time_limit_s ({self.solver_time_limit_s}) must be positive seconds.")

@@ -1,0 +1,173 @@
+"""ShardingPlan: the device-free result of planning, printable, comparable and applicable."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from jax.sharding import PartitionSpec
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+    """Mesh axes named by one PartitionSpec entry (None, a name, or a tuple of names)."""
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def num_shards(spec: PartitionSpec, mesh_sizes: dict[str, int]) -> int:
+    """How many pieces a spec cuts an array into (product of the sizes of the axes it names)."""
+    return math.prod(mesh_sizes[a] for entry in spec for a in spec_axes(entry))
+
+
+def format_spec(spec: PartitionSpec) -> str:
+    parts = []
+    for entry in spec:
+        axes = spec_axes(entry)
+        parts.append("-" if not axes else "+".join(axes))
+    return "(" + ", ".join(parts) + ")" if parts else "(replicated)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeafPlan:
+    """Where one input or output leaf lives."""
+
+    path: str
+    """Readable pytree path, e.g. ``arg0.params['Dense_0']['kernel']``."""
+    shape: tuple[int, ...]
+    """Global shape."""
+    dtype: str
+    """dtype name."""
+    spec: PartitionSpec
+    """How the leaf is split over the mesh axes."""
+    note: str = ""
+    """Why the spec is what it is when that is not obvious (e.g. not divisible, kept replicated)."""
+
+    def bytes_per_device(self, mesh_sizes: dict[str, int]) -> int:
+        total = math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        return total // max(1, num_shards(self.spec, mesh_sizes))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Collective:
+    """One communication the plan expects XLA to insert."""
+
+    kind: str
+    """all-reduce, all-gather, reduce-scatter, all-to-all."""
+    axes: tuple[str, ...]
+    """Mesh axes it runs over."""
+    num_bytes: int
+    """Bytes of the full (unsplit) array it moves, per occurrence."""
+    cost_s: float
+    """Alpha-beta cost in seconds of all ``count`` occurrences together."""
+    where: str = ""
+    """The operation that causes it."""
+    count: float = 1
+    """How many times it runs per step (e.g. once per iteration of a scan over layers)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Objective:
+    """The ILP objective, split by term (seconds)."""
+
+    communication_s: float = 0.0
+    """Collectives implied by the chosen strategies."""
+    resharding_s: float = 0.0
+    """Conversions between a producer's spec and a consumer's spec."""
+    compute_s: float = 0.0
+    """Compute term that prefers splitting work."""
+    data_parallel_s: float | None = None
+    """The same objective for pure data parallel on the same mesh, for comparison."""
+    peak_bytes_per_device: int | None = None
+    """Estimated peak memory per device."""
+    solver_status: str = "optimal"
+    """'optimal', or 'time limit: best incumbent'."""
+
+    @property
+    def total_s(self) -> float:
+        return self.communication_s + self.resharding_s + self.compute_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingPlan:
+    """A mesh shape plus a PartitionSpec per input, output and constrained intermediate.
+
+    Plain data with no devices in it: a plan can be computed for a cluster larger than this
+    machine, printed, compared and saved; applying it needs a real mesh of the same shape.
+    """
+
+    method: str
+    """Name of the method that produced the plan."""
+    mesh_shape: tuple[int, ...]
+    """Logical mesh shape."""
+    axis_names: tuple[str, ...]
+    """Mesh axis names, one per entry of ``mesh_shape``."""
+    inputs: tuple[LeafPlan, ...]
+    """One entry per flattened input leaf (static arguments excluded)."""
+    outputs: tuple[LeafPlan, ...]
+    """One entry per flattened output leaf."""
+    intermediates: tuple[tuple[int, PartitionSpec], ...] = ()
+    """(value id in the planner's graph, spec) for every constrained intermediate."""
+    operand_specs: tuple[tuple[int, int, PartitionSpec], ...] = ()
+    """(node id, operand index, spec) where an operand is resharded before its consumer."""
+    collectives: tuple[Collective, ...] = ()
+    """Collectives the plan expects."""
+    objective: Objective | None = None
+    """ILP objective (automatic plans only)."""
+    notes: tuple[str, ...] = field(default=())
+    """Free-form remarks (replicated leaves that could not be split, solver status, ...)."""
+
+    def __post_init__(self):
+        assert len(self.mesh_shape) == len(self.axis_names), (self.mesh_shape, self.axis_names)
+
+    @property
+    def mesh_sizes(self) -> dict[str, int]:
+        return dict(zip(self.axis_names, self.mesh_shape, strict=True))
+
+    @property
+    def in_specs(self) -> tuple[PartitionSpec, ...]:
+        return tuple(leaf.spec for leaf in self.inputs)
+
+    @property
+    def out_specs(self) -> tuple[PartitionSpec, ...]:
+        return tuple(leaf.spec for leaf in self.outputs)
+
+    def explain(self) -> str:
+        sizes = self.mesh_sizes
+        mesh = " x ".join(f"{n}={s}" for n, s in sizes.items())
+        lines = [f"{self.method} plan on mesh ({mesh})"]
+        for title, leaves in (("inputs", self.inputs), ("outputs", self.outputs)):
+            lines.append(f"  {title}:")
+            width = max((len(leaf.path) for leaf in leaves), default=4)
+            lines.append(f"    {'leaf':<{width}}  {'shape':<18} {'spec':<22} bytes/device")
+            for leaf in leaves:
+                shape = "x".join(map(str, leaf.shape)) or "scalar"
+                row = (f"    {leaf.path:<{width}}  {shape:<18} {format_spec(leaf.spec):<22} "
+                       f"{leaf.bytes_per_device(sizes):,}")
+                lines.append(row + (f"   [{leaf.note}]" if leaf.note else ""))
+        total_in = sum(leaf.bytes_per_device(sizes) for leaf in self.inputs)
+        lines.append(f"  input bytes per device: {total_in:,}")
+        if self.intermediates:
+            lines.append(f"  constrained intermediates: {len(self.intermediates)}")
+        if self.collectives:
+            lines.append("  expected collectives:")
+            for c in self.collectives:
+                times = f"x{c.count:g}" if c.count != 1 else ""
+                lines.append(f"    {c.kind:<15} over {'+'.join(c.axes) or '-':<8} "
+                             f"{c.num_bytes:>12,} B {times:>5} {c.cost_s * 1e6:10.2f} us  "
+                             f"{c.where}")
+        if self.objective is not None:
+            o = self.objective
+            lines.append(f"  objective: {o.total_s * 1e3:.4f} ms = communication "
+                         f"{o.communication_s * 1e3:.4f} + resharding {o.resharding_s * 1e3:.4f} "
+                         f"+ compute {o.compute_s * 1e3:.4f} ({o.solver_status})")
+            if o.data_parallel_s is not None:
+                lines.append(f"  pure data parallel on the same mesh: {o.data_parallel_s * 1e3:.4f} ms")
+            if o.peak_bytes_per_device is not None:
+                lines.append(f"  estimated peak memory per device: {o.peak_bytes_per_device:,} B")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        return "\n".join(lines)

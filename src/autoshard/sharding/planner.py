@@ -1,0 +1,199 @@
+"""plan_auto: trace graph -> strategies per logical mesh -> ILP -> the cheapest ShardingPlan.
+
+Needs no devices: only abstract values and the mesh shape, so a plan for a cluster far larger
+than this machine can be computed, printed and costed here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+from jax.extend import core
+from tqdm.auto import tqdm
+
+from .graph import Graph, build_graph
+from .options import AutoShardingOption
+from .plan import Collective, LeafPlan, Objective, ShardingPlan
+from .problem import Problem, build_problem
+from .rules import itemsize
+from .solver import Solution, build_and_solve, peak_bytes
+from .spec import replicated, to_partition_spec
+
+DEFAULT_AXIS_NAMES = {1: ("x",), 2: ("x", "y")}
+PINNED_KINDS_EXCLUDED = {"input", "output", "const", "carry_back"}
+
+
+def mesh_candidates(num_devices: int, option: AutoShardingOption,
+                    rank: int | None = None) -> list[tuple[int, ...]]:
+    """1-D, then every 2-D factorization (both orders), unless the option fixes the shape."""
+    if option.logical_mesh_shape is not None:
+        shape = option.logical_mesh_shape
+        if int(np.prod(shape)) != num_devices:
+            raise ValueError(
+                f"logical_mesh_shape {shape} holds {int(np.prod(shape))} devices but the method "
+                f"has {num_devices}. Choose a shape whose product is {num_devices}.")
+        return [shape]
+    if option.force_data_parallel:
+        return [(num_devices,)] if rank in (None, 1) else [(1, num_devices)]
+    found = [(num_devices,)] if rank in (None, 1) else []
+    if rank in (None, 2):
+        found += [(a, num_devices // a) for a in range(2, num_devices)
+                  if num_devices % a == 0]
+    return found or [(1,) * (rank - 1) + (num_devices,)]
+
+
+def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoShardingOption,
+              in_paths: Sequence[str], out_paths: Sequence[str], batch_invars: Sequence[bool],
+              aliases: Sequence[tuple[int, int]] = (),
+              axis_names: Sequence[str] | None = None) -> ShardingPlan:
+    """Plan every array of ``closed_jaxpr`` over ``num_devices`` devices (no devices needed)."""
+    t0 = time.perf_counter()
+    n_in, n_out = len(closed_jaxpr.jaxpr.invars), len(closed_jaxpr.jaxpr.outvars)
+    for name, seq, n in (("in_paths", in_paths, n_in), ("batch_invars", batch_invars, n_in),
+                         ("out_paths", out_paths, n_out)):
+        if len(seq) != n:
+            raise ValueError(f"{name} has {len(seq)} entries but the jaxpr has {n}; give one "
+                             "per flat leaf.")
+    for i, o in aliases:
+        if not (0 <= i < n_in and 0 <= o < n_out):
+            raise ValueError(f"aliases entry ({i}, {o}) is out of range for {n_in} inputs and "
+                             f"{n_out} outputs.")
+    if num_devices < 1:
+        raise ValueError(f"num_devices ({num_devices}) must be at least 1.")
+    rank = len(axis_names) if axis_names is not None else None
+    shapes = mesh_candidates(num_devices, option, rank)
+    graph = build_graph(closed_jaxpr, list(in_paths), list(out_paths))
+    warned: set[str] = set()
+    tried, best, errors = [], None, []
+    bar = tqdm(shapes, desc="autoshard: planning", disable=not option.show_progress, leave=False)
+    for shape in bar:
+        bar.set_postfix_str(f"mesh {shape}")
+        prob = build_problem(graph, shape, option, batch_invars=batch_invars, aliases=aliases,
+                             warned=warned)
+        try:
+            sol = build_and_solve(prob, time_limit_s=option.solver_time_limit_s,
+                                  memory_budget=option.memory_budget_per_device)
+        except ValueError as err:
+            errors.append(err)
+            continue
+        tried.append((shape, sol.objective_s))
+        if best is None or sol.objective_s < best[2].objective_s * (1 - 1e-9) - 1e-15:
+            best = (shape, prob, sol)
+    bar.close()
+    if best is None:
+        raise errors[0]
+    shape, prob, sol = best
+    names = tuple(axis_names) if axis_names is not None else DEFAULT_AXIS_NAMES.get(
+        len(shape), tuple(f"a{i}" for i in range(len(shape))))
+    dp = _data_parallel_objective(prob, batch_invars, option)
+    plan = make_plan(prob, sol, names, dp_objective=dp)
+    notes = list(plan.notes)
+    if len(tried) > 1:
+        notes.append("meshes tried: " + ", ".join(f"{s} {o * 1e3:.4f} ms" for s, o in tried))
+    notes.append(f"planned in {time.perf_counter() - t0:.2f} s ({sol.num_ilp_vars} ILP columns)")
+    return _replace(plan, notes=tuple(notes))
+
+
+def _replace(plan: ShardingPlan, **kw) -> ShardingPlan:
+    import dataclasses
+    return dataclasses.replace(plan, **kw)
+
+
+def _data_parallel_objective(prob: Problem, batch_invars, option) -> float | None:
+    """The ILP objective with batch inputs split over every axis and the rest replicated."""
+    g = prob.graph
+    live = tuple(a for a, n in enumerate(prob.ctx.mesh_shape) if n > 1)
+    allowed = {}
+    for i, node_id in enumerate(g.inputs):
+        specs = [s.out_specs[0] for s in prob.strategies[node_id]]
+        rank = len(specs[0])
+        want = replicated(rank)
+        if batch_invars[i] and rank > 0 and ((live,) + ((),) * (rank - 1)) in specs:
+            want = (live,) + ((),) * (rank - 1)
+        allowed[node_id] = {specs.index(want)}
+    try:
+        sol = build_and_solve(prob, time_limit_s=option.solver_time_limit_s, memory_budget=None,
+                              extra_allowed=allowed)
+    except (ValueError, RuntimeError):
+        return None
+    return sol.objective_s
+
+
+def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
+              dp_objective: float | None) -> ShardingPlan:
+    g, ctx = prob.graph, prob.ctx
+
+    def pspec(spec):
+        return to_partition_spec(spec, names)
+
+    inputs, outputs = [], []
+    for node_id in g.inputs:
+        node = g.nodes[node_id]
+        value = g.values[node.outputs[0]]
+        spec = prob.strategies[node_id][sol.k(prob, node_id)].out_specs[0]
+        note = ""
+        if not any(spec) and len(prob.strategies[node_id]) == 1 and np.prod(value.shape) > 1:
+            note = "no dim divides over the mesh"
+        inputs.append(LeafPlan(path=node.where, shape=value.shape, dtype=str(value.dtype),
+                               spec=pspec(spec), note=note))
+    for node_id in g.outputs:
+        node = g.nodes[node_id]
+        value = g.values[node.operands[0]]
+        spec = prob.strategies[node_id][sol.k(prob, node_id)].in_specs[0]
+        outputs.append(LeafPlan(path=node.where, shape=value.shape, dtype=str(value.dtype),
+                                spec=pspec(spec)))
+    pinned, operand_specs, collectives = [], [], {}
+    comm = reshard = compute = 0.0
+
+    def add(kind, axes, num_bytes, cost_s, where, count):
+        key = (kind, tuple(names[a] for a in axes), int(num_bytes), where)
+        c, n = collectives.get(key, (0.0, 0.0))
+        collectives[key] = (c + cost_s, n + count)
+
+    for node in g.nodes:
+        k = sol.k(prob, node.id)
+        s = prob.strategies[node.id][k]
+        comm += s.comm_s * node.mult
+        compute += s.compute_s * node.mult
+        for kind, axes, num_bytes in s.collectives:
+            add(kind, axes, num_bytes, ctx.cost.collective(kind, axes, num_bytes) * node.mult,
+                node.where, node.mult)
+        if prob.var(node.id) == node.id and node.kind not in PINNED_KINDS_EXCLUDED:
+            for vid, spec in zip(node.outputs, s.out_specs):
+                pinned.append((vid, pspec(spec)))
+        for p, u in enumerate(node.operands):
+            if u is None:
+                continue
+            value = g.values[u]
+            src = prob.value_spec(u, sol.k(prob, value.producer))
+            dst = s.in_specs[p]
+            if src == dst:
+                continue
+            steps = ctx.cost.reshard_steps(src, dst, value.shape, itemsize(value.dtype))
+            for kind, axis, num_bytes, cost_s in steps:
+                reshard += cost_s * node.mult
+                add(kind, (axis,), num_bytes, cost_s * node.mult,
+                    f"reshard into {node.where}", node.mult)
+            if node.kind not in PINNED_KINDS_EXCLUDED and node.kind not in ("carry", "xs",
+                                                                          "ys", "cond_out"):
+                operand_specs.append((node.id, p, pspec(dst)))
+    objective = Objective(communication_s=comm, resharding_s=reshard, compute_s=compute,
+                          data_parallel_s=dp_objective,
+                          peak_bytes_per_device=peak_bytes(prob, sol),
+                          solver_status=sol.status)
+    colls = tuple(Collective(kind=k[0], axes=k[1], num_bytes=k[2], cost_s=v[0], where=k[3],
+                             count=v[1]) for k, v in collectives.items())
+    notes = list(prob.notes)
+    if g.unknown:
+        notes.append("replicated unknown primitives: " + ", ".join(sorted(set(g.unknown))))
+    if prob.ctx.warned:
+        notes.append("no rule (replicated): " + ", ".join(sorted(prob.ctx.warned)))
+    return ShardingPlan(method="ShardParallel", mesh_shape=tuple(ctx.mesh_shape),
+                        axis_names=names, inputs=tuple(inputs), outputs=tuple(outputs),
+                        intermediates=tuple(pinned), operand_specs=tuple(operand_specs),
+                        collectives=colls, objective=objective, notes=tuple(notes))
+
+
+__all__ = ["plan_auto", "mesh_candidates", "make_plan", "Graph"]

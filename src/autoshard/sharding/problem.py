@@ -1,0 +1,174 @@
+"""The planning problem on one logical mesh: strategies per node, grouped into ILP variables.
+
+Nodes that can only follow their operand (elementwise ops with one full-size operand) join that
+operand's variable: their k-th strategy is "take the operand's k-th spec". Loop carries and
+their loop-back, and a donated input and the output replacing it, are tied into one variable.
+Inputs get masks (strategies the options forbid) instead of shorter lists, so tied variables
+keep equal strategy lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .cost import CostModel, byte_cost
+from .graph import Graph
+from .options import AutoShardingOption
+from .rules import ELEMENTWISE, RuleContext, Strategy, itemsize, nbytes, strategies_for
+from .spec import Spec, replicated, shards
+
+
+@dataclass
+class Problem:
+    graph: Graph
+    ctx: RuleContext
+    strategies: list[list[Strategy]]
+    parent: list[int]
+    """Union-find over node ids; the root names the ILP variable of a node."""
+    allowed: dict[int, set[int]] = field(default_factory=dict)
+    """Node id -> strategy indices it may take (absent: all)."""
+    notes: list[str] = field(default_factory=list)
+
+    def var(self, node_id: int) -> int:
+        p = self.parent
+        while p[node_id] != node_id:
+            p[node_id] = p[p[node_id]]
+            node_id = p[node_id]
+        return node_id
+
+    def value_spec(self, value_id: int, k: int) -> Spec:
+        v = self.graph.values[value_id]
+        node = self.graph.nodes[v.producer]
+        return self.strategies[node.id][k].out_specs[node.outputs.index(value_id)]
+
+    def union(self, a: int, b: int):
+        ra, rb = self.var(a), self.var(b)
+        if ra == rb:
+            return
+        assert len(self.strategies[ra]) == len(self.strategies[rb]), (ra, rb)
+        lo, hi = min(ra, rb), max(ra, rb)
+        self.parent[hi] = lo
+
+
+def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardingOption, *,
+                  batch_invars, aliases, warned: set[str]) -> Problem:
+    cost = CostModel.from_option(mesh_shape, option)
+    ctx = RuleContext(mesh_shape, cost, option, warned)
+    prob = Problem(graph, ctx, [], list(range(len(graph.nodes))))
+    for node in graph.nodes:
+        prob.strategies.append(_node_strategies(prob, node))
+    for a, b in graph.ties:
+        prob.union(a, b)
+    for i, o in aliases:
+        ni, no = graph.inputs[i], graph.outputs[o]
+        vi = graph.values[graph.nodes[ni].outputs[0]]
+        vo = graph.values[graph.nodes[no].operands[0]]
+        if vi.shape != vo.shape:
+            raise ValueError(
+                f"aliases pair (input {i}, output {o}) have different shapes {vi.shape} and "
+                f"{vo.shape}; a donated input can only be replaced by an output of its shape.")
+        prob.union(ni, no)
+    _input_masks(prob, batch_invars)
+    return prob
+
+
+def _node_strategies(prob: Problem, node) -> list[Strategy]:
+    ctx, g = prob.ctx, prob.graph
+    kind = node.kind
+    if kind == "input":
+        return [Strategy((s,), ()) for s in ctx.candidates(g.values[node.outputs[0]].shape)]
+    if kind in ("output", "carry_back"):
+        return [Strategy((), (s,)) for s in ctx.candidates(node.in_avals[0].shape)]
+    if kind == "const":
+        return [Strategy((s,), ()) for s in ctx.candidates(g.values[node.outputs[0]].shape)]
+    if kind == "carry":
+        return [Strategy((s,), (s if node.operands[0] is not None else None,))
+                for s in ctx.candidates(node.in_avals[0].shape)]
+    if kind == "xs":
+        return [Strategy((s,), ((((),) + s) if node.operands[0] is not None else None,))
+                for s in ctx.candidates(g.values[node.outputs[0]].shape)]
+    if kind == "ys":
+        return [Strategy((((),) + s,), (s,)) for s in ctx.candidates(node.in_avals[0].shape)]
+    if kind == "cond_out":
+        return [Strategy((s,), (s,) * len(node.operands))
+                for s in ctx.candidates(node.in_avals[0].shape)]
+    out_avals = [g.values[v] for v in node.outputs]
+    leader = _follows(prob, node, out_avals)
+    if leader is not None:
+        return _follower_strategies(prob, node, leader, out_avals)
+    found = strategies_for(ctx, kind, node.in_avals, out_avals, node.params)
+    return [Strategy(s.out_specs,
+                     tuple(None if op is None else spec for op, spec in zip(node.operands,
+                                                                            s.in_specs)),
+                     s.comm_s, s.compute_s, s.collectives) for s in found]
+
+
+def _follows(prob: Problem, node, out_avals) -> int | None:
+    """The value an elementwise node follows, if it has exactly one full-size operand."""
+    if node.kind not in ELEMENTWISE:
+        return None
+    shape = out_avals[0].shape
+    full = {op for op, aval in zip(node.operands, node.in_avals) if len(aval.shape) > 0}
+    if len(full) != 1 or None in full or any(a.shape != shape for a in out_avals):
+        return None
+    leader = next(iter(full))
+    if prob.graph.values[leader].shape != shape:
+        return None
+    return leader
+
+
+def _follower_strategies(prob: Problem, node, leader: int, out_avals) -> list[Strategy]:
+    g = prob.graph
+    producer = g.values[leader].producer
+    prob.parent[node.id] = prob.var(producer)
+    size = sum(nbytes(a) for a in out_avals)
+    result = []
+    for k in range(len(prob.strategies[producer])):
+        s = prob.value_spec(leader, k)
+        ins = tuple(None if op is None else (s if op == leader else ())
+                    for op in node.operands)
+        result.append(Strategy((s,) * len(out_avals), ins,
+                               compute_s=byte_cost(size, shards(s, prob.ctx.mesh_shape))))
+    return result
+
+
+def _input_masks(prob: Problem, batch_invars):
+    option, ctx, g = prob.ctx.option, prob.ctx, prob.graph
+    live = tuple(a for a, n in enumerate(ctx.mesh_shape) if n > 1)
+    for i, node_id in enumerate(g.inputs):
+        value = g.values[g.nodes[node_id].outputs[0]]
+        specs = [s.out_specs[0] for s in prob.strategies[node_id]]
+        rank = len(value.shape)
+        is_batch = bool(batch_invars[i]) and rank > 0
+        allowed = set(range(len(specs)))
+        if option.force_data_parallel:
+            want = ((live,) + ((),) * (rank - 1)) if is_batch else replicated(rank)
+            if want not in specs:
+                want = replicated(rank)
+                prob.notes.append(f"input {g.nodes[node_id].where}: batch dim {value.shape[0]} "
+                                  f"does not divide over the mesh; kept replicated")
+            allowed = {specs.index(want)}
+        else:
+            if is_batch and option.force_batch_dim_to_mesh_dim is not None:
+                a = option.force_batch_dim_to_mesh_dim
+                keep = {k for k, s in enumerate(specs) if a in s[0]}
+                if keep:
+                    allowed &= keep
+                elif a < len(ctx.mesh_shape) and ctx.mesh_shape[a] > 1:
+                    prob.notes.append(f"input {g.nodes[node_id].where}: batch dim "
+                                      f"{value.shape[0]} cannot be split over mesh axis {a}")
+            if not is_batch and not option.allow_replicated_parameters and rank > 0:
+                keep = {k for k, s in enumerate(specs) if any(s)}
+                if keep:
+                    allowed &= keep
+        if allowed != set(range(len(specs))):
+            prob.allowed[node_id] = allowed
+
+
+def value_bytes(prob: Problem, value_id: int, k: int) -> int:
+    v = prob.graph.values[value_id]
+    spec = prob.value_spec(value_id, k)
+    size = itemsize(v.dtype)
+    for n in v.shape:
+        size *= n
+    return size // shards(spec, prob.ctx.mesh_shape)

@@ -1,0 +1,343 @@
+"""Strategies per primitive: a registry with one rule per primitive family.
+
+A rule gets the shapes and params of one equation and returns its candidate strategies: the
+spec of every output, the spec every operand must arrive in, and the communication the
+strategy itself implies (an all-reduce after a contracting split, ...). Resharding an operand
+into the required spec is not the rule's business; the solver prices it on the graph edge.
+Shape-manipulating rules enumerate specs on one side and map them through the op; a spec that
+does not map is simply not offered.
+
+Dots, convolutions, gathers and scatters live in ``rules_linalg`` and register here on import.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .cost import CostModel, byte_cost
+from .options import AutoShardingOption
+from .spec import Spec, candidate_specs, dim_shards, replicated, shards
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run one node."""
+
+    out_specs: tuple[Spec, ...]
+    in_specs: tuple[Spec | None, ...]
+    """Spec each operand must arrive in; None for a literal operand."""
+    comm_s: float = 0.0
+    compute_s: float = 0.0
+    collectives: tuple[tuple[str, tuple[int, ...], int], ...] = ()
+    """(kind, mesh axes, bytes) of the collectives the strategy implies."""
+
+
+@dataclass
+class RuleContext:
+    mesh_shape: tuple[int, ...]
+    cost: CostModel
+    option: AutoShardingOption
+    warned: set[str] = field(default_factory=set)
+    allow_recompute_heavy_op: bool = False
+
+    def candidates(self, shape) -> list[Spec]:
+        return candidate_specs(tuple(shape), self.mesh_shape)
+
+    def all_reduce(self, axes, num_bytes) -> tuple[float, tuple]:
+        axes = tuple(a for a in axes if self.mesh_shape[a] > 1)
+        if not axes:
+            return 0.0, ()
+        return (self.cost.collective("all-reduce", axes, num_bytes),
+                (("all-reduce", axes, int(num_bytes)),))
+
+    def warn_unknown(self, name: str):
+        if name not in self.warned:
+            self.warned.add(name)
+            warnings.warn(
+                f"autoshard: no sharding rule for primitive {name!r}; it runs replicated on every "
+                "device. Register a rule in autoshard.sharding.rules to split it.", stacklevel=3)
+
+
+def itemsize(dtype) -> int:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:  # extended dtypes (PRNG keys)
+        return 8
+
+
+def nbytes(aval) -> int:
+    return math.prod(aval.shape) * itemsize(aval.dtype)
+
+
+Rule = Callable[[RuleContext, list, list, dict], list[Strategy]]
+RULES: dict[str, Rule] = {}
+
+UNARY = """neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan
+asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt abs not erf erfc erf_inv lgamma
+digamma imag real conj integer_pow square reduce_precision convert_element_type copy copy_p
+population_count clz bessel_i0e bessel_i1e stop_gradient""".split()
+BINARY = """add sub mul div rem pow max min atan2 nextafter and or xor eq ne lt le gt ge
+shift_left shift_right_logical shift_right_arithmetic add_any select_n clamp complex igamma
+igammac random_gamma_grad polygamma zeta threefry2x32""".split()
+ELEMENTWISE = frozenset(UNARY + BINARY)
+"""Primitives whose output is split exactly like their full-rank operands."""
+
+
+def register(*names: str):
+    def wrap(fn: Rule) -> Rule:
+        for n in names:
+            RULES[n] = fn
+        return fn
+    return wrap
+
+
+def strategies_for(ctx: RuleContext, name: str, in_avals, out_avals, params) -> list[Strategy]:
+    rule = RULES.get(name)
+    if rule is None:
+        if name not in ctx.warned:
+            ctx.warn_unknown(name)
+        return [replicated_strategy(in_avals, out_avals)]
+    found = rule(ctx, in_avals, out_avals, params)
+    return found or [replicated_strategy(in_avals, out_avals)]
+
+
+def replicated_strategy(in_avals, out_avals) -> Strategy:
+    return Strategy(tuple(replicated(len(a.shape)) for a in out_avals),
+                    tuple(replicated(len(a.shape)) for a in in_avals))
+
+
+def _map_operand(spec: Spec, op_shape, out_shape) -> Spec:
+    """Spec of a broadcasting operand of an elementwise op with output spec ``spec``."""
+    if len(op_shape) == 0:
+        return ()
+    offset = len(out_shape) - len(op_shape)
+    return tuple(spec[offset + d] if op_shape[d] == out_shape[offset + d] else ()
+                 for d in range(len(op_shape)))
+
+
+@register(*ELEMENTWISE)
+def elementwise(ctx, in_avals, out_avals, params):
+    out = out_avals[0]
+    result = []
+    for s in ctx.candidates(out.shape):
+        ins = tuple(_map_operand(s, a.shape, out.shape) for a in in_avals)
+        result.append(Strategy((s,) * len(out_avals), ins,
+                               compute_s=byte_cost(nbytes(out), shards(s, ctx.mesh_shape))))
+    return result
+
+
+@register("iota", "rng_uniform", "empty")
+def creation(ctx, in_avals, out_avals, params):
+    out = out_avals[0]
+    return [Strategy((s,), tuple(replicated(len(a.shape)) for a in in_avals))
+            for s in ctx.candidates(out.shape)]
+
+
+@register("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+          "reduce_xor", "argmax", "argmin")
+def reduction(ctx, in_avals, out_avals, params, *, name=None):
+    axes = set(params["axes"])
+    x, out = in_avals[0], out_avals[0]
+    is_arg = "index_dtype" in params
+    result = []
+    for s in ctx.candidates(x.shape):
+        reduced = tuple(a for d in sorted(axes) for a in s[d])
+        if reduced and is_arg:
+            continue
+        out_spec = tuple(s[d] for d in range(len(x.shape)) if d not in axes)
+        group_bytes = nbytes(out) / shards(out_spec, ctx.mesh_shape)
+        comm, coll = ctx.all_reduce(reduced, group_bytes)
+        result.append(Strategy((out_spec,), (s,) + tuple(() for _ in in_avals[1:]), comm,
+                               byte_cost(nbytes(x), shards(s, ctx.mesh_shape)), coll))
+    return result
+
+
+def _keep_dims_whole(ctx, in_avals, out_avals, whole: set[int]):
+    """Output split like the operands except ``whole`` dims; all operands share the spec."""
+    out = out_avals[0]
+    result = []
+    for s in ctx.candidates(out.shape):
+        if any(s[d] for d in whole):
+            continue
+        ins = tuple(s if len(a.shape) == len(out.shape) else replicated(len(a.shape))
+                    for a in in_avals)
+        result.append(Strategy((s,) * len(out_avals), ins,
+                               compute_s=byte_cost(nbytes(out), shards(s, ctx.mesh_shape))))
+    return result
+
+
+@register("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+def cumulative(ctx, in_avals, out_avals, params):
+    return _keep_dims_whole(ctx, in_avals, out_avals, {params["axis"]})
+
+
+@register("sort")
+def sort(ctx, in_avals, out_avals, params):
+    return _keep_dims_whole(ctx, in_avals, out_avals, {params["dimension"]})
+
+
+@register("top_k")
+def top_k(ctx, in_avals, out_avals, params):
+    x = in_avals[0]
+    return _keep_dims_whole(ctx, in_avals, out_avals, {len(x.shape) - 1})
+
+
+@register("split")
+def split(ctx, in_avals, out_avals, params):
+    axis = params["axis"]
+    x = in_avals[0]
+    return [Strategy((s,) * len(out_avals), (s,)) for s in ctx.candidates(x.shape) if not s[axis]]
+
+
+@register("concatenate")
+def concatenate(ctx, in_avals, out_avals, params):
+    return _keep_dims_whole(ctx, in_avals, out_avals, {params["dimension"]})
+
+
+@register("pad")
+def pad(ctx, in_avals, out_avals, params):
+    changed = {d for d, cfg in enumerate(params["padding_config"]) if tuple(cfg) != (0, 0, 0)}
+    out = out_avals[0]
+    return [Strategy((s,), (s, ())) for s in ctx.candidates(out.shape)
+            if not any(s[d] for d in changed)]
+
+
+@register("slice")
+def slice_(ctx, in_avals, out_avals, params):
+    x = in_avals[0]
+    strides = params.get("strides") or (1,) * len(x.shape)
+    whole = {d for d in range(len(x.shape))
+             if not (params["start_indices"][d] == 0 and params["limit_indices"][d] == x.shape[d]
+                     and strides[d] == 1)}
+    return [Strategy((s,), (s,)) for s in ctx.candidates(x.shape) if not any(s[d] for d in whole)]
+
+
+@register("dynamic_slice")
+def dynamic_slice(ctx, in_avals, out_avals, params):
+    x = in_avals[0]
+    sizes = params["slice_sizes"]
+    whole = {d for d in range(len(x.shape)) if sizes[d] != x.shape[d]}
+    rest = tuple(replicated(len(a.shape)) for a in in_avals[1:])
+    return [Strategy((s,), (s,) + rest) for s in ctx.candidates(x.shape)
+            if not any(s[d] for d in whole)]
+
+
+@register("dynamic_update_slice")
+def dynamic_update_slice(ctx, in_avals, out_avals, params):
+    x, upd = in_avals[0], in_avals[1]
+    whole = {d for d in range(len(x.shape)) if upd.shape[d] != x.shape[d]}
+    rest = tuple(replicated(len(a.shape)) for a in in_avals[2:])
+    return [Strategy((s,), (s, s) + rest) for s in ctx.candidates(x.shape)
+            if not any(s[d] for d in whole)]
+
+
+@register("broadcast_in_dim")
+def broadcast_in_dim(ctx, in_avals, out_avals, params):
+    x, out = in_avals[0], out_avals[0]
+    dims = params["broadcast_dimensions"]
+    result = []
+    for s in ctx.candidates(out.shape):
+        in_spec = tuple(s[dims[i]] if x.shape[i] == out.shape[dims[i]] else ()
+                        for i in range(len(x.shape)))
+        rest = tuple(replicated(len(a.shape)) for a in in_avals[1:])
+        result.append(Strategy((s,), (in_spec,) + rest,
+                               compute_s=byte_cost(nbytes(out), shards(s, ctx.mesh_shape))))
+    return result
+
+
+@register("transpose")
+def transpose(ctx, in_avals, out_avals, params):
+    perm = params["permutation"]
+    out = out_avals[0]
+    result = []
+    for s in ctx.candidates(out.shape):
+        in_spec = [()] * len(perm)
+        for j, d in enumerate(perm):
+            in_spec[d] = s[j]
+        result.append(Strategy((s,), (tuple(in_spec),),
+                               compute_s=byte_cost(nbytes(out), shards(s, ctx.mesh_shape))))
+    return result
+
+
+@register("squeeze")
+def squeeze(ctx, in_avals, out_avals, params):
+    x = in_avals[0]
+    dims = {d % len(x.shape) for d in params["dimensions"]}
+    keep = [d for d in range(len(x.shape)) if d not in dims]
+    return [Strategy((tuple(s[d] for d in keep),), (s,)) for s in ctx.candidates(x.shape)
+            if not any(s[d] for d in dims)]
+
+
+@register("expand_dims")
+def expand_dims(ctx, in_avals, out_avals, params):
+    x, out = in_avals[0], out_avals[0]
+    return reshape(ctx, [x], [out], {})
+
+
+def reshape_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]] | None:
+    """Pair up runs of input and output dims with equal products (None if impossible)."""
+    groups, i, j = [], 0, 0
+    n, m = len(in_shape), len(out_shape)
+    while i < n or j < m:
+        gi, gj, pi, pj = [], [], 1, 1
+        while True:
+            if i < n and (not gi or pi < pj):
+                pi *= in_shape[i]
+                gi.append(i)
+                i += 1
+            elif j < m and (not gj or pj < pi):
+                pj *= out_shape[j]
+                gj.append(j)
+                j += 1
+            else:
+                break
+        if pi != pj:
+            return None
+        groups.append((gi, gj))
+    return groups
+
+
+def _map_reshape(spec: Spec, src_shape, dst_shape, groups, mesh_shape) -> Spec | None:
+    """Map a spec through a reshape group by group: only the major non-1 dim may be split."""
+    out = [()] * len(dst_shape)
+    for src_dims, dst_dims in groups:
+        src_big = [d for d in src_dims if src_shape[d] > 1]
+        dst_big = [d for d in dst_dims if dst_shape[d] > 1]
+        for k, d in enumerate(src_dims):
+            axes = spec[d]
+            if not axes:
+                continue
+            if not src_big or d != src_big[0] or not dst_big:
+                return None
+            if dst_shape[dst_big[0]] % dim_shards(axes, mesh_shape):
+                return None
+            out[dst_big[0]] = axes
+    return tuple(out)
+
+
+@register("reshape")
+def reshape(ctx, in_avals, out_avals, params):
+    x, out = in_avals[0], out_avals[0]
+    groups = reshape_groups(tuple(x.shape), tuple(out.shape))
+    if groups is None or math.prod(x.shape) == 0:
+        return []
+    flipped = [(b, a) for a, b in groups]
+    pairs: list[tuple[Spec, Spec]] = []
+    for s in ctx.candidates(x.shape):
+        o = _map_reshape(s, x.shape, out.shape, groups, ctx.mesh_shape)
+        if o is not None and (s, o) not in pairs:
+            pairs.append((s, o))
+    for o in ctx.candidates(out.shape):
+        s = _map_reshape(o, out.shape, x.shape, flipped, ctx.mesh_shape)
+        if s is not None and (s, o) not in pairs:
+            pairs.append((s, o))
+    rest = tuple(replicated(len(a.shape)) for a in in_avals[1:])
+    return [Strategy((o,), (s,) + rest) for s, o in pairs]
+
+
+from . import rules_linalg  # noqa: E402,F401  (registers dot_general, conv, gather, scatter)

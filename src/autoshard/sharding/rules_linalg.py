@@ -1,0 +1,251 @@
+"""Rules of the heavy primitives: dot_general, conv_general_dilated, gather, scatter.
+
+Each enumerates, per mesh axis, which role the axis takes (a batch dim, a free dim of one side,
+a contracting dim, ...) and derives operand and output specs from the roles. Splitting a
+contracting dim leaves partial sums: the strategy pays an all-reduce over that axis, or a
+reduce-scatter into an output dim when ``prefer_reduce_scatter`` is set. Heavy ops (dots and
+convolutions) are not recomputed on several devices: strategies that leave a mesh axis unused
+are dropped when a strategy using every axis exists (Alpa's ``allow_recompute_heavy_op=False``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from .cost import byte_cost, flop_cost
+from .rules import RuleContext, Strategy, nbytes, register
+from .spec import Spec, from_assignment, is_valid, shards
+
+
+def _live_axes(ctx: RuleContext) -> list[int]:
+    return [a for a, n in enumerate(ctx.mesh_shape) if n > 1]
+
+
+def _enumerate_roles(ctx: RuleContext, roles: list):
+    """Every assignment of a role (or None) to each live mesh axis."""
+    live = _live_axes(ctx)
+    for choice in itertools.product([None] + roles, repeat=len(live)):
+        yield dict(zip(live, choice))
+
+
+def _heavy_filter(ctx: RuleContext, found: list[tuple[int, Strategy]]) -> list[Strategy]:
+    """Keep strategies that use every live axis, when any does (found: (num axes used, s))."""
+    live = len(_live_axes(ctx))
+    full = [s for used, s in found if used == live]
+    if full and not ctx.allow_recompute_heavy_op:
+        return full
+    return [s for _, s in found]
+
+
+def _contracting(ctx, out_spec: Spec, out_aval, axes, found, used, ins, compute):
+    """Append the strategies of a contracting split over ``axes``: all-reduce, or reduce-scatter."""
+    group_bytes = nbytes(out_aval) / shards(out_spec, ctx.mesh_shape)
+    comm, coll = ctx.all_reduce(axes, group_bytes)
+    found.append((used, Strategy((out_spec,), ins, comm, compute, coll)))
+    if ctx.option.prefer_reduce_scatter and len(axes) == 1:
+        a = axes[0]
+        for d in range(len(out_spec)):
+            spec = list(out_spec)
+            spec[d] = tuple(sorted(spec[d] + (a,)))
+            spec = tuple(spec)
+            if is_valid(spec, tuple(out_aval.shape), ctx.mesh_shape):
+                cost = ctx.cost.collective("reduce-scatter", (a,), group_bytes)
+                found.append((used, Strategy((spec,), ins, cost, compute,
+                                             (("reduce-scatter", (a,), int(group_bytes)),))))
+
+
+@register("dot_general")
+def dot_general(ctx: RuleContext, in_avals, out_avals, params):
+    lhs, rhs = in_avals[0], in_avals[1]
+    out = out_avals[0]
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lfree = [d for d in range(len(lhs.shape)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rhs.shape)) if d not in rc and d not in rb]
+    nb = len(lb)
+    roles = ([("b", i) for i in range(nb)] + [("l", i) for i in range(len(lfree))]
+             + [("r", i) for i in range(len(rfree))] + [("c", i) for i in range(len(lc))])
+    flops = 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lc)
+    found = []
+    for assign in _enumerate_roles(ctx, roles):
+        la, ra, oa, contract = {}, {}, {}, []
+        for axis, role in assign.items():
+            if role is None:
+                continue
+            kind, i = role
+            if kind == "b":
+                la[axis], ra[axis], oa[axis] = lb[i], rb[i], i
+            elif kind == "l":
+                la[axis], oa[axis] = lfree[i], nb + i
+            elif kind == "r":
+                ra[axis], oa[axis] = rfree[i], nb + len(lfree) + i
+            else:
+                la[axis], ra[axis] = lc[i], rc[i]
+                contract.append(axis)
+        ls = from_assignment(len(lhs.shape), la)
+        rs = from_assignment(len(rhs.shape), ra)
+        os_ = from_assignment(len(out.shape), oa)
+        if not (is_valid(ls, tuple(lhs.shape), ctx.mesh_shape)
+                and is_valid(rs, tuple(rhs.shape), ctx.mesh_shape)
+                and is_valid(os_, tuple(out.shape), ctx.mesh_shape)):
+            continue
+        used = sum(1 for r in assign.values() if r is not None)
+        pieces = math.prod(ctx.mesh_shape[a] for a, r in assign.items() if r is not None)
+        _contracting(ctx, os_, out, tuple(contract), found, used, (ls, rs),
+                     flop_cost(flops, pieces))
+    return _heavy_filter(ctx, found)
+
+
+@register("conv_general_dilated")
+def conv(ctx: RuleContext, in_avals, out_avals, params):
+    lhs, rhs = in_avals[0], in_avals[1]
+    out = out_avals[0]
+    dn = params["dimension_numbers"]
+    lspec, rspec, ospec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    groups = params.get("feature_group_count", 1)
+    batch_groups = params.get("batch_group_count", 1)
+    roles = ["batch"] if batch_groups == 1 else []
+    if groups == 1 and batch_groups == 1:
+        roles += ["out_feature", "in_feature"]
+    kernel = math.prod(rhs.shape[d] for d in rspec[2:])
+    flops = 2.0 * math.prod(out.shape) * (lhs.shape[lspec[1]] // groups) * kernel
+    found = []
+    for assign in _enumerate_roles(ctx, roles):
+        la, ra, oa, contract = {}, {}, {}, []
+        for axis, role in assign.items():
+            if role == "batch":
+                la[axis], oa[axis] = lspec[0], ospec[0]
+            elif role == "out_feature":
+                ra[axis], oa[axis] = rspec[0], ospec[1]
+            elif role == "in_feature":
+                la[axis], ra[axis] = lspec[1], rspec[1]
+                contract.append(axis)
+        ls = from_assignment(len(lhs.shape), la)
+        rs = from_assignment(len(rhs.shape), ra)
+        os_ = from_assignment(len(out.shape), oa)
+        if not (is_valid(ls, tuple(lhs.shape), ctx.mesh_shape)
+                and is_valid(rs, tuple(rhs.shape), ctx.mesh_shape)
+                and is_valid(os_, tuple(out.shape), ctx.mesh_shape)):
+            continue
+        used = sum(1 for r in assign.values() if r is not None)
+        pieces = math.prod(ctx.mesh_shape[a] for a, r in assign.items() if r is not None)
+        _contracting(ctx, os_, out, tuple(contract), found, used, (ls, rs),
+                     flop_cost(flops, pieces))
+    return _heavy_filter(ctx, found)
+
+
+def _gather_maps(operand_rank, indices_rank, out_rank, dn, slice_sizes, operand_shape):
+    """Roles of a gather: (name, out dim or None, operand dim or None, indices dim or None)."""
+    batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
+    index_dims = list(range(indices_rank - 1))  # the last indices dim holds the index vector
+    roles = []
+    for out_d, idx_d in zip(batch_out, index_dims):
+        op_d = None
+        if idx_d in dn.start_indices_batching_dims:
+            op_d = dn.operand_batching_dims[dn.start_indices_batching_dims.index(idx_d)]
+        roles.append(("batch", out_d, op_d, idx_d))
+    window = [d for d in range(operand_rank)
+              if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    for out_d, op_d in zip(dn.offset_dims, window):
+        if slice_sizes[op_d] == operand_shape[op_d]:
+            roles.append(("offset", out_d, op_d, None))
+    for op_d in dn.collapsed_slice_dims:
+        if op_d in dn.start_index_map and slice_sizes[op_d] == 1:
+            roles.append(("table", None, op_d, None))
+    return roles
+
+
+@register("gather")
+def gather(ctx: RuleContext, in_avals, out_avals, params):
+    operand, indices = in_avals[0], in_avals[1]
+    out = out_avals[0]
+    dn = params["dimension_numbers"]
+    roles = _gather_maps(len(operand.shape), len(indices.shape), len(out.shape), dn,
+                         params["slice_sizes"], operand.shape)
+    result = []
+    for assign in _enumerate_roles(ctx, roles):
+        oa, ia, xa, partial = {}, {}, {}, []
+        for axis, role in assign.items():
+            if role is None:
+                continue
+            name, out_d, op_d, idx_d = role
+            if out_d is not None:
+                oa[axis] = out_d
+            if op_d is not None:
+                xa[axis] = op_d
+            if idx_d is not None:
+                ia[axis] = idx_d
+            if name == "table":
+                partial.append(axis)
+        os_ = from_assignment(len(out.shape), oa)
+        xs = from_assignment(len(operand.shape), xa)
+        is_ = from_assignment(len(indices.shape), ia)
+        if not (is_valid(os_, tuple(out.shape), ctx.mesh_shape)
+                and is_valid(xs, tuple(operand.shape), ctx.mesh_shape)
+                and is_valid(is_, tuple(indices.shape), ctx.mesh_shape)):
+            continue
+        comm, coll = ctx.all_reduce(tuple(partial),
+                                    nbytes(out) / shards(os_, ctx.mesh_shape))
+        result.append(Strategy((os_,), (xs, is_), comm,
+                               byte_cost(nbytes(out), shards(os_, ctx.mesh_shape)), coll))
+    return result
+
+
+@register("scatter-add", "scatter_add")
+def scatter_add(ctx: RuleContext, in_avals, out_avals, params):
+    return _scatter(ctx, in_avals, out_avals, params, is_add=True)
+
+
+@register("scatter", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
+          "scatter_max")
+def scatter(ctx: RuleContext, in_avals, out_avals, params):
+    return _scatter(ctx, in_avals, out_avals, params, is_add=False)
+
+
+def _scatter(ctx: RuleContext, in_avals, out_avals, params, *, is_add: bool):
+    operand, indices, updates = in_avals[0], in_avals[1], in_avals[2]
+    dn = params["dimension_numbers"]
+    update_scatter = [d for d in range(len(updates.shape)) if d not in dn.update_window_dims]
+    index_dims = list(range(len(indices.shape) - 1))
+    window = [d for d in range(len(operand.shape))
+              if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    roles = []
+    for up_d, op_d in zip(dn.update_window_dims, window):
+        if updates.shape[up_d] == operand.shape[op_d]:
+            roles.append(("window", op_d, up_d, None))
+    for up_d, idx_d in zip(update_scatter, index_dims):
+        if idx_d in dn.scatter_indices_batching_dims:
+            op_d = dn.operand_batching_dims[dn.scatter_indices_batching_dims.index(idx_d)]
+            roles.append(("batched", op_d, up_d, idx_d))
+        elif is_add:
+            roles.append(("partial", None, up_d, idx_d))
+    for op_d in dn.inserted_window_dims:
+        if op_d in dn.scatter_dims_to_operand_dims:
+            roles.append(("table", op_d, None, None))
+    result = []
+    for assign in _enumerate_roles(ctx, roles):
+        xa, ua, ia, partial = {}, {}, {}, []
+        for axis, role in assign.items():
+            if role is None:
+                continue
+            name, op_d, up_d, idx_d = role
+            if op_d is not None:
+                xa[axis] = op_d
+            if up_d is not None:
+                ua[axis] = up_d
+            if idx_d is not None:
+                ia[axis] = idx_d
+            if name == "partial":
+                partial.append(axis)
+        xs = from_assignment(len(operand.shape), xa)
+        us = from_assignment(len(updates.shape), ua)
+        is_ = from_assignment(len(indices.shape), ia)
+        if not (is_valid(xs, tuple(operand.shape), ctx.mesh_shape)
+                and is_valid(us, tuple(updates.shape), ctx.mesh_shape)
+                and is_valid(is_, tuple(indices.shape), ctx.mesh_shape)):
+            continue
+        out = out_avals[0]
+        comm, coll = ctx.all_reduce(tuple(partial), nbytes(out) / shards(xs, ctx.mesh_shape))
+        result.append(Strategy((xs,), (xs, is_, us), comm,
+                               byte_cost(nbytes(updates), shards(us, ctx.mesh_shape)), coll))
+    return result

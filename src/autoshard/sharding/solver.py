@@ -1,0 +1,234 @@
+"""ILP build and solve with HiGHS (``scipy.optimize.milp``).
+
+One binary per (variable, strategy) with a one-hot row per variable. A graph edge whose cost
+depends on both ends gets continuous edge variables over (producer spec, required spec) pairs,
+tied to both one-hot vectors by marginal rows (exact at integral points); an edge whose cost
+depends on one end only is folded into that end's cost. Parallel edges between the same two
+variables are summed, which is what makes repeated layers cheap once they share variables.
+The optional memory budget adds one row per sampled program point.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import LinearConstraint, milp
+
+from .problem import Problem, value_bytes
+from .rules import itemsize
+
+
+@dataclass
+class Solution:
+    choice: dict[int, int]
+    """Variable (root node id) -> chosen strategy index."""
+    status: str
+    objective_s: float
+    solve_s: float
+    num_ilp_vars: int = 0
+    info: dict = field(default_factory=dict)
+
+    def k(self, prob: Problem, node_id: int) -> int:
+        return self.choice[prob.var(node_id)]
+
+
+class _Edges:
+    """Edge costs grouped by (producer var, consumer var, spec maps)."""
+
+    def __init__(self, prob: Problem):
+        self.prob = prob
+        self.cache: dict = {}
+        self.groups: dict = {}
+
+    def reshard(self, src, dst, shape, isize) -> float:
+        key = (src, dst, shape, isize)
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self.cache[key] = self.prob.ctx.cost.reshard(src, dst, shape, isize)
+        return hit
+
+
+def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
+                    extra_allowed: dict[int, set[int]] | None = None) -> Solution:
+    t0 = time.perf_counter()
+    g = prob.graph
+    roots = sorted({prob.var(n.id) for n in g.nodes})
+    col0, K = {}, {}
+    ncols = 0
+    for r in roots:
+        col0[r] = ncols
+        K[r] = len(prob.strategies[r])
+        ncols += K[r]
+    unary = np.zeros(ncols)
+    edges = _Edges(prob)
+    for node in g.nodes:
+        r = prob.var(node.id)
+        base = col0[r]
+        strats = prob.strategies[node.id]
+        for k, s in enumerate(strats):
+            unary[base + k] += (s.comm_s + s.compute_s) * node.mult
+        for p, u in enumerate(node.operands):
+            if u is None:
+                continue
+            _add_edge(prob, edges, node, p, u, unary, col0)
+    # Edge variables.
+    c_extra, rows, cols, vals, nrows = [], [], [], [], 0
+    for (ru, rv, omap, rmap), (ospecs, rspecs, C) in edges.groups.items():
+        if not C.any():
+            continue
+        if len(ospecs) == 1:
+            unary[col0[rv]:col0[rv] + K[rv]] += C[0][list(rmap)]
+            continue
+        if len(rspecs) == 1:
+            unary[col0[ru]:col0[ru] + K[ru]] += C[list(omap), 0]
+            continue
+        no, nr = C.shape
+        e0 = ncols + len(c_extra)
+        c_extra.extend(C.ravel().tolist())
+        for o in range(no):  # sum_r e[o, r] = sum_{k: omap[k] = o} s_u[k]
+            for r_ in range(nr):
+                rows.append(nrows), cols.append(e0 + o * nr + r_), vals.append(1.0)
+            for k, ok in enumerate(omap):
+                if ok == o:
+                    rows.append(nrows), cols.append(col0[ru] + k), vals.append(-1.0)
+            nrows += 1
+        for r_ in range(nr):
+            for o in range(no):
+                rows.append(nrows), cols.append(e0 + o * nr + r_), vals.append(1.0)
+            for k, rk in enumerate(rmap):
+                if rk == r_:
+                    rows.append(nrows), cols.append(col0[rv] + k), vals.append(-1.0)
+            nrows += 1
+    num_edge = len(c_extra)
+    total = ncols + num_edge
+    rhs = [0.0] * nrows
+    for r in roots:  # one-hot rows
+        for k in range(K[r]):
+            rows.append(nrows), cols.append(col0[r] + k), vals.append(1.0)
+        rhs.append(1.0)
+        nrows += 1
+    upper = np.ones(total)
+    for allowed in (prob.allowed, extra_allowed or {}):
+        for node_id, ks in allowed.items():
+            r = prob.var(node_id)
+            for k in range(K[r]):
+                if k not in ks:
+                    upper[col0[r] + k] = 0.0
+    c = np.concatenate([unary, np.array(c_extra)])
+    A = sp.csr_array((vals, (rows, cols)), shape=(nrows, total))
+    constraints = [LinearConstraint(A, np.array(rhs), np.array(rhs))]
+    if memory_budget is not None:
+        M = _memory_rows(prob, col0, K, total)
+        constraints.append(LinearConstraint(M, -np.inf, float(memory_budget)))
+    integrality = np.concatenate([np.ones(ncols), np.zeros(num_edge)])
+    res = milp(c, integrality=integrality, bounds=(np.zeros(total), upper),
+               constraints=constraints,
+               options={"time_limit": float(time_limit_s), "disp": False, "mip_rel_gap": 1e-9})
+    if res.x is None:
+        if res.status == 2:
+            raise ValueError(
+                "The sharding ILP is infeasible: no plan fits memory_budget_per_device "
+                f"({memory_budget} bytes) on mesh {prob.ctx.mesh_shape}, or the forced specs "
+                "contradict each other. Raise the budget or relax the options.")
+        raise RuntimeError(f"HiGHS found no plan (status {res.status}: {res.message}); raise "
+                           f"solver_time_limit_s ({time_limit_s}).")
+    status = "optimal" if res.status == 0 else "time limit: best incumbent"
+    choice = {r: int(np.argmax(res.x[col0[r]:col0[r] + K[r]])) for r in roots}
+    return Solution(choice, status, float(res.fun), time.perf_counter() - t0,
+                    num_ilp_vars=total, info={"rows": nrows, "edge_vars": num_edge})
+
+
+def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
+    g = prob.graph
+    value = g.values[u]
+    producer = value.producer
+    ru, rv = prob.var(producer), prob.var(node.id)
+    out_index = g.nodes[producer].outputs.index(u)
+    src = [s.out_specs[out_index] for s in prob.strategies[producer]]
+    dst = [s.in_specs[p] for s in prob.strategies[node.id]]
+    isize = itemsize(value.dtype)
+    if ru == rv:
+        base = col0[rv]
+        for k, (a, b) in enumerate(zip(src, dst)):
+            if a != b:
+                unary[base + k] += edges.reshard(a, b, value.shape, isize) * node.mult
+        return
+    ospecs = list(dict.fromkeys(src))
+    rspecs = list(dict.fromkeys(dst))
+    if len(ospecs) == 1 and len(rspecs) == 1 and ospecs[0] == rspecs[0]:
+        return
+    oindex = {s: i for i, s in enumerate(ospecs)}
+    rindex = {s: i for i, s in enumerate(rspecs)}
+    omap = tuple(oindex[s] for s in src)
+    rmap = tuple(rindex[s] for s in dst)
+    key = (ru, rv, omap, rmap)
+    entry = edges.groups.get(key)
+    if entry is None:
+        entry = edges.groups[key] = (ospecs, rspecs, np.zeros((len(ospecs), len(rspecs))))
+    C = entry[2]
+    for i, a in enumerate(ospecs):
+        for j, b in enumerate(rspecs):
+            if a != b:
+                C[i, j] += edges.reshard(a, b, value.shape, isize) * node.mult
+
+
+def liveness(prob: Problem) -> list[tuple[int, int, int]]:
+    """(value id, first node, last node) of every value; inputs live for the whole program."""
+    g = prob.graph
+    end = {v.id: v.producer for v in g.values}
+    for node in g.nodes:
+        if node.kind == "output":
+            continue
+        for u in node.operands:
+            if u is not None:
+                end[u] = max(end[u], node.id)
+    last = len(g.nodes)
+    for node_id in g.outputs:
+        u = g.nodes[node_id].operands[0]
+        end[u] = last
+    for node_id in g.inputs:
+        end[g.nodes[node_id].outputs[0]] = last
+    return [(v.id, 0 if g.nodes[v.producer].kind == "input" else v.producer, end[v.id])
+            for v in g.values]
+
+
+def _memory_rows(prob: Problem, col0, K, total, num_points: int = 48):
+    spans = liveness(prob)
+    n = len(prob.graph.nodes) + 1
+    repl = np.zeros(n + 1)
+    full = {}
+    for vid, a, b in spans:
+        v = prob.graph.values[vid]
+        size = float(itemsize(v.dtype) * np.prod(v.shape, dtype=np.int64))
+        full[vid] = size
+        repl[a] += size
+        repl[b + 1] -= size
+    live = np.cumsum(repl)[:n]
+    top = np.argsort(-live, kind="stable")[: num_points // 2]
+    even = np.linspace(0, n - 1, num_points // 2).astype(int)
+    points = sorted(set(top.tolist()) | set(even.tolist()))
+    rows, cols, vals = [], [], []
+    for row, t in enumerate(points):
+        for vid, a, b in spans:
+            if a <= t <= b:
+                r = prob.var(prob.graph.values[vid].producer)
+                for k in range(K[r]):
+                    rows.append(row), cols.append(col0[r] + k)
+                    vals.append(float(value_bytes(prob, vid, k)))
+    return sp.csr_array((vals, (rows, cols)), shape=(len(points), total))
+
+
+def peak_bytes(prob: Problem, sol: Solution) -> int:
+    """Largest estimated live set per device under the chosen strategies."""
+    spans = liveness(prob)
+    n = len(prob.graph.nodes) + 1
+    delta = np.zeros(n + 1)
+    for vid, a, b in spans:
+        k = sol.k(prob, prob.graph.values[vid].producer)
+        size = value_bytes(prob, vid, k)
+        delta[a] += size
+        delta[b + 1] -= size
+    return int(np.cumsum(delta)[:n].max()) if n else 0

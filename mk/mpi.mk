@@ -1,8 +1,29 @@
-# Placeholder until the MPI issue lands: targets used by the main Makefile.
-.PHONY: native test-mpi bench-mpi
-native:
-	@true
-test-mpi:
-	@true
-bench-mpi:
-	@true
+# MPI: system packages, mpi4py, the native FFI handlers, mpirun tests and the benchmark.
+# Included by the main Makefile (uses $(PY), $(VENV), $(STAMP)).
+.PHONY: native mpi-deps test-mpi bench-mpi
+
+MPI_EXT := src/autoshard/mpi/_ffi.so
+MPI_SRC := src/autoshard/mpi/_ffi.cc
+MPIRUN := mpirun --oversubscribe --allow-run-as-root
+# Keep a hung rank from stalling CI forever (the tests also abort on crashes).
+MPI_TIMEOUT := timeout --signal=KILL 600
+
+# Open MPI (Debian packages) and mpi4py, installed only when missing.
+mpi-deps: $(STAMP)
+	@command -v mpicxx >/dev/null && command -v mpirun >/dev/null || { \
+	  echo "installing libopenmpi-dev openmpi-bin"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenmpi-dev openmpi-bin >/dev/null; }
+	@$(PY) -c "import mpi4py" 2>/dev/null || $(PY) -m pip install -q "mpi4py>=4.0"
+
+native: mpi-deps $(MPI_EXT)
+
+$(MPI_EXT): $(MPI_SRC) $(STAMP)
+	mpicxx -O2 -std=c++17 -shared -fPIC -Wno-attributes -Wno-return-type \
+	  -I"$$($(PY) -c 'import jax.ffi; print(jax.ffi.include_dir())')" $(MPI_SRC) -o $@
+
+test-mpi: native
+	$(MPI_TIMEOUT) $(MPIRUN) -np 2 $(PY) -m pytest -q -p no:cacheprovider tests/mpi
+	$(MPI_TIMEOUT) $(MPIRUN) -np 3 $(PY) -m pytest -q -p no:cacheprovider tests/mpi/test_roots.py
+
+bench-mpi: native
+	$(MPI_TIMEOUT) $(MPIRUN) -np 2 $(PY) benchmarks/mpi.py

@@ -1,0 +1,208 @@
+"""Lowering shared by all operations: an MPI custom call ordered by a hidden token chain.
+
+Why no JAX effect: any effect on a jitted function takes JAX off its C++ dispatch fast
+path (measured here: 10 us for an effect-free jitted call, 125 us with an unordered
+effect, 350 us with an ordered one). The operations are therefore effect-free JAX
+primitives, and ordering is established while lowering to StableHLO instead:
+
+* Within one block, every MPI custom call consumes the token produced by the previous one
+  (a data dependency XLA must respect).
+* Control flow (while, case) and function calls that contain MPI calls are tied into the
+  enclosing block's chain: their first operand is routed through an optimization barrier
+  together with the current token (they cannot start before earlier MPI calls finish), and
+  the chain continues from a barrier over their first result (later MPI calls wait for them).
+* A DCE rule keeps every MPI equation even when its results are unused (send, barrier).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from jax._src.interpreters import mlir as _mlir
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
+from jax.interpreters import mlir
+
+from ._native import target_name
+
+
+_PREFIX = "autoshard_mpi_"
+
+
+class _ModuleState:
+    """Token-chain bookkeeping for one module being lowered."""
+
+    def __init__(self):
+        self.containers: set = set()  # ops with regions (while, case) that hold MPI calls
+        self.funcs: set[str] = set()  # non-main functions that hold MPI calls
+        self.folds: dict = {}  # container op -> the token that follows it in its block
+
+
+_states: OrderedDict[object, _ModuleState] = OrderedDict()
+
+
+def _state(module_context) -> _ModuleState:
+    key = module_context.module.operation
+    state = _states.get(key)
+    if state is None:
+        state = _states[key] = _ModuleState()
+        while len(_states) > 8:  # lowered modules are not revisited
+            _states.popitem(last=False)
+    return state
+
+
+def _is_mpi_call(op) -> bool:
+    if op.name != "stablehlo.custom_call":
+        return False
+    return ir.StringAttr(op.attributes["call_target_name"]).value.startswith(_PREFIX)
+
+
+def _callee(op) -> str | None:
+    if op.name != "func.call":
+        return None
+    return ir.FlatSymbolRefAttr(op.attributes["callee"]).value
+
+
+def _walk(op, visit) -> None:
+    """Calls ``visit(op)`` on every operation nested in ``op`` (pre-order)."""
+    for region in op.regions:
+        for block in region:
+            for child in block.operations:
+                visit(child.operation)
+                _walk(child.operation, visit)
+
+
+def _mark(state: _ModuleState, module_op) -> None:
+    """Marks every region op and function that (transitively) holds an MPI call."""
+    changed = True
+    while changed:
+        changed = False
+
+        def visit(op):
+            nonlocal changed
+            if not (_is_mpi_call(op) or _callee(op) in state.funcs):
+                return
+            parent = op.parent
+            while parent is not None:
+                if parent.name == "func.func":
+                    name = ir.StringAttr(parent.attributes["sym_name"]).value
+                    if name != "main" and name not in state.funcs:
+                        state.funcs.add(name)
+                        changed = True
+                    break
+                if parent not in state.containers:
+                    state.containers.add(parent)
+                parent = parent.parent
+
+        _walk(module_op, visit)
+
+
+def _insert_after(block, op):
+    ops = [o.operation for o in block.operations]
+    i = ops.index(op)
+    return ir.InsertionPoint(ops[i + 1]) if i + 1 < len(ops) else ir.InsertionPoint(block)
+
+
+def _chain(state: _ModuleState, block):
+    """Walks ``block`` in order, tying new MPI-holding ops into its token chain.
+
+    Returns the token after the last MPI-related op of the block (None if there is none).
+    """
+    token = None
+    for child in list(block.operations):
+        op = child.operation
+        if _is_mpi_call(op):
+            token = op.results[len(op.results) - 1]
+        elif op in state.folds:
+            token = state.folds[op]
+        elif (op in state.containers or _callee(op) in state.funcs) and len(op.results):
+            if token is not None and len(op.operands):
+                with ir.InsertionPoint(op):
+                    before = hlo.OptimizationBarrierOp([token, op.operands[0]])
+                op.operands[0] = before.results[1]
+            with _insert_after(block, op):
+                if token is None:
+                    token = hlo.create_token()
+                after = hlo.OptimizationBarrierOp([token, op.results[0]])
+            token = state.folds[op] = after.results[0]
+    return token
+
+
+def _blocks_outside_in(block):
+    """The blocks enclosing ``block`` up to its function, outermost first, then ``block``."""
+    path = [block]
+    owner = block.owner
+    while owner is not None and owner.operation.name != "func.func":
+        block = owner.operation.block
+        path.append(block)
+        owner = block.owner
+    return path[::-1]
+
+
+def _current_token(module_context):
+    """The token the next MPI call at the current insertion point must consume."""
+    state = _state(module_context)
+    module_op = module_context.module.operation
+    _mark(state, module_op)
+    # Tie MPI-holding ops everywhere (function calls are only visible after their callee
+    # is lowered), outer blocks before inner ones.
+    blocks = []
+
+    def collect(op):
+        for region in op.regions:
+            for block in region:
+                blocks.append(block)
+
+    collect(module_op)
+    _walk(module_op, collect)
+    for block in blocks:
+        _chain(state, block)
+    token = None
+    for block in _blocks_outside_in(ir.InsertionPoint.current.block):
+        token = _chain(state, block)
+    if token is None:
+        token = hlo.create_token()
+    return token
+
+
+def _layout(aval):
+    return tuple(range(len(aval.shape) - 1, -1, -1))
+
+
+def emit(ctx: mlir.LoweringRuleContext, op: str, operands, *, attrs: dict[str, int],
+         aliases: dict[int, int] | None = None):
+    """Emits the custom call for ``op``; returns its array results (the token is chained).
+
+    ``aliases`` maps an array operand index to the array result index it is donated to.
+    """
+    token = _current_token(ctx.module_context)
+    result_types = [mlir.aval_to_ir_type(ctx.module_context, a) for a in ctx.avals_out]
+    call = _mlir.custom_call(
+        target_name(op),
+        result_types=[*result_types, hlo.TokenType.get()],
+        operands=[token, *operands],
+        backend_config={k: mlir.i64_attr(int(v)) for k, v in attrs.items()},
+        has_side_effect=True,
+        api_version=4,
+        operand_layouts=[(), *(_layout(a) for a in ctx.avals_in)],
+        result_layouts=[*(_layout(a) for a in ctx.avals_out), ()],
+        operand_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
+    )
+    return list(call.results)[:-1]
+
+
+def _keep_dce_rule(used_outputs, eqn):
+    """MPI equations are never removed: their effect is the communication itself."""
+    return [True] * len(eqn.invars), eqn
+
+
+def register(primitive, lowering) -> None:
+    """Registers the CPU lowering and the keep-alive DCE rule of an MPI primitive."""
+    # Not cacheable: a cached lowering is emitted into a scratch function, out of the block
+    # whose token chain it must join.
+    mlir.register_lowering(primitive, lowering, platform="cpu", cacheable=False)
+    _pe.dce_rules[primitive] = _keep_dce_rule
+
+
+__all__ = ["emit", "register"]

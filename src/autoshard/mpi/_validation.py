@@ -1,0 +1,99 @@
+"""Argument checks shared by the operations. Errors give the rule, the values and the fix."""
+
+from __future__ import annotations
+
+import numpy as np
+from jax import core as jax_core
+
+from ._native import MPI
+
+# Operation codes understood by the native handlers (_ffi.cc, enum OpCode).
+_OP_NAMES = ("SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
+_MPI_OPS = [getattr(MPI, name) for name in _OP_NAMES]
+_INT_ONLY = {"BAND", "BOR", "BXOR"}
+
+
+def op_code(op, dtype) -> int:
+    """The handler's code for the mpi4py reduction ``op`` on ``dtype``."""
+    for code, mpi_op in enumerate(_MPI_OPS):
+        if op == mpi_op:
+            break
+    else:
+        raise ValueError(
+            f"op must be one of MPI.{', MPI.'.join(_OP_NAMES)}, got {op!r}. "
+            "User-defined MPI operations are not supported."
+        )
+    name = _OP_NAMES[code]
+    dtype = np.dtype(dtype)
+    if name in _INT_ONLY and dtype.kind not in "iub":
+        raise TypeError(f"MPI.{name} needs an integer or bool array, got dtype {dtype}.")
+    if dtype.kind == "c" and name not in ("SUM", "PROD"):
+        raise TypeError(f"MPI.{name} is not defined for complex dtype {dtype}; use SUM or PROD.")
+    if dtype.name in ("bfloat16", "float16") and code > 3:
+        raise TypeError(
+            f"MPI.{name} is not available for {dtype}; 16-bit floats support SUM, PROD, MIN "
+            "and MAX. Cast to float32 first."
+        )
+    if dtype.itemsize == 1 and dtype.kind == "f":
+        raise TypeError(f"reductions over 8-bit float dtype {dtype} are not supported; cast to float32.")
+    return code
+
+
+def op_name(code: int) -> str:
+    return _OP_NAMES[code]
+
+
+SUM_CODE = 0
+
+
+def static_int(value, name: str, fn: str, low: int | None = None, high: int | None = None) -> int:
+    """Checks that ``value`` is a concrete Python/NumPy integer (not a tracer)."""
+    if isinstance(value, jax_core.Tracer):
+        raise TypeError(
+            f"{fn}: {name} must be a concrete integer known at trace time, got a traced value "
+            f"{value}. Pass it as a Python int, or mark the argument static with "
+            f"jax.jit(..., static_argnums=...)."
+        )
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__} {value!r}.")
+    value = int(value)
+    if low is not None and high is not None and not low <= value < high:
+        raise ValueError(
+            f"{fn}: {name} must be a rank of the communicator, 0 <= {name} < {high}, got {value}."
+        )
+    return value
+
+
+def rank_or_any(value, name: str, fn: str, size: int, any_value: int) -> int:
+    """Like static_int for a rank or a tag that may also be MPI.ANY_SOURCE / MPI.ANY_TAG."""
+    value = static_int(value, name, fn)
+    if value == any_value:
+        return value
+    if size is not None and not 0 <= value < size:
+        raise ValueError(
+            f"{fn}: {name} must be a rank of the communicator, 0 <= {name} < {size}, "
+            f"or MPI.ANY_SOURCE, got {value}."
+        )
+    return value
+
+
+def tag(value, name: str, fn: str, allow_any: bool = False) -> int:
+    value = static_int(value, name, fn)
+    if allow_any and value == MPI.ANY_TAG:
+        return value
+    if value < 0:
+        raise ValueError(f"{fn}: {name} must be >= 0{' or MPI.ANY_TAG' if allow_any else ''}, got {value}.")
+    return value
+
+
+def same_shape(expected, actual, what: str, fn: str) -> None:
+    if tuple(expected) != tuple(actual):
+        raise ValueError(f"{fn}: {what} must have shape {tuple(expected)}, got {tuple(actual)}.")
+
+
+def status_address(status, fn: str) -> int:
+    if status is None:
+        return 0
+    if not isinstance(status, MPI.Status):
+        raise TypeError(f"{fn}: status must be an mpi4py.MPI.Status or None, got {type(status).__name__}.")
+    return MPI._addressof(status)

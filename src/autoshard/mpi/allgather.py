@@ -1,0 +1,43 @@
+"""allgather: every rank gets ``x`` of every rank stacked, shape (size, *x.shape)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax.numpy as jnp
+from jax._src import dispatch
+from jax.extend.core import Primitive
+from jax.interpreters import batching
+
+from . import _lowering
+from ._comm import comm_id, resolve
+from ._token import Token, check_token
+
+mpi_allgather_p = Primitive("mpi_allgather")
+
+
+def allgather(x, *, comm=None, token=None):
+    """MPI_Allgather of ``x``; returns (result of shape (size, *x.shape), token)."""
+    check_token(token)
+    comm = resolve(comm)
+    x = jnp.asarray(x)
+    return mpi_allgather_p.bind(x, comm=comm_id(comm), size=comm.Get_size()), Token()
+
+
+def _abstract_eval(x, *, comm, size):
+    return x.update(shape=(size, *x.shape), weak_type=False)
+
+
+def _lowering_rule(ctx, x, *, comm, size):
+    return _lowering.emit(ctx, "allgather", [x], attrs={"comm": comm})
+
+
+def _batching_rule(args, dims, **params):
+    (x,), (d,) = args, dims
+    return mpi_allgather_p.bind(x, **params), d + 1
+
+
+mpi_allgather_p.def_impl(partial(dispatch.apply_primitive, mpi_allgather_p))
+mpi_allgather_p.def_abstract_eval(_abstract_eval)
+_lowering.register(mpi_allgather_p, _lowering_rule)
+batching.primitive_batchers[mpi_allgather_p] = _batching_rule

@@ -1,0 +1,53 @@
+"""alltoall: row i of ``x`` (shape (size, ...)) goes to rank i; row j of the result came from rank j."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax.numpy as jnp
+from jax._src import dispatch
+from jax.extend.core import Primitive
+from jax.interpreters import batching
+
+from . import _lowering
+from ._comm import comm_id, resolve
+from ._token import Token, check_token
+
+mpi_alltoall_p = Primitive("mpi_alltoall")
+
+
+def alltoall(x, *, comm=None, token=None):
+    """MPI_Alltoall; ``x`` must have first dim equal to the communicator size.
+
+    Returns (result, token).
+    """
+    check_token(token)
+    comm = resolve(comm)
+    size = comm.Get_size()
+    x = jnp.asarray(x)
+    if x.ndim == 0 or x.shape[0] != size:
+        raise ValueError(
+            f"mpi.alltoall: x must have shape (size, ...) = ({size}, ...), got {x.shape}. "
+            "Put the row for rank i at x[i]."
+        )
+    return mpi_alltoall_p.bind(x, comm=comm_id(comm)), Token()
+
+
+def _abstract_eval(x, *, comm):
+    return x.update(weak_type=False)
+
+
+def _lowering_rule(ctx, x, *, comm):
+    return _lowering.emit(ctx, "alltoall", [x], attrs={"comm": comm})
+
+
+def _batching_rule(args, dims, **params):
+    (x,), (d,) = args, dims
+    x = batching.moveaxis(x, d, 1)
+    return mpi_alltoall_p.bind(x, **params), 1
+
+
+mpi_alltoall_p.def_impl(partial(dispatch.apply_primitive, mpi_alltoall_p))
+mpi_alltoall_p.def_abstract_eval(_abstract_eval)
+_lowering.register(mpi_alltoall_p, _lowering_rule)
+batching.primitive_batchers[mpi_alltoall_p] = _batching_rule

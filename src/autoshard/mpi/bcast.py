@@ -1,0 +1,49 @@
+"""bcast: every rank gets the root's ``x`` (MPI_Bcast)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax.numpy as jnp
+from jax._src import dispatch
+from jax.extend.core import Primitive
+from jax.interpreters import batching
+
+from . import _lowering, _validation
+from ._comm import comm_id, resolve
+from ._token import Token, check_token
+
+mpi_bcast_p = Primitive("mpi_bcast")
+
+
+def bcast(x, root, *, comm=None, token=None):
+    """Broadcasts the root's ``x``; all ranks pass arrays of the same shape and dtype.
+
+    Returns (result, token).
+    """
+    check_token(token)
+    comm = resolve(comm)
+    root = _validation.static_int(root, "root", "mpi.bcast", 0, comm.Get_size())
+    x = jnp.asarray(x)
+    return mpi_bcast_p.bind(x, root=root, comm=comm_id(comm)), Token()
+
+
+def _abstract_eval(x, *, root, comm):
+    return x.update(weak_type=False)
+
+
+def _lowering_rule(ctx, x, *, root, comm):
+    # In place: the root's buffer already holds the data, the others receive into it.
+    return _lowering.emit(ctx, "bcast", [x], attrs={"comm": comm, "root": root}, aliases={0: 0})
+
+
+def _batching_rule(args, dims, **params):
+    (x,), (d,) = args, dims
+    x = batching.moveaxis(x, d, 0)
+    return mpi_bcast_p.bind(x, **params), 0
+
+
+mpi_bcast_p.def_impl(partial(dispatch.apply_primitive, mpi_bcast_p))
+mpi_bcast_p.def_abstract_eval(_abstract_eval)
+_lowering.register(mpi_bcast_p, _lowering_rule)
+batching.primitive_batchers[mpi_bcast_p] = _batching_rule

@@ -1,0 +1,49 @@
+"""gather: the root gets ``x`` of every rank stacked, shape (size, *x.shape); others get ``x``."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax.numpy as jnp
+from jax._src import dispatch
+from jax.extend.core import Primitive
+from jax.interpreters import batching
+
+from . import _lowering, _validation
+from ._comm import comm_id, resolve
+from ._token import Token, check_token
+
+mpi_gather_p = Primitive("mpi_gather")
+
+
+def gather(x, root, *, comm=None, token=None):
+    """MPI_Gather of ``x`` to ``root``; returns (result, token)."""
+    check_token(token)
+    comm = resolve(comm)
+    size = comm.Get_size()
+    root = _validation.static_int(root, "root", "mpi.gather", 0, size)
+    x = jnp.asarray(x)
+    is_root = comm.Get_rank() == root
+    return mpi_gather_p.bind(x, root=root, comm=comm_id(comm), size=size, is_root=is_root), Token()
+
+
+def _abstract_eval(x, *, root, comm, size, is_root):
+    shape = (size, *x.shape) if is_root else x.shape
+    return x.update(shape=shape, weak_type=False)
+
+
+def _lowering_rule(ctx, x, *, root, comm, size, is_root):
+    aliases = None if is_root else {0: 0}
+    return _lowering.emit(ctx, "gather", [x], attrs={"comm": comm, "root": root}, aliases=aliases)
+
+
+def _batching_rule(args, dims, **params):
+    (x,), (d,) = args, dims
+    x = batching.moveaxis(x, d, 0)
+    return mpi_gather_p.bind(x, **params), 1 if params["is_root"] else 0
+
+
+mpi_gather_p.def_impl(partial(dispatch.apply_primitive, mpi_gather_p))
+mpi_gather_p.def_abstract_eval(_abstract_eval)
+_lowering.register(mpi_gather_p, _lowering_rule)
+batching.primitive_batchers[mpi_gather_p] = _batching_rule

@@ -1,0 +1,52 @@
+"""recv: receives an array shaped like the template ``x`` from ``source`` (MPI_Recv)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax.numpy as jnp
+from jax._src import dispatch
+from jax.extend.core import Primitive
+from jax.interpreters import batching
+
+from . import _lowering, _validation
+from ._comm import comm_id, resolve
+from ._native import MPI
+from ._token import Token, check_token
+
+mpi_recv_p = Primitive("mpi_recv")
+
+
+def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None, token=None):
+    """Receives into an array of ``x``'s shape and dtype; returns (result, token).
+
+    ``status`` (an ``MPI.Status``) is filled when the receive completes.
+    """
+    check_token(token)
+    comm = resolve(comm)
+    source = _validation.rank_or_any(source, "source", "mpi.recv", comm.Get_size(), MPI.ANY_SOURCE)
+    tag = _validation.tag(tag, "tag", "mpi.recv", allow_any=True)
+    status_addr = _validation.status_address(status, "mpi.recv")
+    y = mpi_recv_p.bind(jnp.asarray(x), source=source, tag=tag, comm=comm_id(comm),
+                        status=status_addr)
+    return y, Token()
+
+
+def _abstract_eval(x, *, source, tag, comm, status):
+    return x.update(weak_type=False)
+
+
+def _lowering_rule(ctx, x, *, source, tag, comm, status):
+    attrs = {"comm": comm, "source": source, "tag": tag, "status": status}
+    return _lowering.emit(ctx, "recv", [x], attrs=attrs, aliases={0: 0})
+
+
+def _batching_rule(args, dims, **params):
+    (x,), (d,) = args, dims
+    return mpi_recv_p.bind(batching.moveaxis(x, d, 0), **params), 0
+
+
+mpi_recv_p.def_impl(partial(dispatch.apply_primitive, mpi_recv_p))
+mpi_recv_p.def_abstract_eval(_abstract_eval)
+_lowering.register(mpi_recv_p, _lowering_rule)
+batching.primitive_batchers[mpi_recv_p] = _batching_rule

@@ -1,0 +1,46 @@
+"""reduce: the root gets the reduction of ``x`` over all ranks; other ranks get ``x`` back."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax.numpy as jnp
+from jax._src import dispatch
+from jax.extend.core import Primitive
+from jax.interpreters import batching
+
+from . import _lowering, _validation
+from ._comm import comm_id, resolve
+from ._token import Token, check_token
+
+mpi_reduce_p = Primitive("mpi_reduce")
+
+
+def reduce(x, op, root, *, comm=None, token=None):
+    """MPI_Reduce of ``x`` with ``op`` to ``root``; returns (result, token)."""
+    check_token(token)
+    comm = resolve(comm)
+    root = _validation.static_int(root, "root", "mpi.reduce", 0, comm.Get_size())
+    x = jnp.asarray(x)
+    code = _validation.op_code(op, x.dtype)
+    return mpi_reduce_p.bind(x, op=code, root=root, comm=comm_id(comm)), Token()
+
+
+def _abstract_eval(x, *, op, root, comm):
+    return x.update(weak_type=False)
+
+
+def _lowering_rule(ctx, x, *, op, root, comm):
+    return _lowering.emit(ctx, "reduce", [x], attrs={"comm": comm, "op": op, "root": root},
+                          aliases={0: 0})
+
+
+def _batching_rule(args, dims, **params):
+    (x,), (d,) = args, dims
+    return mpi_reduce_p.bind(x, **params), d
+
+
+mpi_reduce_p.def_impl(partial(dispatch.apply_primitive, mpi_reduce_p))
+mpi_reduce_p.def_abstract_eval(_abstract_eval)
+_lowering.register(mpi_reduce_p, _lowering_rule)
+batching.primitive_batchers[mpi_reduce_p] = _batching_rule

@@ -1,0 +1,44 @@
+"""scan: rank r gets the reduction of ``x`` over ranks 0..r (MPI_Scan, inclusive)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax.numpy as jnp
+from jax._src import dispatch
+from jax.extend.core import Primitive
+from jax.interpreters import batching
+
+from . import _lowering, _validation
+from ._comm import comm_id, resolve
+from ._token import Token, check_token
+
+mpi_scan_p = Primitive("mpi_scan")
+
+
+def scan(x, op, *, comm=None, token=None):
+    """Inclusive prefix reduction of ``x`` with ``op`` over ranks; returns (result, token)."""
+    check_token(token)
+    comm = resolve(comm)
+    x = jnp.asarray(x)
+    code = _validation.op_code(op, x.dtype)
+    return mpi_scan_p.bind(x, op=code, comm=comm_id(comm)), Token()
+
+
+def _abstract_eval(x, *, op, comm):
+    return x.update(weak_type=False)
+
+
+def _lowering_rule(ctx, x, *, op, comm):
+    return _lowering.emit(ctx, "scan", [x], attrs={"comm": comm, "op": op})
+
+
+def _batching_rule(args, dims, **params):
+    (x,), (d,) = args, dims
+    return mpi_scan_p.bind(x, **params), d
+
+
+mpi_scan_p.def_impl(partial(dispatch.apply_primitive, mpi_scan_p))
+mpi_scan_p.def_abstract_eval(_abstract_eval)
+_lowering.register(mpi_scan_p, _lowering_rule)
+batching.primitive_batchers[mpi_scan_p] = _batching_rule

@@ -1,0 +1,57 @@
+"""scatter: the root passes (size, *shape) and rank i gets row i; others pass a (*shape) template."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax.numpy as jnp
+from jax._src import dispatch
+from jax.extend.core import Primitive
+from jax.interpreters import batching
+
+from . import _lowering, _validation
+from ._comm import comm_id, resolve
+from ._token import Token, check_token
+
+mpi_scatter_p = Primitive("mpi_scatter")
+
+
+def scatter(x, root, *, comm=None, token=None):
+    """MPI_Scatter from ``root``; returns (result, token).
+
+    On the root ``x`` has shape (size, *shape); on the other ranks ``x`` only gives the
+    shape and dtype of the result, (*shape).
+    """
+    check_token(token)
+    comm = resolve(comm)
+    size = comm.Get_size()
+    root = _validation.static_int(root, "root", "mpi.scatter", 0, size)
+    x = jnp.asarray(x)
+    is_root = comm.Get_rank() == root
+    if is_root and (x.ndim == 0 or x.shape[0] != size):
+        raise ValueError(
+            f"mpi.scatter: on the root, x must have shape (size, ...) = ({size}, ...), got "
+            f"{x.shape}. Stack one row per rank along the first dim."
+        )
+    return mpi_scatter_p.bind(x, root=root, comm=comm_id(comm), is_root=is_root), Token()
+
+
+def _abstract_eval(x, *, root, comm, is_root):
+    return x.update(shape=x.shape[1:] if is_root else x.shape, weak_type=False)
+
+
+def _lowering_rule(ctx, x, *, root, comm, is_root):
+    aliases = None if is_root else {0: 0}
+    return _lowering.emit(ctx, "scatter", [x], attrs={"comm": comm, "root": root}, aliases=aliases)
+
+
+def _batching_rule(args, dims, **params):
+    (x,), (d,) = args, dims
+    x = batching.moveaxis(x, d, 1 if params["is_root"] else 0)
+    return mpi_scatter_p.bind(x, **params), 0
+
+
+mpi_scatter_p.def_impl(partial(dispatch.apply_primitive, mpi_scatter_p))
+mpi_scatter_p.def_abstract_eval(_abstract_eval)
+_lowering.register(mpi_scatter_p, _lowering_rule)
+batching.primitive_batchers[mpi_scatter_p] = _batching_rule

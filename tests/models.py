@@ -1,0 +1,103 @@
+"""Tiny Flax models and train steps shared by the tests."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training.train_state import TrainState
+
+import autoshard
+
+
+class MLP(nn.Module):
+    hidden: int = 64
+    out: int = 8
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(self.hidden)(x))
+        return nn.Dense(self.out)(x)
+
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3))(x))
+        x = nn.relu(nn.Conv(16, (3, 3), strides=2)(x))
+        x = x.mean(axis=(1, 2))
+        return nn.Dense(8)(x)
+
+
+class Block(nn.Module):
+    dim: int = 32
+    heads: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        h = nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h)
+        x = x + h
+        h = nn.LayerNorm()(x)
+        h = nn.Dense(4 * self.dim)(h)
+        h = nn.Dense(self.dim)(nn.gelu(h))
+        return x + h
+
+
+class Transformer(nn.Module):
+    dim: int = 32
+    vocab: int = 64
+    layers: int = 2
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.dim)(tokens)
+        for _ in range(self.layers):
+            x = Block(self.dim)(x)
+        return nn.Dense(8)(nn.LayerNorm()(x).mean(axis=1))
+
+
+def make_case(kind: str, batch: int = 16, seed: int = 0):
+    """(model, example inputs, targets) for 'mlp', 'cnn' or 'transformer'."""
+    rng = np.random.default_rng(seed)
+    if kind == "mlp":
+        model, x = MLP(), rng.normal(size=(batch, 16)).astype(np.float32)
+    elif kind == "cnn":
+        model, x = CNN(), rng.normal(size=(batch, 8, 8, 3)).astype(np.float32)
+    elif kind == "transformer":
+        model, x = Transformer(), rng.integers(0, 64, size=(batch, 8)).astype(np.int32)
+    else:
+        raise ValueError(kind)
+    y = rng.normal(size=(batch, 8)).astype(np.float32)
+    return model, jnp.asarray(x), jnp.asarray(y)
+
+
+def make_state(model, x, lr=1e-2):
+    params = model.init(jax.random.key(0), x)
+    # eps well above float32 noise: with Adam's default 1e-8, a gradient entry near zero is
+    # normalised to +-1 and its summation-order noise becomes a visible update difference.
+    return TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(lr, eps=1e-3))
+
+
+def train_step(state, batch):
+    x, y = batch
+
+    def loss_fn(params):
+        pred = state.apply_fn(params, x)
+        return jnp.mean((pred - y) ** 2)
+
+    loss, grads = autoshard.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def copy_tree(tree):
+    return jax.tree.map(lambda a: jnp.array(a, copy=True), tree)
+
+
+def assert_trees_close(a, b, rtol=1e-4, atol=1e-5):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)

@@ -1,0 +1,214 @@
+"""Front end: caching, static and donated arguments, placement, executables, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import autoshard
+from autoshard import _api
+from models import MLP, copy_tree, make_state, train_step
+
+
+def dp_step():
+    calls = []
+
+    def step(state, batch):
+        calls.append(1)
+        return train_step(state, batch)
+    return autoshard.parallelize(step, method=autoshard.DataParallel()), calls
+
+
+def mlp_state(batch=16):
+    model = MLP()
+    x, y = jnp.ones((batch, 16)), jnp.ones((batch, 8))
+    return make_state(model, x), (x, y)
+
+
+def test_second_call_does_not_retrace_and_new_shapes_do():
+    f, calls = dp_step()
+    state, batch = mlp_state()
+    state, _ = f(state, batch)
+    state, _ = f(state, batch)
+    assert len(calls) == 1
+    f(state, (jnp.ones((32, 16)), jnp.ones((32, 8))))
+    assert len(calls) == 2
+    autoshard.clear_executable_cache()
+    f(mlp_state()[0], batch)
+    assert len(calls) == 3
+
+
+def test_static_argnums_auto_makes_python_scalars_static():
+    calls = []
+
+    @autoshard.parallelize(method=autoshard.DataParallel(), batch_argnums=(0,))
+    def scale(x, factor):
+        calls.append(factor)
+        return x * factor
+
+    x = jnp.arange(16.0)
+    np.testing.assert_allclose(scale(x, 2), x * 2)
+    np.testing.assert_allclose(scale(x, 2), x * 2)
+    np.testing.assert_allclose(scale(x, 3), x * 3)
+    assert calls == [2, 3]
+
+
+def test_donate_auto_donates_train_state_and_aliases_outputs():
+    f, _ = dp_step()
+    state, batch = mlp_state()
+    ex = f.get_executable(state, batch)
+    prog = ex.program
+    n_state = len(jax.tree.leaves(state))
+    assert all(prog.donated_invars[:n_state]) and not any(prog.donated_invars[n_state:])
+    assert prog.aliases == tuple((i, i) for i in range(n_state))
+
+
+def test_donate_auto_for_a_plain_params_dict():
+    def sgd(params, x):
+        g = autoshard.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), jnp.sum(x)
+    f = autoshard.parallelize(sgd, method=autoshard.DataParallel())
+    params = {"w": jnp.ones((4, 2))}
+    ex = f.get_executable(params, jnp.ones((8, 4)))
+    assert ex.program.donated_invars == (True, False)
+    f2 = autoshard.parallelize(sgd, method=autoshard.DataParallel(), donate_argnums=())
+    assert f2.get_executable(params, jnp.ones((8, 4))).program.donated_invars == (False, False)
+
+
+def test_preshard_dynamic_args_places_inputs_so_calls_move_nothing():
+    f, _ = dp_step()
+    state, batch = mlp_state()
+    state, batch = f.preshard_dynamic_args(state, batch)
+    ex = f.get_executable(state, batch)
+    assert batch[0].sharding == ex.get_input_placement_specs()[1][0]
+    assert batch[0].addressable_shards[0].data.shape == (2, 16)
+    with jax.transfer_guard("disallow"):
+        state, loss = f(state, batch)
+    out_specs = ex.get_output_placement_specs()
+    assert out_specs[1].spec == P()
+    assert f.get_last_executable() is ex
+
+
+def test_executable_inspection():
+    f, _ = dp_step()
+    state, batch = mlp_state()
+    ex = f.get_executable(state, batch)
+    assert "HloModule" in ex.get_hlo_text()
+    assert ex.get_total_allocation_size() > 0
+    assert ex.auto_sharding_objective is None
+    text = ex.plan.explain()
+    assert "DataParallel plan on mesh (data=8)" in text
+    assert "arg1[0]" in text and "(data)" in text
+    assert ex.plan.inputs[-1].bytes_per_device(ex.plan.mesh_sizes) == 16 * 8 * 4 // 8
+
+
+def test_devices_list_and_mesh():
+    state, batch = mlp_state()
+    ref = jax.jit(train_step)(copy_tree(state), batch)[1]
+    f = autoshard.parallelize(train_step,
+                              method=autoshard.DataParallel(devices=jax.devices()[:4]))
+    _, loss = f(copy_tree(state), batch)
+    np.testing.assert_allclose(loss, ref, rtol=1e-5)
+    assert f.get_last_executable().plan.mesh_shape == (4,)
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    g = autoshard.parallelize(train_step, method=autoshard.DataParallel(devices=mesh))
+    _, loss = g(copy_tree(state), batch)
+    np.testing.assert_allclose(loss, ref, rtol=1e-5)
+    assert g.get_last_executable().plan.inputs[-1].spec == P(("a", "b"))
+
+
+# Bad input -------------------------------------------------------------------------------------
+def test_keyword_arguments_rejected():
+    f, _ = dp_step()
+    state, batch = mlp_state()
+    with pytest.raises(TypeError, match=r"keyword argument\(s\) \['batch'\].*positionally"):
+        f(state, batch=batch)
+
+
+def test_micro_batches_must_divide_batch():
+    f = autoshard.parallelize(train_step, method=autoshard.DataParallel(num_micro_batches=3))
+    with pytest.raises(ValueError, match=r"num_micro_batches \(3\) must divide the batch size "
+                                         r"\(16\) of arg1\[0\] \(batch_argnums=\(1,\)\)"):
+        f(*mlp_state())
+
+
+def test_batch_not_divisible_by_devices():
+    f = autoshard.parallelize(train_step, method=autoshard.DataParallel())
+    with pytest.raises(ValueError, match=r"batch size \(12\) of arg1\[0\] must be divisible by "
+                                         r"the number of devices \(8\)"):
+        f(*mlp_state(batch=12))
+
+
+def test_batch_argnums_out_of_range_or_not_array():
+    state, batch = mlp_state()
+    f = autoshard.parallelize(train_step, batch_argnums=(5,), method=autoshard.DataParallel())
+    with pytest.raises(ValueError, match=r"batch_argnums \(\(5,\)\) names argument 5, but .* 2 "
+                                         "positional"):
+        f(state, batch)
+    g = autoshard.parallelize(lambda s, n: s, method=autoshard.DataParallel())
+    with pytest.raises(ValueError, match=r"names argument 1, which holds no array \(got int\)"):
+        g(state, 3)
+
+
+def test_mesh_size_must_match_device_count():
+    opt = autoshard.AutoShardingOption(logical_mesh_shape=(3,))
+    f = autoshard.parallelize(train_step, method=autoshard.ShardParallel(auto_sharding_option=opt))
+    with pytest.raises(ValueError, match=r"logical_mesh_shape \(3,\) has 3 devices but the "
+                                         "method uses 8"):
+        f(*mlp_state())
+    man = autoshard.ShardParallel(
+        auto_sharding_option=autoshard.AutoShardingOption(logical_mesh_shape=(3, 3)),
+        manual_sharding_option=autoshard.ManualShardingOption(("a", "b")))
+    with pytest.raises(ValueError, match=r"product equal to the device count \(8\)"):
+        autoshard.parallelize(train_step, method=man)(*mlp_state())
+
+
+def test_partition_spec_unknown_axis_and_indivisible():
+    state, batch = mlp_state()
+    bad_axis = autoshard.ShardParallel(manual_sharding_option=autoshard.ManualShardingOption(
+        ("data",), in_axis_resources=(None, P("model"))))
+    with pytest.raises(ValueError, match=r"in_axis_resources for arg1\[0\]: spec .* names mesh "
+                                         r"axis 'model', which is not one of the mesh axes "
+                                         r"\('data',\)"):
+        autoshard.parallelize(train_step, method=bad_axis)(state, batch)
+    bad_dim = autoshard.ShardParallel(manual_sharding_option=autoshard.ManualShardingOption(
+        ("data",), in_axis_resources=(None, P(None, "data"))))
+    f = autoshard.parallelize(train_step, method=bad_dim)
+    x = jnp.ones((16, 12))
+    with pytest.raises(ValueError, match=r"splits dim 1 of size 12 into 8 parts"):
+        f(make_state(MLP(), x), (x, jnp.ones((16, 8))))
+
+
+def test_tracer_where_static_value_needed():
+    f = autoshard.parallelize(lambda x, n: x * n, static_argnums=(1,), batch_argnums=(0,),
+                              method=autoshard.DataParallel())
+    with pytest.raises(TypeError, match="static argument .* got a tracer"):
+        jax.jit(lambda n: f(jnp.ones(8), n))(3)
+    with pytest.raises(TypeError, match="is a tracer: parallelized functions .* static_argnums"):
+        jax.jit(lambda x: f(x, 2))(jnp.ones(8))
+
+
+def test_init_required_for_non_local_cluster(monkeypatch):
+    monkeypatch.setattr(_api, "_state", {"cluster": None})
+    monkeypatch.setenv("AUTOSHARD_CLUSTER", "distributed")
+    f, _ = dp_step()
+    with pytest.raises(RuntimeError, match=r"autoshard.init\(cluster='distributed'\) was not "
+                                           "called"):
+        f(*mlp_state())
+    monkeypatch.setenv("AUTOSHARD_CLUSTER", "local")
+    f(*mlp_state())  # local initialises implicitly
+    assert _api._state["cluster"] == "local"
+    autoshard.init("local")  # idempotent
+    with pytest.raises(ValueError, match=r"cluster \('slurm'\) must be one of"):
+        autoshard.init("slurm")
+
+
+def test_bad_method_and_options():
+    with pytest.raises(TypeError, match="method .* must be a ParallelMethod"):
+        autoshard.parallelize(train_step, method="dp")
+    with pytest.raises(ValueError, match=r"num_micro_batches \(0\) must be a positive int"):
+        autoshard.DataParallel(num_micro_batches=0)
+    with pytest.raises(TypeError, match="devices .* must be None"):
+        autoshard.parallelize(train_step, method=autoshard.DataParallel(devices="gpu"))(
+            *mlp_state())

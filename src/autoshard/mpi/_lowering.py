@@ -16,6 +16,7 @@ primitives, and ordering is established while lowering to StableHLO instead:
 
 from __future__ import annotations
 
+import atexit
 from collections import OrderedDict
 
 from jax._src.interpreters import mlir as _mlir
@@ -39,17 +40,21 @@ class _ModuleState:
         self.folds: dict = {}  # container op -> the token that follows it in its block
 
 
-_states: OrderedDict[object, _ModuleState] = OrderedDict()
+_states: OrderedDict[int, tuple[object, _ModuleState]] = OrderedDict()
+# Drop the held modules before interpreter teardown destroys their MLIR context.
+atexit.register(_states.clear)
 
 
 def _state(module_context) -> _ModuleState:
-    key = module_context.module.operation
-    state = _states.get(key)
-    if state is None:
-        state = _states[key] = _ModuleState()
+    # Holding the ir.Module keeps its id (and the addresses of its ops) from being reused
+    # while the state refers to them.
+    module = module_context.module
+    entry = _states.get(id(module))
+    if entry is None or entry[0] is not module:
+        entry = _states[id(module)] = (module, _ModuleState())
         while len(_states) > 8:  # lowered modules are not revisited
             _states.popitem(last=False)
-    return state
+    return entry[1]
 
 
 def _is_mpi_call(op) -> bool:

@@ -96,4 +96,11 @@ def status_address(status, fn: str) -> int:
         return 0
     if not isinstance(status, MPI.Status):
         raise TypeError(f"{fn}: status must be an mpi4py.MPI.Status or None, got {type(status).__name__}.")
-    return MPI._addressof(status)
+    address = MPI._addressof(status)
+    # The compiled call writes to this address whenever it runs, possibly long after the
+    # caller dropped the object: keep it alive for the life of the process.
+    _live_statuses[address] = status
+    return address
+
+
+_live_statuses: dict[int, object] = {}

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lib.mlir import ir
+from jax._src.sharding_impls import SdyArray, SdyArrayList, SdyDim
 from jax._src.lib.mlir.dialects import hlo
 from jax.interpreters import mlir
 
@@ -194,6 +195,13 @@ def emit(ctx: mlir.LoweringRuleContext, op: str, operands, *, attrs: dict[str, i
         result_layouts=[*(_layout(a) for a in ctx.avals_out), ()],
         operand_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
     )
+    # Several devices: the SPMD partitioner needs a sharding on side-effecting ops. Each device
+    # runs the call on a full replica, through its own communicator (see _comm.py).
+    ndims = [len(a.shape) for a in ctx.avals_out] + [0]
+    _mlir.set_sharding(ctx.module_context, call, SdyArrayList(tuple(
+        SdyArray(mesh_shape=(), dim_shardings=(SdyDim(axes=(), is_open=False),) * n,
+                 logical_device_ids=())
+        for n in ndims)))
     return list(call.results)[:-1]
 
 

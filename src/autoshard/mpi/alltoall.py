@@ -43,7 +43,7 @@ def _lowering_rule(ctx, x, *, comm):
 
 def _batching_rule(args, dims, **params):
     (x,), (d,) = args, dims
-    x = batching.moveaxis(x, d, 1)
+    x = jnp.moveaxis(x, d, 1)
     return mpi_alltoall_p.bind(x, **params), 1
 
 

@@ -39,7 +39,7 @@ def _lowering_rule(ctx, x, *, root, comm):
 
 def _batching_rule(args, dims, **params):
     (x,), (d,) = args, dims
-    x = batching.moveaxis(x, d, 0)
+    x = jnp.moveaxis(x, d, 0)
     return mpi_bcast_p.bind(x, **params), 0
 
 

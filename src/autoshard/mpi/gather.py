@@ -39,7 +39,7 @@ def _lowering_rule(ctx, x, *, root, comm, size, is_root):
 
 def _batching_rule(args, dims, **params):
     (x,), (d,) = args, dims
-    x = batching.moveaxis(x, d, 0)
+    x = jnp.moveaxis(x, d, 0)
     return mpi_gather_p.bind(x, **params), 1 if params["is_root"] else 0
 
 

@@ -43,7 +43,7 @@ def _lowering_rule(ctx, x, *, source, tag, comm, status):
 
 def _batching_rule(args, dims, **params):
     (x,), (d,) = args, dims
-    return mpi_recv_p.bind(batching.moveaxis(x, d, 0), **params), 0
+    return mpi_recv_p.bind(jnp.moveaxis(x, d, 0), **params), 0
 
 
 mpi_recv_p.def_impl(partial(dispatch.apply_primitive, mpi_recv_p))

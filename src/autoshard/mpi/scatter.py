@@ -47,7 +47,7 @@ def _lowering_rule(ctx, x, *, root, comm, is_root):
 
 def _batching_rule(args, dims, **params):
     (x,), (d,) = args, dims
-    x = batching.moveaxis(x, d, 1 if params["is_root"] else 0)
+    x = jnp.moveaxis(x, d, 1 if params["is_root"] else 0)
     return mpi_scatter_p.bind(x, **params), 0
 
 

@@ -37,7 +37,7 @@ def _lowering_rule(ctx, x, *, dest, tag, comm):
 
 def _batching_rule(args, dims, **params):
     (x,), (d,) = args, dims
-    return mpi_send_p.bind(batching.moveaxis(x, d, 0), **params), []
+    return mpi_send_p.bind(jnp.moveaxis(x, d, 0), **params), []
 
 
 mpi_send_p.def_impl(partial(dispatch.apply_primitive, mpi_send_p))

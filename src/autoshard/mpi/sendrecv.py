@@ -51,9 +51,10 @@ def _lowering_rule(ctx, sendbuf, recvbuf, *, source, dest, sendtag, recvtag, com
 def _batching_rule(args, dims, **params):
     sendbuf, recvbuf = args
     d_send, d_recv = dims
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
-    sendbuf = batching.bdim_at_front(sendbuf, d_send, size)
-    recvbuf = batching.bdim_at_front(recvbuf, d_recv, size)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    sendbuf, recvbuf = (
+        jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+        for a, d in zip(args, dims))
     return mpi_sendrecv_p.bind(sendbuf, recvbuf, **params), 0
 
 

@@ -1,0 +1,137 @@
+"""vmap, grad, control flow, cg, multi-device jit, ordering and dead-code safety."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+from mpi4py import MPI
+
+from autoshard import mpi
+
+
+def test_vmap(rank, size):
+    x = jnp.arange(6.0).reshape(3, 2) + rank
+    y = jax.vmap(lambda v: mpi.allreduce(v, MPI.SUM)[0])(x)
+    np.testing.assert_allclose(y, sum(np.arange(6.0).reshape(3, 2) + r for r in range(size)))
+    y = jax.vmap(lambda v: mpi.bcast(v, 0)[0], in_axes=1, out_axes=1)(x)
+    np.testing.assert_allclose(y, np.arange(6.0).reshape(3, 2))
+    y = jax.vmap(lambda v: mpi.allgather(v)[0])(x)
+    assert y.shape == (3, size, 2)
+    np.testing.assert_allclose(y[:, rank], x)
+    y = jax.vmap(lambda v: mpi.reduce(v, MPI.SUM, 0)[0])(x)
+    assert y.shape == x.shape
+    y = jax.vmap(lambda v: mpi.sendrecv(v, v, (rank - 1) % size, (rank + 1) % size)[0])(x)
+    np.testing.assert_allclose(y, np.arange(6.0).reshape(3, 2) + (rank - 1) % size)
+    token = jax.vmap(lambda v: mpi.barrier())(x)
+    assert isinstance(token, mpi.Token)
+
+
+def test_allreduce_grad_and_jvp(rank, size):
+    def f(x):
+        return mpi.allreduce(x * x, MPI.SUM)[0].sum()
+
+    x = jnp.arange(3.0) + rank
+    np.testing.assert_allclose(jax.grad(f)(x), 2 * x)  # transpose is the identity (as mpi4jax)
+    _, t = jax.jvp(lambda x: mpi.allreduce(x, MPI.SUM)[0], (x,), (jnp.ones(3),))
+    np.testing.assert_allclose(t, np.full(3, size))
+    np.testing.assert_allclose(jax.jit(jax.grad(f))(x), 2 * x)
+
+
+def test_allreduce_grad_other_op_fails():
+    with pytest.raises(NotImplementedError, match="only with MPI.SUM"):
+        jax.grad(lambda x: mpi.allreduce(x, MPI.MAX)[0].sum())(jnp.ones(2))
+
+
+def test_sendrecv_grad(rank, size):
+    def f(x):
+        y, _ = mpi.sendrecv(x, x, (rank - 1) % size, (rank + 1) % size)
+        return (y * (rank + 1)).sum()
+
+    g = jax.jit(jax.grad(f))(jnp.ones(3))
+    # x went to rank+1, which multiplied it by rank+2.
+    np.testing.assert_allclose(g, np.full(3, (rank + 1) % size + 1))
+
+
+def test_control_flow(rank, size):
+    def body(i, x):
+        return mpi.allreduce(x, MPI.SUM)[0] / size
+
+    x = jnp.full((2,), float(rank))
+    mean = sum(range(size)) / size
+    np.testing.assert_allclose(jax.jit(lambda x: jax.lax.fori_loop(0, 3, body, x))(x), mean)
+    ys = jax.jit(lambda x: jax.lax.scan(lambda c, _: (body(0, c), c.sum()), x, None, length=3))(x)
+    np.testing.assert_allclose(ys[0], mean)
+    w = jax.jit(lambda x: jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (body(0, c[0]), c[1] + 1),
+                                             (x, 0)))(x)
+    np.testing.assert_allclose(w[0], mean)
+    c = jax.jit(lambda x, p: jax.lax.cond(p, lambda v: mpi.allreduce(v, MPI.SUM)[0],
+                                         lambda v: mpi.allreduce(-v, MPI.SUM)[0], x))(x, True)
+    np.testing.assert_allclose(c, sum(range(size)))
+
+
+def test_cg(rank, size):
+    # A distributed diagonal system: each rank holds a block; dot products are allreduced.
+    d = jnp.arange(1.0, 5.0) + rank
+    b = jnp.ones(4)
+
+    def matvec(v):
+        return d * v
+
+    def dot(a, c):
+        return mpi.allreduce(jnp.vdot(a, c), MPI.SUM)[0]
+
+    def solve(b):
+        from jax.scipy.sparse.linalg import cg  # noqa: PLC0415
+        import jax._src.scipy.sparse.linalg as impl  # noqa: PLC0415
+        old = impl._vdot_real_tree
+        impl._vdot_real_tree = lambda a, c: dot(a, c)
+        try:
+            return cg(matvec, b, tol=1e-10)[0]
+        finally:
+            impl._vdot_real_tree = old
+
+    x = jax.jit(solve)(b)
+    np.testing.assert_allclose(x, 1 / d, rtol=1e-5)
+
+
+def test_program_order_without_tokens(rank, size):
+    # Different ops with no data dependencies: must run in program order on every rank.
+    def f(x):
+        a, _ = mpi.allreduce(x, MPI.SUM)
+        loop = jax.lax.fori_loop(0, 2, lambda i, c: mpi.bcast(c, 0)[0], x + 1)
+        b, _ = mpi.allgather(x)
+        mpi.barrier()
+        return a, loop, b
+
+    a, loop, b = jax.jit(f)(jnp.full((2,), float(rank)))
+    np.testing.assert_allclose(a, sum(range(size)))
+    np.testing.assert_allclose(loop, 1.0)
+    assert b.shape == (size, 2)
+    text = jax.jit(f).lower(jnp.ones(2)).as_text()
+    # The loop is tied into the chain: after the allreduce, before the allgather.
+    assert text.count("optimization_barrier") >= 2
+
+
+def test_send_and_barrier_not_removed():
+    text = jax.jit(lambda x: (mpi.send(x, 0), mpi.barrier(), x)[2]).lower(jnp.ones(2)).as_text()
+    assert "autoshard_mpi_send" in text and "autoshard_mpi_barrier" in text
+
+
+def test_fast_dispatch():
+    f = jax.jit(lambda x: mpi.allreduce(x, MPI.SUM)[0])
+    f(jnp.ones(2))
+    assert not jax.make_jaxpr(f)(jnp.ones(2)).effects  # no effect: JAX's C++ fast path
+
+
+@pytest.mark.xfail(reason="XLA's SPMD partitioner rejects the side-effecting custom call "
+                   "('Side-effect HLO must have sharding') despite an sdy.sharding; unresolved",
+                   strict=False)
+def test_multi_device_jit(rank, size):
+    devices = jax.local_devices()
+    if len(devices) < 2:
+        pytest.skip("needs several local devices")
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    x = jax.device_put(jnp.arange(len(devices) * 2.0) + rank, NamedSharding(mesh, PartitionSpec("d")))
+    y = jax.jit(lambda x: mpi.allreduce(x * 2, MPI.SUM)[0])(x)
+    np.testing.assert_allclose(y, sum(2 * (np.arange(len(devices) * 2.0) + r) for r in range(size)))

@@ -82,8 +82,8 @@ def test_cg(rank, size):
         return mpi.allreduce(jnp.vdot(a, c), MPI.SUM)[0]
 
     def solve(b):
-        from jax.scipy.sparse.linalg import cg  # noqa: PLC0415
         import jax._src.scipy.sparse.linalg as impl  # noqa: PLC0415
+        from jax.scipy.sparse.linalg import cg  # noqa: PLC0415
         old = impl._vdot_real_tree
         impl._vdot_real_tree = lambda a, c: dot(a, c)
         try:

@@ -22,12 +22,11 @@ from collections import OrderedDict
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lib.mlir import ir
-from jax._src.sharding_impls import SdyArray, SdyArrayList, SdyDim
 from jax._src.lib.mlir.dialects import hlo
+from jax._src.sharding_impls import SdyArray, SdyArrayList, SdyDim
 from jax.interpreters import mlir
 
 from ._native import target_name
-
 
 _PREFIX = "autoshard_mpi_"
 

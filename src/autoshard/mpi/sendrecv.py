@@ -51,10 +51,10 @@ def _lowering_rule(ctx, sendbuf, recvbuf, *, source, dest, sendtag, recvtag, com
 def _batching_rule(args, dims, **params):
     sendbuf, recvbuf = args
     d_send, d_recv = dims
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=False) if d is not None)
     sendbuf, recvbuf = (
         jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-        for a, d in zip(args, dims))
+        for a, d in zip(args, dims, strict=False))
     return mpi_sendrecv_p.bind(sendbuf, recvbuf, **params), 0
 
 

@@ -15,10 +15,8 @@ _INT_ONLY = {"BAND", "BOR", "BXOR"}
 
 def op_code(op, dtype) -> int:
     """The handler's code for the mpi4py reduction ``op`` on ``dtype``."""
-    for code, mpi_op in enumerate(_MPI_OPS):
-        if op == mpi_op:
-            break
-    else:
+    code = next((i for i, mpi_op in enumerate(_MPI_OPS) if op == mpi_op), None)
+    if code is None:
         raise ValueError(
             f"op must be one of MPI.{', MPI.'.join(_OP_NAMES)}, got {op!r}. "
             "User-defined MPI operations are not supported."

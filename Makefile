@@ -41,7 +41,7 @@ bench: $(STAMP)
 	$(MAKE) --no-print-directory bench-mpi
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache src/autoshard/mpi/_ffi.so
 
 # MPI: system packages, mpi4py, native FFI handlers, mpirun tests and benchmark.
 include mk/mpi.mk

@@ -60,6 +60,10 @@ class CostModel:
         return cls(tuple(mesh_shape), tuple(alpha), tuple(beta),
                    option.allow_all_gather, option.allow_all_to_all)
 
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.mesh_shape)
+
     def collective(self, kind: str, axes: tuple[int, ...], num_bytes: float) -> float:
         """Cost of one collective of ``kind`` over ``axes`` (run axis by axis)."""
         total = 0.0
@@ -69,37 +73,37 @@ class CostModel:
                 total += self.alpha[a] + self.beta[a] * VOLUME[kind](n) * num_bytes
         return total
 
+    def axis_step(self, a: int, ds: int | None, dd: int | None, total_bytes: float
+                  ) -> tuple[str, float, float] | None:
+        """The collective that moves mesh axis ``a`` from dim ``ds`` to dim ``dd`` (None: none).
+
+        Keep (free), add a split (local slice, free), drop a split (all-gather), move a split to
+        another dim (all-to-all, or all-gather then slice when all-to-all is off). The step
+        moves the array held by one group of devices along ``a``: the array cut by every other
+        mesh axis. This makes the resharding cost a sum of per-axis terms, which keeps the ILP
+        small; on a 1-D mesh it is exact.
+        """
+        if ds == dd or ds is None or self.mesh_shape[a] == 1:
+            return None
+        group_bytes = total_bytes * self.mesh_shape[a] / math.prod(self.mesh_shape)
+        if dd is None or not self.allow_all_to_all:
+            cost = self.collective("all-gather", (a,), group_bytes)
+            if not self.allow_all_gather:
+                cost += FORBIDDEN_S
+            return "all-gather", group_bytes, cost
+        return "all-to-all", group_bytes, self.collective("all-to-all", (a,), group_bytes)
+
     def reshard_steps(self, src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int
                       ) -> list[tuple[str, int, float, float]]:
-        """Collectives that turn an array laid out as ``src`` into ``dst``: (kind, axis, bytes, s).
-
-        Per mesh axis: keep (free), add a split (local slice, free), drop a split (all-gather),
-        or move a split to another dim (all-to-all, or all-gather then slice when all-to-all is
-        off). Bytes of a step are those of the array held by the group of devices running it.
-        """
+        """Collectives that turn an array laid out as ``src`` into ``dst``: (kind, axis, bytes, s)."""
         if src == dst:
             return []
         total_bytes = math.prod(shape) * itemsize
         steps = []
-        for a, n in enumerate(self.mesh_shape):
-            if n == 1:
-                continue
-            ds, dd = axis_dim(src, a), axis_dim(dst, a)
-            if ds == dd or ds is None:
-                continue
-            # The other axes that split the array the same way in both specs cut the group.
-            others = [b for b in range(len(self.mesh_shape))
-                      if b != a and axis_dim(src, b) is not None
-                      and axis_dim(src, b) == axis_dim(dst, b)]
-            group_bytes = total_bytes / math.prod(self.mesh_shape[b] for b in others)
-            if dd is None or not self.allow_all_to_all:
-                cost = self.collective("all-gather", (a,), group_bytes)
-                if not self.allow_all_gather:
-                    cost += FORBIDDEN_S
-                steps.append(("all-gather", a, group_bytes, cost))
-            else:
-                steps.append(("all-to-all", a, group_bytes,
-                              self.collective("all-to-all", (a,), group_bytes)))
+        for a in range(len(self.mesh_shape)):
+            step = self.axis_step(a, axis_dim(src, a), axis_dim(dst, a), total_bytes)
+            if step is not None:
+                steps.append((step[0], a, step[1], step[2]))
         return steps
 
     def reshard(self, src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int) -> float:

@@ -160,7 +160,8 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
         for kind, axes, num_bytes in s.collectives:
             add(kind, axes, num_bytes, ctx.cost.collective(kind, axes, num_bytes) * node.mult,
                 node.where, node.mult)
-        if prob.var(node.id) == node.id and node.kind not in PINNED_KINDS_EXCLUDED:
+        if (prob.var(node.id) == node.id and node.kind not in PINNED_KINDS_EXCLUDED
+                and node.id not in prob.free):
             for vid, spec in zip(node.outputs, s.out_specs):
                 pinned.append((vid, pspec(spec)))
         for p, u in enumerate(node.operands):

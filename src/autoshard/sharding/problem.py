@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 from .cost import CostModel, byte_cost
 from .graph import Graph
 from .options import AutoShardingOption
-from .rules import ELEMENTWISE, RuleContext, Strategy, itemsize, nbytes, strategies_for
+from .rules import (
+    ELEMENTWISE,
+    RuleContext,
+    Strategy,
+    _map_reshape,
+    itemsize,
+    nbytes,
+    reshape_groups,
+    strategies_for,
+)
 from .spec import Spec, replicated, shards
 
 
@@ -25,6 +34,8 @@ class Problem:
     strategies: list[list[Strategy]]
     parent: list[int]
     """Union-find over node ids; the root names the ILP variable of a node."""
+    free: set[int] = field(default_factory=set)
+    """Nodes computed from constants only (one replicated strategy, never pinned)."""
     allowed: dict[int, set[int]] = field(default_factory=dict)
     """Node id -> strategy indices it may take (absent: all)."""
     notes: list[str] = field(default_factory=list)
@@ -35,6 +46,9 @@ class Problem:
             p[node_id] = p[p[node_id]]
             node_id = p[node_id]
         return node_id
+
+    def free_values(self) -> _FreeValues:
+        return _FreeValues(self)
 
     def value_spec(self, value_id: int, k: int) -> Spec:
         v = self.graph.values[value_id]
@@ -50,8 +64,16 @@ class Problem:
         self.parent[hi] = lo
 
 
+class _FreeValues:
+    def __init__(self, prob: Problem):
+        self.prob = prob
+
+    def __contains__(self, value_id: int) -> bool:
+        return self.prob.graph.values[value_id].producer in self.prob.free
+
+
 def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardingOption, *,
-                  batch_invars, aliases, warned: set[str]) -> Problem:
+                  batch_invars, aliases, warned: set[str], tie_layers: bool = True) -> Problem:
     cost = CostModel.from_option(mesh_shape, option)
     ctx = RuleContext(mesh_shape, cost, option, warned)
     prob = Problem(graph, ctx, [], list(range(len(graph.nodes))))
@@ -69,6 +91,9 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
                 f"{vo.shape}; a donated input can only be replaced by an output of its shape.")
         prob.union(ni, no)
     _input_masks(prob, batch_invars)
+    if tie_layers:
+        from .repeats import tie_repeated
+        prob.notes.append(f"{tie_repeated(prob, batch_invars)} variables tied to identical ones")
     return prob
 
 
@@ -93,9 +118,18 @@ def _node_strategies(prob: Problem, node) -> list[Strategy]:
         return [Strategy((s,), (s,) * len(node.operands))
                 for s in ctx.candidates(node.in_avals[0].shape)]
     out_avals = [g.values[v] for v in node.outputs]
+    if _is_free(prob, node):
+        prob.free.add(node.id)
+        return [Strategy(tuple(replicated(len(a.shape)) for a in out_avals),
+                         tuple(None if op is None else replicated(len(a.shape))
+                               for op, a in zip(node.operands, node.in_avals)))]
     leader = _follows(prob, node, out_avals)
     if leader is not None:
         return _follower_strategies(prob, node, leader, out_avals)
+    if node.kind in SHAPE_FOLLOWERS and node.operands and node.operands[0] is not None:
+        mapper = _shape_mapper(prob, node, out_avals)
+        if mapper is not None:
+            return _follower_strategies(prob, node, node.operands[0], out_avals, mapper)
     found = strategies_for(ctx, kind, node.in_avals, out_avals, node.params)
     return [Strategy(s.out_specs,
                      tuple(None if op is None else spec for op, spec in zip(node.operands,
@@ -103,21 +137,62 @@ def _node_strategies(prob: Problem, node) -> list[Strategy]:
                      s.comm_s, s.compute_s, s.collectives) for s in found]
 
 
+SHAPE_FOLLOWERS = frozenset({"transpose", "reshape", "squeeze", "expand_dims"})
+FREE_KINDS = frozenset({"iota", "broadcast_in_dim", "reshape", "transpose", "squeeze",
+                        "expand_dims", "concatenate", "convert_element_type"}) | ELEMENTWISE
+
+
+def _is_free(prob: Problem, node) -> bool:
+    """A value computed from constants only: every device makes any slice of it for free.
+
+    It keeps one (replicated) strategy, so its edges cost nothing whatever spec the consumer
+    wants, and it is not pinned: XLA materialises just the slice each device needs.
+    """
+    if node.kind == "iota":
+        return True
+    if node.kind not in FREE_KINDS or not node.operands:
+        return False
+    g = prob.graph
+    for op, aval in zip(node.operands, node.in_avals):
+        if op is None or len(aval.shape) == 0:
+            continue
+        producer = g.values[op].producer
+        if producer not in prob.free and g.nodes[producer].kind != "const":
+            return False
+    return True
+
+
+CHEAP_LEADERS = frozenset({"broadcast_in_dim", "iota", "const", "input"})
+
+
 def _follows(prob: Problem, node, out_avals) -> int | None:
-    """The value an elementwise node follows, if it has exactly one full-size operand."""
+    """The operand an elementwise node follows: its output takes that operand's spec.
+
+    Other full-size operands are resharded to that spec (an edge). The leader is the first
+    operand not produced by a cheap node (broadcast, constant, input), else the first one.
+    """
     if node.kind not in ELEMENTWISE:
         return None
-    shape = out_avals[0].shape
-    full = {op for op, aval in zip(node.operands, node.in_avals) if len(aval.shape) > 0}
-    if len(full) != 1 or None in full or any(a.shape != shape for a in out_avals):
+    shape = tuple(out_avals[0].shape)
+    if any(tuple(a.shape) != shape for a in out_avals):
         return None
-    leader = next(iter(full))
-    if prob.graph.values[leader].shape != shape:
+    full = [op for op, aval in zip(node.operands, node.in_avals)
+            if op is not None and len(aval.shape) > 0]
+    if not full or any(prob.graph.values[op].shape != shape for op in full):
         return None
-    return leader
+    g = prob.graph
+    for op in full:
+        producer = g.values[op].producer
+        if op not in prob.free_values() and g.nodes[producer].kind not in CHEAP_LEADERS:
+            return op
+    for op in full:
+        if g.values[op].producer not in prob.free:
+            return op
+    return full[0]
 
 
-def _follower_strategies(prob: Problem, node, leader: int, out_avals) -> list[Strategy]:
+def _follower_strategies(prob: Problem, node, leader: int, out_avals, mapper=None
+                         ) -> list[Strategy]:
     g = prob.graph
     producer = g.values[leader].producer
     prob.parent[node.id] = prob.var(producer)
@@ -125,11 +200,56 @@ def _follower_strategies(prob: Problem, node, leader: int, out_avals) -> list[St
     result = []
     for k in range(len(prob.strategies[producer])):
         s = prob.value_spec(leader, k)
-        ins = tuple(None if op is None else (s if op == leader else ())
-                    for op in node.operands)
-        result.append(Strategy((s,) * len(out_avals), ins,
-                               compute_s=byte_cost(size, shards(s, prob.ctx.mesh_shape))))
+        if mapper is not None:
+            s_in, s_out = mapper(s)
+            ins = tuple(None if op is None else (s_in if op == leader else replicated(len(a.shape)))
+                        for op, a in zip(node.operands, node.in_avals))
+        else:
+            s_out = s
+            ins = tuple(None if op is None else (s if len(a.shape) else ())
+                        for op, a in zip(node.operands, node.in_avals))
+        result.append(Strategy((s_out,) * len(out_avals), ins,
+                               compute_s=byte_cost(size, shards(s_out, prob.ctx.mesh_shape))))
     return result
+
+
+def _shape_mapper(prob: Problem, node, out_avals):
+    """For transpose/reshape/squeeze: spec of the operand -> (spec it must have, output spec)."""
+    x = node.in_avals[0]
+    out = out_avals[0]
+    mesh = prob.ctx.mesh_shape
+    if node.kind == "transpose":
+        perm = node.params["permutation"]
+        return lambda s: (s, tuple(s[d] for d in perm))
+    if node.kind == "squeeze":
+        dims = {d % len(x.shape) for d in node.params["dimensions"]}
+        keep = [d for d in range(len(x.shape)) if d not in dims]
+        return lambda s: (s, tuple(s[d] for d in keep))
+    if node.kind in ("reshape", "expand_dims") and len(node.operands) == 1:
+        groups = reshape_groups(tuple(x.shape), tuple(out.shape))
+        if groups is None:
+            return None
+
+        def mapper(s):
+            mapped = _map_reshape(s, x.shape, out.shape, groups, mesh)
+            if mapped is not None:
+                return s, mapped
+            # Keep only the axes that map; the operand is resharded to that spec first.
+            kept = list(s)
+            for d in range(len(s)):
+                if s[d]:
+                    trial = list(replicated(len(s)))
+                    trial[d] = s[d]
+                    if _map_reshape(tuple(trial), x.shape, out.shape, groups, mesh) is None:
+                        kept[d] = ()
+            kept = tuple(kept)
+            mapped = _map_reshape(kept, x.shape, out.shape, groups, mesh)
+            if mapped is None:
+                kept = replicated(len(s))
+                mapped = replicated(len(out.shape))
+            return kept, mapped
+        return mapper
+    return None
 
 
 def _input_masks(prob: Problem, batch_invars):
@@ -167,8 +287,9 @@ def _input_masks(prob: Problem, batch_invars):
 
 def value_bytes(prob: Problem, value_id: int, k: int) -> int:
     v = prob.graph.values[value_id]
-    spec = prob.value_spec(value_id, k)
     size = itemsize(v.dtype)
     for n in v.shape:
         size *= n
-    return size // shards(spec, prob.ctx.mesh_shape)
+    if v.producer in prob.free:  # made slice by slice where it is used
+        return size // prob.ctx.cost.num_devices
+    return size // shards(prob.value_spec(value_id, k), prob.ctx.mesh_shape)

@@ -10,6 +10,7 @@ The optional memory budget adds one row per sampled program point.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +20,10 @@ from scipy.optimize import LinearConstraint, milp
 
 from .problem import Problem, value_bytes
 from .rules import itemsize
+from .spec import axis_dim
+
+
+OBJECTIVE_SCALE = 1e6
 
 
 @dataclass
@@ -124,9 +129,10 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
         M = _memory_rows(prob, col0, K, total)
         constraints.append(LinearConstraint(M, -np.inf, float(memory_budget)))
     integrality = np.concatenate([np.ones(ncols), np.zeros(num_edge)])
-    res = milp(c, integrality=integrality, bounds=(np.zeros(total), upper),
+    # HiGHS works in microseconds: seconds put every cost below its tolerances.
+    res = milp(c * OBJECTIVE_SCALE, integrality=integrality, bounds=(np.zeros(total), upper),
                constraints=constraints,
-               options={"time_limit": float(time_limit_s), "disp": False, "mip_rel_gap": 1e-9})
+               options={"time_limit": float(time_limit_s), "disp": bool(os.environ.get("AUTOSHARD_SOLVER_LOG")), "mip_rel_gap": 1e-4})
     if res.x is None:
         if res.status == 2:
             raise ValueError(
@@ -137,7 +143,7 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
                            f"solver_time_limit_s ({time_limit_s}).")
     status = "optimal" if res.status == 0 else "time limit: best incumbent"
     choice = {r: int(np.argmax(res.x[col0[r]:col0[r] + K[r]])) for r in roots}
-    return Solution(choice, status, float(res.fun), time.perf_counter() - t0,
+    return Solution(choice, status, float(res.fun) / OBJECTIVE_SCALE, time.perf_counter() - t0,
                     num_ilp_vars=total, info={"rows": nrows, "edge_vars": num_edge})
 
 
@@ -156,23 +162,33 @@ def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
             if a != b:
                 unary[base + k] += edges.reshard(a, b, value.shape, isize) * node.mult
         return
-    ospecs = list(dict.fromkeys(src))
-    rspecs = list(dict.fromkeys(dst))
-    if len(ospecs) == 1 and len(rspecs) == 1 and ospecs[0] == rspecs[0]:
-        return
-    oindex = {s: i for i, s in enumerate(ospecs)}
-    rindex = {s: i for i, s in enumerate(rspecs)}
-    omap = tuple(oindex[s] for s in src)
-    rmap = tuple(rindex[s] for s in dst)
-    key = (ru, rv, omap, rmap)
-    entry = edges.groups.get(key)
-    if entry is None:
-        entry = edges.groups[key] = (ospecs, rspecs, np.zeros((len(ospecs), len(rspecs))))
-    C = entry[2]
-    for i, a in enumerate(ospecs):
-        for j, b in enumerate(rspecs):
-            if a != b:
-                C[i, j] += edges.reshard(a, b, value.shape, isize) * node.mult
+    # The resharding cost is a sum over mesh axes of a term that depends only on where that
+    # axis sits in the producer's spec and in the required spec: one small edge per axis.
+    total_bytes = float(isize * np.prod(value.shape, dtype=np.float64))
+    cost = prob.ctx.cost
+    for a, size in enumerate(cost.mesh_shape):
+        if size == 1:
+            continue
+        src_dims = [axis_dim(x, a) for x in src]
+        dst_dims = [axis_dim(x, a) for x in dst]
+        odims = list(dict.fromkeys(src_dims))
+        rdims = list(dict.fromkeys(dst_dims))
+        if len(odims) == 1 and len(rdims) == 1 and odims[0] == rdims[0]:
+            continue
+        oindex = {d: i for i, d in enumerate(odims)}
+        rindex = {d: i for i, d in enumerate(rdims)}
+        omap = tuple(oindex[d] for d in src_dims)
+        rmap = tuple(rindex[d] for d in dst_dims)
+        key = (ru, rv, omap, rmap)
+        entry = edges.groups.get(key)
+        if entry is None:
+            entry = edges.groups[key] = (odims, rdims, np.zeros((len(odims), len(rdims))))
+        C = entry[2]
+        for i, ds in enumerate(odims):
+            for j, dd in enumerate(rdims):
+                step = cost.axis_step(a, ds, dd, total_bytes)
+                if step is not None:
+                    C[i, j] += step[2] * node.mult
 
 
 def liveness(prob: Problem) -> list[tuple[int, int, int]]:

@@ -57,8 +57,11 @@ class CostModel:
                 raise ValueError(
                     f"{name} ({value!r}) must have one entry per logical mesh axis "
                     f"(mesh shape {mesh_shape}). Give {rank} values or None for the defaults.")
+        # Pure data parallel never reshards: batch-split or replicated values only, joined by
+        # the all-reduces of reductions over the batch.
+        dp = option.force_data_parallel
         return cls(tuple(mesh_shape), tuple(alpha), tuple(beta),
-                   option.allow_all_gather, option.allow_all_to_all)
+                   option.allow_all_gather and not dp, option.allow_all_to_all and not dp)
 
     @property
     def num_devices(self) -> int:

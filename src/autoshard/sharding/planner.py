@@ -87,7 +87,8 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     shape, prob, sol = best
     names = tuple(axis_names) if axis_names is not None else DEFAULT_AXIS_NAMES.get(
         len(shape), tuple(f"a{i}" for i in range(len(shape))))
-    dp = _data_parallel_objective(prob, batch_invars, option)
+    dp = (best[2].objective_s if option.force_data_parallel
+          else _data_parallel_objective(graph, shape, batch_invars, aliases, option, warned))
     plan = make_plan(prob, sol, names, dp_objective=dp)
     notes = list(plan.notes)
     if len(tried) > 1:
@@ -101,21 +102,15 @@ def _replace(plan: ShardingPlan, **kw) -> ShardingPlan:
     return dataclasses.replace(plan, **kw)
 
 
-def _data_parallel_objective(prob: Problem, batch_invars, option) -> float | None:
-    """The ILP objective with batch inputs split over every axis and the rest replicated."""
-    g = prob.graph
-    live = tuple(a for a, n in enumerate(prob.ctx.mesh_shape) if n > 1)
-    allowed = {}
-    for i, node_id in enumerate(g.inputs):
-        specs = [s.out_specs[0] for s in prob.strategies[node_id]]
-        rank = len(specs[0])
-        want = replicated(rank)
-        if batch_invars[i] and rank > 0 and ((live,) + ((),) * (rank - 1)) in specs:
-            want = (live,) + ((),) * (rank - 1)
-        allowed[node_id] = {specs.index(want)}
+def _data_parallel_objective(graph: Graph, shape, batch_invars, aliases, option, warned
+                             ) -> float | None:
+    """The objective of pure data parallel on the same mesh (batch split over every axis)."""
+    dp_option = _replace(option, force_data_parallel=True, logical_mesh_shape=tuple(shape),
+                         memory_budget_per_device=None)
+    prob = build_problem(graph, tuple(shape), dp_option, batch_invars=batch_invars,
+                         aliases=aliases, warned=warned)
     try:
-        sol = build_and_solve(prob, time_limit_s=option.solver_time_limit_s, memory_budget=None,
-                              extra_allowed=allowed)
+        sol = build_and_solve(prob, time_limit_s=option.solver_time_limit_s, memory_budget=None)
     except (ValueError, RuntimeError):
         return None
     return sol.objective_s

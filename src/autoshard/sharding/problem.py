@@ -9,6 +9,7 @@ keep equal strategy lists.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .cost import CostModel, byte_cost
@@ -101,7 +102,11 @@ def _node_strategies(prob: Problem, node) -> list[Strategy]:
     ctx, g = prob.ctx, prob.graph
     kind = node.kind
     if kind == "input":
-        return [Strategy((s,), ()) for s in ctx.candidates(g.values[node.outputs[0]].shape)]
+        # Holding an input costs its bytes per device: among equally fast plans, split inputs.
+        value = g.values[node.outputs[0]]
+        size = itemsize(value.dtype) * math.prod(value.shape)
+        return [Strategy((s,), (), compute_s=byte_cost(size, shards(s, ctx.mesh_shape)))
+                for s in ctx.candidates(value.shape)]
     if kind in ("output", "carry_back"):
         return [Strategy((), (s,)) for s in ctx.candidates(node.in_avals[0].shape)]
     if kind == "const":

@@ -187,6 +187,11 @@ def top_k(ctx, in_avals, out_avals, params):
     return _keep_dims_whole(ctx, in_avals, out_avals, {len(x.shape) - 1})
 
 
+@register("rev")
+def rev(ctx, in_avals, out_avals, params):
+    return _keep_dims_whole(ctx, in_avals, out_avals, set(params["dimensions"]))
+
+
 @register("split")
 def split(ctx, in_avals, out_avals, params):
     axis = params["axis"]

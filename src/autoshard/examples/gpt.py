@@ -79,10 +79,9 @@ METHODS = {
 
 
 def summarize(plan: autoshard.ShardingPlan) -> str:
-    """The parameter rows and the totals of a plan (the optimizer-state rows repeat them)."""
+    """The plan without optimizer-state and output rows (they repeat the parameter rows)."""
     keep = [line for line in plan.explain().splitlines()
-            if (".params[" in line and line.strip().startswith("arg"))
-            or not line.startswith("    ") or "collective" in line]
+            if ".opt_state" not in line and not line.strip().startswith("out[")]
     return "\n".join(keep)
 
 

@@ -9,7 +9,7 @@ import autoshard
 from models import assert_trees_close, copy_tree, make_case, make_state, train_step
 
 
-@pytest.mark.parametrize("method", ["data", "zero2", "manual"])
+@pytest.mark.parametrize("method", ["data", "zero2", "manual", "auto"])
 @pytest.mark.parametrize("k", [2, 4])
 def test_accumulation_equals_full_batch(method, k):
     model, x, y = make_case("mlp", batch=32)
@@ -17,7 +17,10 @@ def test_accumulation_equals_full_batch(method, k):
     make = {"data": autoshard.DataParallel, "zero2": autoshard.Zero2Parallel,
             "manual": lambda num_micro_batches: autoshard.ShardParallel(
                 num_micro_batches=num_micro_batches,
-                manual_sharding_option=autoshard.ManualShardingOption(("d",)))}[method]
+                manual_sharding_option=autoshard.ManualShardingOption(("d",))),
+            "auto": lambda num_micro_batches: autoshard.ShardParallel(
+                num_micro_batches=num_micro_batches,
+                auto_sharding_option=autoshard.AutoShardingOption(show_progress=False))}[method]
     f1 = autoshard.parallelize(train_step, method=make(num_micro_batches=1))
     fk = autoshard.parallelize(train_step, method=make(num_micro_batches=k))
     s1, sk = copy_tree(state), copy_tree(state)

@@ -22,7 +22,7 @@ def plan_fn(fn, args, *, batch=None, aliases=(), option=None, num_devices=8, **o
     """Trace ``fn(*args)`` and plan it; ``batch``: per flat input leaf, is it a batch leaf."""
     closed = jax.make_jaxpr(fn)(*args)
     flat = jax.tree.leaves(args)
-    option = option or AutoShardingOption(show_progress=False, **opt)
+    option = option or AutoShardingOption(**{"show_progress": False, **opt})
     batch = [False] * len(flat) if batch is None else list(batch)
     plan = plan_auto(closed, num_devices=num_devices, option=option,
                      in_paths=[f"in{i}" for i in range(len(flat))],

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import gpt_loss, init_gpt, init_moe, init_block, block, moe, mse, sgd_step
+from _models import block, gpt_loss, init_block, init_gpt, init_moe, moe, mse, sgd_step
 from _util import assert_close, plan_fn, run_plan
 from jax.sharding import PartitionSpec as P
-from models import copy_tree, make_case, make_state, train_step
 
 import autoshard
 from autoshard.sharding import AutoShardingOption
+from models import copy_tree, make_case, make_state, train_step
 
 QUIET = AutoShardingOption(show_progress=False)
 
@@ -76,7 +76,7 @@ def test_moe_top2_matches_single_device():
                            aliases=[(i, i) for i in range(leaves)], logical_mesh_shape=(8,))
     state, s_ref = (params, x, x), (params, x, x)
     for _ in range(3):
-        new, loss = run_plan(closed, plan, state)[:leaves], None
+        new = run_plan(closed, plan, state)[:leaves]
         new_params = jax.tree.unflatten(jax.tree.structure(params), new)
         ref_params, _ = jax.jit(step)(*s_ref)
         assert_close(new_params, ref_params, rtol=1e-4, atol=1e-5)

@@ -10,7 +10,6 @@ from _models import block, init_block, mlp, mse, sgd_step
 from _util import assert_close, collectives, compile_plan, hlo_of, plan_fn, run_plan
 from jax.sharding import PartitionSpec as P
 
-from autoshard.sharding import AutoShardingOption
 from autoshard.sharding.cost import DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE
 
 MLP_STEP = sgd_step(mse(mlp))

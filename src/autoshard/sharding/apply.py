@@ -65,7 +65,7 @@ def apply_plan(closed_jaxpr: core.ClosedJaxpr, plan: ShardingPlan, mesh: Mesh) -
             plan.axis_names):
         raise ValueError(
             f"mesh {dict(mesh.shape)} does not match the plan's mesh "
-            f"{dict(zip(plan.axis_names, plan.mesh_shape))}; build it as "
+            f"{dict(zip(plan.axis_names, plan.mesh_shape, strict=False))}; build it as "
             "Mesh(devices.reshape(plan.mesh_shape), plan.axis_names).")
     n_in, n_out = len(closed_jaxpr.jaxpr.invars), len(closed_jaxpr.jaxpr.outvars)
     graph = build_graph(closed_jaxpr, [""] * n_in, [""] * n_out)
@@ -81,9 +81,9 @@ def apply_plan(closed_jaxpr: core.ClosedJaxpr, plan: ShardingPlan, mesh: Mesh) -
 
 def _eval(graph: Graph, pins: _Pins, jaxpr, consts, args, ctx):
     env = {}
-    for var, c in zip(jaxpr.constvars, consts):
+    for var, c in zip(jaxpr.constvars, consts, strict=False):
         env[var] = c
-    for var, a in zip(jaxpr.invars, args):
+    for var, a in zip(jaxpr.invars, args, strict=False):
         env[var] = a
 
     def read(atom):
@@ -111,8 +111,8 @@ def _eval(graph: Graph, pins: _Pins, jaxpr, consts, args, ctx):
             outs = eqn.primitive.bind(*ins, **eqn.params)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
-            outs = [pins.value(r, o) for r, o in zip(refs, outs)]
-        for var, o in zip(eqn.outvars, outs):
+            outs = [pins.value(r, o) for r, o in zip(refs, outs, strict=False)]
+        for var, o in zip(eqn.outvars, outs, strict=False):
             env[var] = o
     return [read(a) for a in jaxpr.outvars]
 
@@ -138,20 +138,20 @@ def _scan(graph, pins, eqn, ins, key):
     loop = graph.loops[key]
     carry_ids, slice_ids = loop["carry"], loop["xs"]
     out_refs = graph.eqn_outputs[key]
-    init = [pins.value(v, x) for v, x in zip(carry_ids, init)]
-    xs = [pins.sliced(v, x, drop_leading=False) for v, x in zip(slice_ids, xs)]
+    init = [pins.value(v, x) for v, x in zip(carry_ids, init, strict=False)]
+    xs = [pins.sliced(v, x, drop_leading=False) for v, x in zip(slice_ids, xs, strict=False)]
 
     def step(carry, x):
-        carry = [pins.value(v, c) for v, c in zip(carry_ids, carry)]
-        x = [pins.value(v, xi) for v, xi in zip(slice_ids, x)]
+        carry = [pins.value(v, c) for v, c in zip(carry_ids, carry, strict=False)]
+        x = [pins.value(v, xi) for v, xi in zip(slice_ids, x, strict=False)]
         outs = _eval(graph, pins, body.jaxpr, body.consts, list(consts) + carry + x, key)
-        new = [pins.value(v, c) for v, c in zip(carry_ids, outs[:ncar])]
-        ys = [pins.sliced(r, y, drop_leading=True) for r, y in zip(out_refs[ncar:], outs[ncar:])]
+        new = [pins.value(v, c) for v, c in zip(carry_ids, outs[:ncar], strict=False)]
+        ys = [pins.sliced(r, y, drop_leading=True) for r, y in zip(out_refs[ncar:], outs[ncar:], strict=False)]
         return new, ys
 
     carry, ys = lax.scan(step, init, xs, length=p["length"], reverse=p["reverse"],
                          unroll=p["unroll"])
-    ys = [pins.value(r, y) for r, y in zip(out_refs[ncar:], ys)]
+    ys = [pins.value(r, y) for r, y in zip(out_refs[ncar:], ys, strict=False)]
     return list(carry) + list(ys)
 
 
@@ -161,15 +161,15 @@ def _while(graph, pins, eqn, ins, key):
     cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
     carry_ids = graph.loops[key]["carry"]
     cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
-    init = [pins.value(v, x) for v, x in zip(carry_ids, init)]
+    init = [pins.value(v, x) for v, x in zip(carry_ids, init, strict=False)]
 
     def cond_fun(carry):
         return _eval(graph, pins, cj.jaxpr, cj.consts, list(cconsts) + list(carry), key + (0,))[0]
 
     def body_fun(carry):
-        carry = [pins.value(v, c) for v, c in zip(carry_ids, carry)]
+        carry = [pins.value(v, c) for v, c in zip(carry_ids, carry, strict=False)]
         outs = _eval(graph, pins, bj.jaxpr, bj.consts, list(bconsts) + carry, key + (1,))
-        return [pins.value(v, c) for v, c in zip(carry_ids, outs)]
+        return [pins.value(v, c) for v, c in zip(carry_ids, outs, strict=False)]
 
     return list(lax.while_loop(cond_fun, body_fun, init))
 
@@ -180,7 +180,7 @@ def _cond(graph, pins, eqn, ins, key):
     def branch_fn(b, br):
         def run(*ops):
             outs = _eval(graph, pins, br.jaxpr, br.consts, list(ops), key + (b,))
-            return [pins.value(r, o) for r, o in zip(refs, outs)]
+            return [pins.value(r, o) for r, o in zip(refs, outs, strict=False)]
         return run
 
     branches = [branch_fn(b, br) for b, br in enumerate(eqn.params["branches"])]

@@ -125,10 +125,10 @@ def _materialize(g: Graph, ref: Ref, mult: float) -> int:
 
 def _walk(g: Graph, jaxpr: core.Jaxpr, consts, in_refs, ctx: tuple, mult: float) -> list[Ref]:
     env: dict[Any, Ref] = {}
-    for var, c in zip(jaxpr.constvars, consts):
+    for var in jaxpr.constvars[: len(consts)]:
         env[var] = g.add_node("const", [], [], [var.aval], {}, mult, "constant").outputs[0]
     assert len(jaxpr.invars) == len(in_refs), (len(jaxpr.invars), len(in_refs))
-    for var, ref in zip(jaxpr.invars, in_refs):
+    for var, ref in zip(jaxpr.invars, in_refs, strict=False):
         env[var] = ref
 
     def read(atom):
@@ -158,7 +158,7 @@ def _walk(g: Graph, jaxpr: core.Jaxpr, consts, in_refs, ctx: tuple, mult: float)
                               eqn.params, mult, _where(eqn, name))
             outs = list(node.outputs)
         g.eqn_outputs[key] = list(outs)
-        for var, ref in zip(eqn.outvars, outs):
+        for var, ref in zip(eqn.outvars, outs, strict=False):
             env[var] = ref
     return [read(a) for a in jaxpr.outvars]
 
@@ -180,7 +180,7 @@ def _carries(g: Graph, init_refs, mult: float, where: str) -> list[int]:
 
 
 def _close_loop(g: Graph, carry_values, new_refs, mult: float, where: str):
-    for value_id, ref in zip(carry_values, new_refs):
+    for value_id, ref in zip(carry_values, new_refs, strict=False):
         operand = _materialize(g, ref, mult)
         node = g.add_node("carry_back", [operand], [g.aval(operand)], [], {}, mult, where)
         g.ties.append((g.values[value_id].producer, node.id))

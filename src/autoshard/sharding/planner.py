@@ -19,7 +19,7 @@ from .plan import Collective, LeafPlan, Objective, ShardingPlan
 from .problem import Problem, build_problem
 from .rules import itemsize
 from .solver import Solution, build_and_solve, peak_bytes
-from .spec import replicated, to_partition_spec
+from .spec import to_partition_spec
 
 DEFAULT_AXIS_NAMES = {1: ("x",), 2: ("x", "y")}
 PINNED_KINDS_EXCLUDED = {"input", "output", "const", "carry_back"}
@@ -157,7 +157,7 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
                 node.where, node.mult)
         if (prob.var(node.id) == node.id and node.kind not in PINNED_KINDS_EXCLUDED
                 and node.id not in prob.free):
-            for vid, spec in zip(node.outputs, s.out_specs):
+            for vid, spec in zip(node.outputs, s.out_specs, strict=False):
                 pinned.append((vid, pspec(spec)))
         for p, u in enumerate(node.operands):
             if u is None:

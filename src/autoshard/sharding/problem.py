@@ -127,7 +127,7 @@ def _node_strategies(prob: Problem, node) -> list[Strategy]:
         prob.free.add(node.id)
         return [Strategy(tuple(replicated(len(a.shape)) for a in out_avals),
                          tuple(None if op is None else replicated(len(a.shape))
-                               for op, a in zip(node.operands, node.in_avals)))]
+                               for op, a in zip(node.operands, node.in_avals, strict=False)))]
     leader = _follows(prob, node, out_avals)
     if leader is not None:
         return _follower_strategies(prob, node, leader, out_avals)
@@ -138,7 +138,7 @@ def _node_strategies(prob: Problem, node) -> list[Strategy]:
     found = strategies_for(ctx, kind, node.in_avals, out_avals, node.params)
     return [Strategy(s.out_specs,
                      tuple(None if op is None else spec for op, spec in zip(node.operands,
-                                                                            s.in_specs)),
+                                                                            s.in_specs, strict=False)),
                      s.comm_s, s.compute_s, s.collectives) for s in found]
 
 
@@ -158,7 +158,7 @@ def _is_free(prob: Problem, node) -> bool:
     if node.kind not in FREE_KINDS or not node.operands:
         return False
     g = prob.graph
-    for op, aval in zip(node.operands, node.in_avals):
+    for op, aval in zip(node.operands, node.in_avals, strict=False):
         if op is None or len(aval.shape) == 0:
             continue
         producer = g.values[op].producer
@@ -181,7 +181,7 @@ def _follows(prob: Problem, node, out_avals) -> int | None:
     shape = tuple(out_avals[0].shape)
     if any(tuple(a.shape) != shape for a in out_avals):
         return None
-    full = [op for op, aval in zip(node.operands, node.in_avals)
+    full = [op for op, aval in zip(node.operands, node.in_avals, strict=False)
             if op is not None and len(aval.shape) > 0]
     if not full or any(prob.graph.values[op].shape != shape for op in full):
         return None
@@ -208,11 +208,11 @@ def _follower_strategies(prob: Problem, node, leader: int, out_avals, mapper=Non
         if mapper is not None:
             s_in, s_out = mapper(s)
             ins = tuple(None if op is None else (s_in if op == leader else replicated(len(a.shape)))
-                        for op, a in zip(node.operands, node.in_avals))
+                        for op, a in zip(node.operands, node.in_avals, strict=False))
         else:
             s_out = s
             ins = tuple(None if op is None else (s if len(a.shape) else ())
-                        for op, a in zip(node.operands, node.in_avals))
+                        for op, a in zip(node.operands, node.in_avals, strict=False))
         result.append(Strategy((s_out,) * len(out_avals), ins,
                                compute_s=byte_cost(size, shards(s_out, prob.ctx.mesh_shape))))
     return result

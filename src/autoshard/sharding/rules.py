@@ -313,7 +313,7 @@ def _map_reshape(spec: Spec, src_shape, dst_shape, groups, mesh_shape) -> Spec |
     for src_dims, dst_dims in groups:
         src_big = [d for d in src_dims if src_shape[d] > 1]
         dst_big = [d for d in dst_dims if dst_shape[d] > 1]
-        for k, d in enumerate(src_dims):
+        for d in src_dims:
             axes = spec[d]
             if not axes:
                 continue

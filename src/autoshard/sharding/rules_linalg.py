@@ -26,7 +26,7 @@ def _enumerate_roles(ctx: RuleContext, roles: list):
     """Every assignment of a role (or None) to each live mesh axis."""
     live = _live_axes(ctx)
     for choice in itertools.product([None] + roles, repeat=len(live)):
-        yield dict(zip(live, choice))
+        yield dict(zip(live, choice, strict=False))
 
 
 def _heavy_filter(ctx: RuleContext, found: list[tuple[int, Strategy]]) -> list[Strategy]:
@@ -139,14 +139,14 @@ def _gather_maps(operand_rank, indices_rank, out_rank, dn, slice_sizes, operand_
     batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
     index_dims = list(range(indices_rank - 1))  # the last indices dim holds the index vector
     roles = []
-    for out_d, idx_d in zip(batch_out, index_dims):
+    for out_d, idx_d in zip(batch_out, index_dims, strict=False):
         op_d = None
         if idx_d in dn.start_indices_batching_dims:
             op_d = dn.operand_batching_dims[dn.start_indices_batching_dims.index(idx_d)]
         roles.append(("batch", out_d, op_d, idx_d))
     window = [d for d in range(operand_rank)
               if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
-    for out_d, op_d in zip(dn.offset_dims, window):
+    for out_d, op_d in zip(dn.offset_dims, window, strict=False):
         if slice_sizes[op_d] == operand_shape[op_d]:
             roles.append(("offset", out_d, op_d, None))
     for op_d in dn.collapsed_slice_dims:
@@ -210,10 +210,10 @@ def _scatter(ctx: RuleContext, in_avals, out_avals, params, *, is_add: bool):
     window = [d for d in range(len(operand.shape))
               if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
     roles = []
-    for up_d, op_d in zip(dn.update_window_dims, window):
+    for up_d, op_d in zip(dn.update_window_dims, window, strict=False):
         if updates.shape[up_d] == operand.shape[op_d]:
             roles.append(("window", op_d, up_d, None))
-    for up_d, idx_d in zip(update_scatter, index_dims):
+    for up_d, idx_d in zip(update_scatter, index_dims, strict=False):
         if idx_d in dn.scatter_indices_batching_dims:
             op_d = dn.operand_batching_dims[dn.scatter_indices_batching_dims.index(idx_d)]
             roles.append(("batched", op_d, up_d, idx_d))

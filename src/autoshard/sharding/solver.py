@@ -22,7 +22,6 @@ from .problem import Problem, value_bytes
 from .rules import itemsize
 from .spec import axis_dim
 
-
 OBJECTIVE_SCALE = 1e6
 
 
@@ -139,12 +138,41 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
                 "The sharding ILP is infeasible: no plan fits memory_budget_per_device "
                 f"({memory_budget} bytes) on mesh {prob.ctx.mesh_shape}, or the forced specs "
                 "contradict each other. Raise the budget or relax the options.")
-        raise RuntimeError(f"HiGHS found no plan (status {res.status}: {res.message}); raise "
-                           f"solver_time_limit_s ({time_limit_s}).")
+        if memory_budget is not None:
+            raise RuntimeError(
+                f"HiGHS found no plan within solver_time_limit_s ({time_limit_s}) under "
+                f"memory_budget_per_device ({memory_budget}); raise the time limit.")
+        # No incumbent yet: take each variable's cheapest allowed strategy on its own.
+        choice = {}
+        for r in roots:
+            costs = np.where(upper[col0[r]:col0[r] + K[r]] > 0, unary[col0[r]:col0[r] + K[r]],
+                             np.inf)
+            choice[r] = int(np.argmin(costs))
+        return Solution(choice, "time limit: no incumbent, greedy fallback",
+                        _evaluate(prob, choice, edges), time.perf_counter() - t0,
+                        num_ilp_vars=total, info={"rows": nrows, "edge_vars": num_edge})
     status = "optimal" if res.status == 0 else "time limit: best incumbent"
     choice = {r: int(np.argmax(res.x[col0[r]:col0[r] + K[r]])) for r in roots}
     return Solution(choice, status, float(res.fun) / OBJECTIVE_SCALE, time.perf_counter() - t0,
                     num_ilp_vars=total, info={"rows": nrows, "edge_vars": num_edge})
+
+
+def _evaluate(prob: Problem, choice: dict[int, int], edges: _Edges) -> float:
+    """Objective of an assignment (strategy costs plus resharding on every edge)."""
+    g = prob.graph
+    total = 0.0
+    for node in g.nodes:
+        s = prob.strategies[node.id][choice[prob.var(node.id)]]
+        total += (s.comm_s + s.compute_s) * node.mult
+        for p, u in enumerate(node.operands):
+            if u is None:
+                continue
+            value = g.values[u]
+            src = prob.value_spec(u, choice[prob.var(value.producer)])
+            if src != s.in_specs[p]:
+                total += edges.reshard(src, s.in_specs[p], value.shape,
+                                       itemsize(value.dtype)) * node.mult
+    return total
 
 
 def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
@@ -158,7 +186,7 @@ def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
     isize = itemsize(value.dtype)
     if ru == rv:
         base = col0[rv]
-        for k, (a, b) in enumerate(zip(src, dst)):
+        for k, (a, b) in enumerate(zip(src, dst, strict=False)):
             if a != b:
                 unary[base + k] += edges.reshard(a, b, value.shape, isize) * node.mult
         return

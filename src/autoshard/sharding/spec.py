@@ -44,7 +44,7 @@ def is_valid(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) ->
     if len(spec) != len(shape):
         return False
     seen: set[int] = set()
-    for axes, size in zip(spec, shape):
+    for axes, size in zip(spec, shape, strict=False):
         if list(axes) != sorted(axes) or seen & set(axes):
             return False
         seen |= set(axes)
@@ -63,7 +63,7 @@ def candidate_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list
     out: list[Spec] = []
     for choice in itertools.product(range(-1, rank), repeat=len(live)):
         spec = [[] for _ in range(rank)]
-        for a, d in zip(live, choice):
+        for a, d in zip(live, choice, strict=False):
             if d >= 0:
                 spec[d].append(a)
         s = tuple(tuple(sorted(x)) for x in spec)

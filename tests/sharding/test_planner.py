@@ -1,0 +1,140 @@
+"""plan_auto as a whole: options, meshes, determinism, device-free planning, explain()."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _models import gpt_loss, init_gpt, mlp, mse, sgd_step
+from _util import plan_fn
+from jax.sharding import PartitionSpec as P
+
+from autoshard.sharding import AutoShardingOption, plan_auto
+from autoshard.sharding.planner import mesh_candidates
+
+MLP_STEP = sgd_step(mse(mlp))
+
+
+def _mlp_args(batch=8, hidden=256):
+    return ((jnp.ones((hidden, 4 * hidden)), jnp.ones((4 * hidden, hidden))),
+            jnp.ones((batch, hidden)), jnp.ones((batch, hidden)))
+
+
+def _plan(args=None, **opt):
+    return plan_fn(MLP_STEP, args or _mlp_args(), batch=[0, 0, 1, 1], aliases=[(0, 0), (1, 1)],
+                   **opt)[1]
+
+
+def test_mesh_candidates():
+    opt = AutoShardingOption()
+    assert mesh_candidates(8, opt) == [(8,), (2, 4), (4, 2)]
+    assert mesh_candidates(8, AutoShardingOption(logical_mesh_shape=(2, 4))) == [(2, 4)]
+    assert mesh_candidates(6, opt, rank=2) == [(2, 3), (3, 2)]
+    assert mesh_candidates(8, AutoShardingOption(force_data_parallel=True)) == [(8,)]
+    with pytest.raises(ValueError, match=r"logical_mesh_shape \(3, 2\) holds 6 devices"):
+        mesh_candidates(8, AutoShardingOption(logical_mesh_shape=(3, 2)))
+
+
+def test_automatic_mesh_choice_keeps_the_cheapest():
+    plan = _plan()
+    assert plan.mesh_shape in [(8,), (2, 4), (4, 2)]
+    tried = [n for n in plan.notes if n.startswith("meshes tried")]
+    assert tried and str(plan.mesh_shape) in tried[0]
+
+
+def test_plan_is_deterministic():
+    a, b = _plan(), _plan()
+    assert a.in_specs == b.in_specs and a.out_specs == b.out_specs
+    assert a.intermediates == b.intermediates
+    assert a.objective.total_s == b.objective.total_s
+
+
+def test_planning_needs_no_devices_gpt_on_64x8():
+    # A GPT layer stack at GPT-3 width, planned for 512 devices this machine does not have.
+    params = jax.eval_shape(lambda: init_gpt(0, vocab=512, dim=128, heads=8, layers=2,
+                                             scan=True))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+
+    def widen(a):  # scale the model dims up abstractly: no memory is allocated
+        return jax.ShapeDtypeStruct(tuple(s * 96 if s in (128, 512) else s for s in a.shape),
+                                    a.dtype)
+
+    params = jax.tree.map(widen, params)
+    tokens = jax.ShapeDtypeStruct((512, 64), jnp.int32)
+    closed = jax.make_jaxpr(sgd_step(gpt_loss(True)))(params, tokens, tokens)
+    leaves = len(jax.tree.leaves(params))
+    plan = plan_auto(closed, num_devices=512, option=AutoShardingOption(
+        logical_mesh_shape=(64, 8), show_progress=False),
+        in_paths=[f"p{i}" for i in range(leaves)] + ["tokens", "targets"],
+        out_paths=[f"o{i}" for i in range(leaves + 1)], batch_invars=[0] * leaves + [1, 1],
+        aliases=[(i, i) for i in range(leaves)])
+    assert plan.mesh_shape == (64, 8) and plan.axis_names == ("x", "y")
+    text = plan.explain()
+    assert "x=64 x y=8" in text
+    assert plan.objective.peak_bytes_per_device > 0
+    # Every big matrix is split somewhere: nothing of 12288 x 49152 stays whole.
+    for leaf in plan.inputs[:leaves]:
+        if np.prod(leaf.shape) > 1e8:
+            assert leaf.spec != P(), leaf
+
+
+def test_explain_lists_parameters_collectives_objective_and_data_parallel():
+    plan = _plan(logical_mesh_shape=(8,))
+    text = plan.explain()
+    for needle in ("in0", "1024x256", "expected collectives", "all-reduce", "over x",
+                   "objective:", "communication", "resharding", "compute",
+                   "pure data parallel on the same mesh", "estimated peak memory per device"):
+        assert needle in text, needle
+    assert plan.objective.data_parallel_s > plan.objective.total_s
+
+
+def test_options_force_batch_axis_and_forbid_replicated_parameters():
+    args = _mlp_args(batch=64, hidden=64)
+    plan = _plan(args, logical_mesh_shape=(2, 4), force_batch_dim_to_mesh_dim=1)
+    assert "y" in str(plan.in_specs[2][0]) and "y" in str(plan.in_specs[3][0])
+    big_batch = _mlp_args(batch=4096, hidden=16)
+    assert _plan(big_batch, logical_mesh_shape=(8,)).in_specs[:2] == (P(), P())
+    plan = _plan(big_batch, logical_mesh_shape=(8,), allow_replicated_parameters=False)
+    assert P() not in plan.in_specs[:2]
+
+
+def test_aliases_share_specs():
+    plan = _plan(logical_mesh_shape=(8,))
+    assert plan.in_specs[0] == plan.out_specs[0] and plan.in_specs[1] == plan.out_specs[1]
+
+
+def test_time_limit_uses_an_incumbent_and_says_so():
+    params = init_gpt(0, vocab=64, dim=32, heads=4, layers=2, scan=False)
+    tokens = jnp.zeros((8, 16), jnp.int32)
+    leaves = len(jax.tree.leaves(params))
+    closed, plan = plan_fn(sgd_step(gpt_loss(False)), (params, tokens, tokens),
+                           batch=[0] * leaves + [1, 1], logical_mesh_shape=(2, 4),
+                           solver_time_limit_s=1e-3)
+    assert plan.objective.solver_status.startswith("time limit")
+    assert "time limit" in plan.explain()
+
+
+def test_progress_bar_can_be_turned_off(capsys):
+    _plan(logical_mesh_shape=None, show_progress=False)
+    assert "autoshard: planning" not in capsys.readouterr().err
+    _plan(option=AutoShardingOption(show_progress=True))
+    assert "autoshard: planning" in capsys.readouterr().err
+
+
+def test_argument_errors():
+    closed = jax.make_jaxpr(MLP_STEP)(*_mlp_args())
+    base = dict(num_devices=8, option=AutoShardingOption(show_progress=False),
+                in_paths=["a", "b", "c", "d"], out_paths=["o", "p", "q"],
+                batch_invars=[0, 0, 1, 1])
+    with pytest.raises(ValueError, match="in_paths has 2 entries but the jaxpr has 4"):
+        plan_auto(closed, **{**base, "in_paths": ["a", "b"]})
+    with pytest.raises(ValueError, match=r"aliases entry \(0, 7\) is out of range"):
+        plan_auto(closed, **base, aliases=[(0, 7)])
+    with pytest.raises(ValueError, match="different shapes"):
+        plan_auto(closed, **base, aliases=[(0, 1)])
+    with pytest.raises(ValueError, match="mesh_beta"):
+        plan_auto(closed, **{**base, "option": AutoShardingOption(
+            logical_mesh_shape=(2, 4), mesh_beta=(1e-9,), show_progress=False)})
+    with pytest.raises(ValueError, match="logical_mesh_shape"):
+        AutoShardingOption(logical_mesh_shape=(0, 8))

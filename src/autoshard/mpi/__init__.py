@@ -9,8 +9,10 @@ from ._native import MPI as _MPI  # noqa: F401  (fails first, with a clear Impor
 from ._runtime import install as _install
 from ._token import Token as Token
 from .allgather import allgather as allgather
+from .allgatherv import allgatherv as allgatherv
 from .allreduce import allreduce as allreduce
 from .alltoall import alltoall as alltoall
+from .alltoallv import alltoallv as alltoallv
 from .barrier import barrier as barrier
 from .bcast import bcast as bcast
 from .gather import gather as gather
@@ -24,6 +26,6 @@ from .sendrecv import sendrecv as sendrecv
 _install()
 
 __all__ = [
-    "Token", "allgather", "allreduce", "alltoall", "barrier", "bcast", "gather", "recv",
-    "reduce", "scan", "scatter", "send", "sendrecv",
+    "Token", "allgather", "allgatherv", "allreduce", "alltoall", "alltoallv", "barrier", "bcast",
+    "gather", "recv", "reduce", "scan", "scatter", "send", "sendrecv",
 ]

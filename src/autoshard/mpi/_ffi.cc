@@ -335,11 +335,38 @@ ffi::Error AlltoallImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Resul
   return ffi::Error::Success();
 }
 
-// Variable counts: x is padded to (size, max_count, *rest) on every rank;
-// counts[i] rows of x[i] go to rank i, and y[j] receives recv_counts[j] rows
-// from rank j (the rest of y is left as zeros).
+// Variable counts, static: rank i contributes counts[i] rows of row_bytes bytes each; y is
+// every rank's rows concatenated in rank order (MPI_Allgatherv).
+ffi::Error AllgathervImpl(int32_t device, ffi::Token, ffi::AnyBuffer x,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t comm_id,
+                          ffi::Span<const int64_t> counts, int64_t row_bytes) {
+  InflightGuard guard;
+  MPI_Comm comm;
+  if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
+  int size;
+  MPI_Comm_size(comm, &size);
+  if (static_cast<int64_t>(counts.size()) != size)
+    return ffi::Error::InvalidArgument("autoshard.mpi: allgatherv needs one count per rank");
+  std::vector<int> rcount(size), rdispl(size);
+  int64_t offset = 0;
+  for (int i = 0; i < size; ++i) {
+    rcount[i] = static_cast<int>(counts[i] * row_bytes);
+    rdispl[i] = static_cast<int>(offset);
+    offset += counts[i] * row_bytes;
+  }
+  if (offset != static_cast<int64_t>(y->size_bytes()))
+    return ffi::Error::InvalidArgument("autoshard.mpi: allgatherv counts do not match the result");
+  MPI_CHECK(MPI_Allgatherv(x.untyped_data(), Bytes(x), MPI_BYTE, y->untyped_data(), rcount.data(),
+                           rdispl.data(), MPI_BYTE, comm),
+            "MPI_Allgatherv");
+  return ffi::Error::Success();
+}
+
+// Variable counts, dynamic: x is padded to (size, max_rows, *rest) on every rank;
+// send_counts[i] rows of x[i] go to rank i, and y[j] receives recv_counts[j] rows
+// from rank j (the rest of y is zeros). The counts are runtime values, checked here.
 ffi::Error AlltoallvImpl(int32_t device, ffi::Token, ffi::AnyBuffer x,
-                         ffi::Buffer<ffi::S64> send_counts, ffi::Buffer<ffi::S64> recv_counts,
+                         ffi::Buffer<ffi::S32> send_counts, ffi::Buffer<ffi::S32> recv_counts,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t comm_id,
                          int64_t row_bytes, int64_t max_rows) {
   InflightGuard guard;
@@ -347,10 +374,19 @@ ffi::Error AlltoallvImpl(int32_t device, ffi::Token, ffi::AnyBuffer x,
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
   int size;
   MPI_Comm_size(comm, &size);
+  if (static_cast<int64_t>(send_counts.element_count()) != size ||
+      static_cast<int64_t>(recv_counts.element_count()) != size)
+    return ffi::Error::InvalidArgument("autoshard.mpi: alltoallv needs one count per rank");
   std::vector<int> scount(size), sdispl(size), rcount(size), rdispl(size);
   for (int i = 0; i < size; ++i) {
-    scount[i] = static_cast<int>(send_counts.typed_data()[i] * row_bytes);
-    rcount[i] = static_cast<int>(recv_counts.typed_data()[i] * row_bytes);
+    int64_t s = send_counts.typed_data()[i], r = recv_counts.typed_data()[i];
+    if (s < 0 || s > max_rows || r < 0 || r > max_rows)
+      return ffi::Error::InvalidArgument(
+          "autoshard.mpi: alltoallv count out of range for peer " + std::to_string(i) +
+          ": send " + std::to_string(s) + ", receive " + std::to_string(r) +
+          "; counts must lie in [0, " + std::to_string(max_rows) + "] (x.shape[1])");
+    scount[i] = static_cast<int>(s * row_bytes);
+    rcount[i] = static_cast<int>(r * row_bytes);
     sdispl[i] = rdispl[i] = static_cast<int>(i * max_rows * row_bytes);
   }
   std::memset(y->untyped_data(), 0, y->size_bytes());
@@ -442,9 +478,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_allgather, AllgatherImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_alltoall, AlltoallImpl,
                               AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Token>().Attr<int64_t>("comm"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_allgatherv, AllgathervImpl,
+                              AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>().Attr<int64_t>("comm")
+                                  .Attr<ffi::Span<const int64_t>>("counts")
+                                  .Attr<int64_t>("row_bytes"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_alltoallv, AlltoallvImpl,
-                              AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S64>>()
-                                  .Arg<ffi::Buffer<ffi::S64>>().Ret<ffi::AnyBuffer>()
+                              AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Token>().Attr<int64_t>("comm")
                                   .Attr<int64_t>("row_bytes").Attr<int64_t>("max_rows"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_send, SendImpl,

@@ -175,11 +175,18 @@ def _layout(aval):
     return tuple(range(len(aval.shape) - 1, -1, -1))
 
 
-def emit(ctx: mlir.LoweringRuleContext, op: str, operands, *, attrs: dict[str, int],
-         aliases: dict[int, int] | None = None):
+def _attr(value):
+    if isinstance(value, tuple):
+        return ir.DenseI64ArrayAttr.get([int(v) for v in value])
+    return mlir.i64_attr(int(value))
+
+
+def emit(ctx: mlir.LoweringRuleContext, op: str, operands, *,
+         attrs: dict[str, int | tuple[int, ...]], aliases: dict[int, int] | None = None):
     """Emits the custom call for ``op``; returns its array results (the token is chained).
 
-    ``aliases`` maps an array operand index to the array result index it is donated to.
+    ``attrs`` are int64 scalars or tuples (int64 arrays). ``aliases`` maps an array operand
+    index to the array result index it is donated to.
     """
     token = _current_token(ctx.module_context)
     result_types = [mlir.aval_to_ir_type(ctx.module_context, a) for a in ctx.avals_out]
@@ -187,7 +194,7 @@ def emit(ctx: mlir.LoweringRuleContext, op: str, operands, *, attrs: dict[str, i
         target_name(op),
         result_types=[*result_types, hlo.TokenType.get()],
         operands=[token, *operands],
-        backend_config={k: mlir.i64_attr(int(v)) for k, v in attrs.items()},
+        backend_config={k: _attr(v) for k, v in attrs.items()},
         has_side_effect=True,
         api_version=4,
         operand_layouts=[(), *(_layout(a) for a in ctx.avals_in)],

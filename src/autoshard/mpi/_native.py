@@ -40,7 +40,7 @@ lib.autoshard_mpi_status_size.restype = ctypes.c_int64
 
 TARGETS = (
     "allreduce", "reduce", "scan", "bcast", "gather", "scatter", "allgather",
-    "alltoall", "alltoallv", "send", "recv", "sendrecv", "barrier",
+    "allgatherv", "alltoall", "alltoallv", "send", "recv", "sendrecv", "barrier",
 )
 
 

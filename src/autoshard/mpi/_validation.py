@@ -102,3 +102,30 @@ def status_address(status, fn: str) -> int:
 
 
 _live_statuses: dict[int, object] = {}
+
+
+def static_counts(counts, size: int, fn: str) -> tuple[int, ...]:
+    """Checks a static sequence of non-negative row counts, one per rank."""
+    if isinstance(counts, jax_core.Tracer):
+        raise TypeError(
+            f"{fn}: counts must be concrete integers known at trace time (they fix the result's "
+            "shape), got a traced value. Pass a tuple of ints, or mark the argument static with "
+            "jax.jit(..., static_argnums=...)."
+        )
+    if not isinstance(counts, (list, tuple)):
+        counts = np.asarray(counts).reshape(-1).tolist()
+    counts = tuple(static_int(c, "counts[i]", fn) for c in counts)
+    if len(counts) != size or min(counts, default=0) < 0:
+        raise ValueError(
+            f"{fn}: counts must hold one non-negative int per rank ({size}), got {counts}."
+        )
+    return counts
+
+
+def fits_int(num_bytes: int, fn: str) -> None:
+    """MPI counts are C ints: buffers are limited to 2**31 - 1 bytes per call."""
+    if num_bytes >= 2**31:
+        raise ValueError(
+            f"{fn}: {num_bytes} bytes exceed the 2**31 - 1 bytes one MPI call can move here; "
+            "split the array into several calls."
+        )

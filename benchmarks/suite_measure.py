@@ -1,0 +1,122 @@
+"""Measures of a compiled step: step times, collective bytes from HLO, memory per device."""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+
+import jax
+import numpy as np
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+_DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+                "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+# "%name = <result shape(s)> <opcode>(" with an optional "-start" (async collectives on GPU).
+_INSTR = re.compile(
+    r"=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\(")
+
+
+def _shapes(text: str) -> list[int]:
+    """Bytes of each array shape in an HLO result type (tuples give several)."""
+    sizes = []
+    for dtype, dims in _SHAPE.findall(text):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        sizes.append(n * _DTYPE_BYTES[dtype])
+    return sizes
+
+
+def collective_bytes(hlo_text: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes (per device, from result shapes) and count of each collective kind in the HLO.
+
+    Every instruction is counted once, also inside loop bodies. An async ``*-start`` returns a
+    tuple of (operands, results[, context]); its results are the second half of the arrays.
+    """
+    num_bytes = dict.fromkeys(COLLECTIVES, 0)
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    for line in hlo_text.splitlines():
+        match = _INSTR.search(line)
+        if match is None:
+            continue
+        kind = match.group("op")
+        sizes = _shapes(match.group("shape"))
+        if match.group("start") and kind in ("all-gather", "collective-permute", "all-to-all"):
+            sizes = [s for s in sizes if s > 4]   # drop u32[] context scalars
+            sizes = sizes[len(sizes) // 2:]
+        num_bytes[kind] += sum(sizes)
+        counts[kind] += 1
+    return num_bytes, counts
+
+
+def memory_per_device(compiled) -> dict[str, int | None]:
+    """Bytes per device from XLA's memory analysis of the compiled step."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:        # some backends have no memory analysis
+        return {"peak_bytes_per_device": None, "xla_peak_memory_bytes": None}
+    total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)
+    peak = getattr(m, "peak_memory_in_bytes", 0) or None
+    return {"peak_bytes_per_device": int(total), "xla_peak_memory_bytes": peak,
+            "argument_bytes": int(m.argument_size_in_bytes),
+            "temp_bytes": int(m.temp_size_in_bytes)}
+
+
+class Stepper:
+    """Steps one (model, plan) pair, carrying its donated train state from step to step."""
+
+    def __init__(self, step, state, batch):
+        self.step, self.state, self.batch = step, state, batch
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.error: str | None = None
+
+    def __call__(self, timed: bool) -> None:
+        t0 = time.perf_counter()
+        self.state, loss = self.step(self.state, self.batch)
+        jax.block_until_ready((self.state, loss))
+        if timed:
+            self.times.append(time.perf_counter() - t0)
+        self.losses.append(float(loss))
+
+
+def time_interleaved(steppers: dict, *, warmup: int, repeats: int, budget_s: float) -> None:
+    """Warm every stepper up, then time them round-robin, one step each per round.
+
+    Interleaving spreads background load (other processes on shared cores) over all plans
+    instead of penalising whichever ran while it lasted. Stops after the round in which
+    ``budget_s`` ran out, keeping at least two rounds. A stepper that raises records its
+    error and leaves the rotation.
+    """
+    def run(name, stepper, timed):
+        try:
+            stepper(timed)
+        except Exception as e:       # recorded by the caller
+            stepper.error = f"{type(e).__name__}: {e}"[-2000:]
+
+    for name, stepper in steppers.items():
+        for _ in range(warmup):
+            if stepper.error is None:
+                run(name, stepper, timed=False)
+    t0 = time.perf_counter()
+    names = list(steppers)
+    for r in range(repeats):
+        order = names[r % len(names):] + names[:r % len(names)] if names else []
+        for name in order:
+            if steppers[name].error is None:
+                run(name, steppers[name], timed=True)
+        if r >= 1 and time.perf_counter() - t0 > budget_s:
+            break
+
+
+def summarize_times(times: list[float]) -> dict[str, float]:
+    """Median, spread (interquartile range, min, max) of step times in seconds."""
+    q = np.percentile(times, [25, 75]) if len(times) > 1 else (times[0], times[0])
+    return {"step_time_s": statistics.median(times), "step_time_iqr_s": float(q[1] - q[0]),
+            "step_time_min_s": min(times), "step_time_max_s": max(times),
+            "num_timed_steps": len(times)}

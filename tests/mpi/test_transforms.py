@@ -118,6 +118,41 @@ def test_send_and_barrier_not_removed():
     assert "autoshard_mpi_send" in text and "autoshard_mpi_barrier" in text
 
 
+def test_unused_control_flow_and_nested_jit_not_removed(rank, size):
+    # Every output of the cond, the loop and the nested jit is unused (sends/barriers only).
+    peer = (rank + 1) % size
+
+    def f(x):
+        jax.lax.cond(x[0] > 0, lambda v: (mpi.barrier(), v)[1], lambda v: v, x)
+        jax.lax.fori_loop(0, 2, lambda i, c: (mpi.send(c, peer, tag=5), c)[1], x)
+        jax.jit(lambda v: mpi.barrier())(x)
+        jax.lax.cond(x[0] > 0, lambda: mpi.barrier(), lambda: mpi.barrier())
+        y = jax.lax.fori_loop(0, 2, lambda i, c: mpi.recv(c, (rank - 1) % size, tag=5)[0], x)
+        return x, y
+
+    text = jax.jit(f).lower(jnp.ones(2)).as_text()
+    assert text.count("autoshard_mpi_barrier") == 4 and "autoshard_mpi_send" in text
+    _, y = jax.jit(f)(jnp.full(2, rank + 1.0))  # 8-byte sends complete eagerly
+    np.testing.assert_allclose(y, (rank - 1) % size + 1.0)
+
+
+def test_nested_jit_joins_chain():
+    # The nested jit holds the last MPI call: it must still follow the loop (program order).
+    def f(x):
+        a, _ = mpi.allreduce(x, MPI.SUM)
+        loop = jax.lax.fori_loop(0, 2, lambda i, c: mpi.bcast(c, 0)[0], x + 1)
+        return a, loop, jax.jit(lambda v: mpi.allgather(v * 2)[0])(x)
+
+    text = jax.jit(f).lower(jnp.ones(2)).as_text()
+    assert "func.call" not in text and " call @" not in text  # inlined into the chain
+    (call,) = [line for line in text.splitlines() if "autoshard_mpi_allgather(" in line]
+    token = call.split("autoshard_mpi_allgather(")[1].split(",")[0].split("#")[0]
+    (definition,) = [line for line in text.splitlines() if line.strip().startswith(token + ":")]
+    assert "optimization_barrier" in definition  # the token that follows the loop
+    a, loop, b = jax.jit(f)(jnp.ones(2))
+    np.testing.assert_allclose(b, np.full((MPI.COMM_WORLD.Get_size(), 2), 2.0))
+
+
 def test_fast_dispatch():
     f = jax.jit(lambda x: mpi.allreduce(x, MPI.SUM)[0])
     f(jnp.ones(2))

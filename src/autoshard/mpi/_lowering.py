@@ -7,11 +7,20 @@ primitives, and ordering is established while lowering to StableHLO instead:
 
 * Within one block, every MPI custom call consumes the token produced by the previous one
   (a data dependency XLA must respect).
-* Control flow (while, case) and function calls that contain MPI calls are tied into the
-  enclosing block's chain: their first operand is routed through an optimization barrier
-  together with the current token (they cannot start before earlier MPI calls finish), and
-  the chain continues from a barrier over their first result (later MPI calls wait for them).
-* A DCE rule keeps every MPI equation even when its results are unused (send, barrier).
+* Control flow (while, case) that contains MPI calls is tied into the enclosing block's
+  chain: its first operand is routed through an optimization barrier together with the
+  current token (it cannot start before earlier MPI calls finish), and the chain continues
+  from a barrier over its first result (later MPI calls wait for it). XLA runs a while or
+  conditional as one instruction, so this orders everything inside.
+* Function calls (nested jits, cached lowerings) are different: XLA inlines them, after
+  which only data dependencies order their contents. When the module is complete (see
+  ``_finish``), every call to a function that holds MPI calls is therefore inlined here and
+  the chain is rebuilt over the result, so the inlined calls join the caller's chain. That
+  final pass also ties in whatever came last in the program, after which no further MPI
+  call would have triggered the tying.
+* A DCE rule keeps every MPI equation even when its results are unused (send, barrier), and
+  the DCE rules of JAX's higher-order primitives (cond, while, scan, jit, ...) are wrapped
+  so that an equation holding MPI equations is kept even when its outputs are unused.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import atexit
 from collections import OrderedDict
 
+from jax._src import core as _core
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lib.mlir import ir
@@ -118,6 +128,8 @@ def _chain(state: _ModuleState, block):
     for child in list(block.operations):
         op = child.operation
         if _is_mpi_call(op):
+            if token is not None:
+                op.operands[0] = token  # a call inlined by _finish joins this chain
             token = op.results[len(op.results) - 1]
         elif op in state.folds:
             token = state.folds[op]
@@ -152,6 +164,17 @@ def _current_token(module_context):
     _mark(state, module_op)
     # Tie MPI-holding ops everywhere (function calls are only visible after their callee
     # is lowered), outer blocks before inner ones.
+    for block in _all_blocks(module_op):
+        _chain(state, block)
+    token = None
+    for block in _blocks_outside_in(ir.InsertionPoint.current.block):
+        token = _chain(state, block)
+    if token is None:
+        token = hlo.create_token()
+    return token
+
+
+def _all_blocks(module_op) -> list:
     blocks = []
 
     def collect(op):
@@ -161,14 +184,98 @@ def _current_token(module_context):
 
     collect(module_op)
     _walk(module_op, collect)
-    for block in blocks:
+    return blocks
+
+
+def _inline(call, callee) -> None:
+    """Replaces ``call`` by a copy of ``callee``'s body (a single block ending in a return)."""
+    (block,) = callee.regions[0]
+    mapping = dict(zip(block.arguments, call.operands, strict=True))
+
+    def remap(op):
+        for i, operand in enumerate(op.operands):
+            new = mapping.get(operand)
+            if new is not None:
+                op.operands[i] = new
+
+    ops = [child.operation for child in block.operations]
+    with ir.InsertionPoint(call):
+        for op in ops[:-1]:
+            clone = op.clone()
+            remap(clone)
+            _walk(clone, remap)  # values captured by nested regions
+            mapping.update(zip(op.results, clone.results, strict=True))
+    for result, returned in zip(call.results, ops[-1].operands, strict=True):
+        result.replace_all_uses_with(mapping.get(returned, returned))
+    call.erase()
+
+
+def _add_token_result(state: _ModuleState, case) -> None:
+    """Rebuilds a result-less ``case`` holding MPI calls to return its branches' last token.
+
+    Without a result nothing can depend on it, so later MPI calls could overtake it.
+    """
+    with ir.InsertionPoint(case), case.location:
+        new = hlo.CaseOp([hlo.TokenType.get()], case.operands[0], num_branches=len(case.regions))
+    for old_region, new_region in zip(case.regions, new.regions, strict=True):
+        (old_block,) = old_region
+        token = _chain(state, old_block)
+        new_block = new_region.blocks.append()
+        ops = [child.operation for child in old_block.operations]
+        with ir.InsertionPoint(new_block), case.location:
+            if token is None:
+                token = hlo.create_token()
+            end = hlo.ReturnOp([token]).operation
+        for op in ops[:-1]:
+            op.move_before(end)
+    state.containers.discard(case)
+    state.folds.pop(case, None)
+    case.erase()
+
+
+def _finish(module) -> None:
+    """Inlines the calls to functions holding MPI calls, then rebuilds the chain everywhere."""
+    entry = _states.get(id(module))
+    if entry is None or entry[0] is not module:
+        return  # no MPI call in this module
+    state = entry[1]
+    module_op = module.operation
+    _mark(state, module_op)
+    funcs = {ir.StringAttr(op.attributes["sym_name"]).value: op
+             for op in (o.operation for o in module.body.operations) if op.name == "func.func"}
+    calls: list = []
+
+    def find_calls(op):
+        if _callee(op) in state.funcs:
+            calls.append(op)
+
+    while True:  # an inlined body may hold further calls
+        calls.clear()
+        _walk(module_op, find_calls)
+        if not calls:
+            break
+        for call in calls:
+            state.folds.pop(call, None)
+            _inline(call, funcs[_callee(call)])
+    for name in state.funcs:
+        funcs[name].erase()
+    state.funcs.clear()
+    _mark(state, module_op)
+    cases = []
+    _walk(module_op, lambda op: cases.append(op) if op.name == "stablehlo.case"
+          and op in state.containers and not len(op.results) else None)
+    for case in reversed(cases):  # inner ones first
+        _add_token_result(state, case)
+    _mark(state, module_op)
+    for block in _all_blocks(module_op):
         _chain(state, block)
-    token = None
-    for block in _blocks_outside_in(ir.InsertionPoint.current.block):
-        token = _chain(state, block)
-    if token is None:
-        token = hlo.create_token()
-    return token
+
+
+def _lower_jaxpr_to_module(*args, **kwargs):
+    result = _lower_jaxpr_to_module_jax(*args, **kwargs)
+    with result.module.context, ir.Location.unknown():
+        _finish(result.module)
+    return result
 
 
 def _layout(aval):
@@ -216,12 +323,58 @@ def _keep_dce_rule(used_outputs, eqn):
     return [True] * len(eqn.invars), eqn
 
 
+_primitives: set = set()
+
+
+def _holds_mpi(jaxpr) -> bool:
+    return any(eqn.primitive in _primitives
+               or any(_holds_mpi(sub) for sub in _core.jaxprs_in_params(eqn.params))
+               for eqn in jaxpr.eqns)
+
+
+def _keep_holders(rule):
+    """Wraps a higher-order primitive's DCE rule: an equation holding MPI calls stays."""
+    rule = rule or _pe._default_dce_rule  # noqa: SLF001
+
+    def dce_rule(used_outputs, eqn):
+        if not any(used_outputs) and any(_holds_mpi(j) for j in _core.jaxprs_in_params(eqn.params)):
+            return [True] * len(eqn.invars), eqn
+        return rule(used_outputs, eqn)
+
+    dce_rule.autoshard_mpi = True
+    return dce_rule
+
+
+def _install_hooks() -> None:
+    """Wraps the DCE rules of JAX's higher-order primitives and the module lowering (once)."""
+    global _lower_jaxpr_to_module_jax
+    if _lower_jaxpr_to_module_jax is not None:
+        return
+    from jax._src import ad_checkpoint, custom_derivatives, pjit, shard_map  # noqa: PLC0415
+    from jax._src.lax.control_flow import conditionals, loops  # noqa: PLC0415
+
+    for primitive in (conditionals.cond_p, loops.while_p, loops.scan_p, pjit.jit_p,
+                      _core.closed_call_p, _core.call_p, custom_derivatives.custom_jvp_call_p,
+                      custom_derivatives.custom_vjp_call_p, ad_checkpoint.remat_p,
+                      shard_map.shard_map_p):
+        rule = _pe.dce_rules.get(primitive)
+        if not getattr(rule, "autoshard_mpi", False):
+            _pe.dce_rules[primitive] = _keep_holders(rule)
+    _lower_jaxpr_to_module_jax = _mlir.lower_jaxpr_to_module
+    _mlir.lower_jaxpr_to_module = _lower_jaxpr_to_module
+
+
+_lower_jaxpr_to_module_jax = None
+
+
 def register(primitive, lowering) -> None:
     """Registers the CPU lowering and the keep-alive DCE rule of an MPI primitive."""
     # Not cacheable: a cached lowering is emitted into a scratch function, out of the block
     # whose token chain it must join.
     mlir.register_lowering(primitive, lowering, platform="cpu", cacheable=False)
     _pe.dce_rules[primitive] = _keep_dce_rule
+    _primitives.add(primitive)
+    _install_hooks()
 
 
 __all__ = ["emit", "register"]

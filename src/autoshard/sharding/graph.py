@@ -76,6 +76,10 @@ class Graph:
     loops: dict[tuple, dict] = field(default_factory=dict)
     """(context, equation index) -> value ids of carries and scanned slices of a loop."""
     unknown: list[str] = field(default_factory=list)
+    labels: dict[int, str] = field(default_factory=dict)
+    """Structural label per node (cache of ``repeats``)."""
+    memo: dict = field(default_factory=dict)
+    """Mesh-independent facts about nodes, computed once per graph by the planner."""
 
     def add_node(self, kind, operands, in_avals, out_avals, params, mult, where, index=-1):
         node = Node(len(self.nodes), kind, list(operands), list(in_avals), [], dict(params),

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from .graph import Graph, build_graph
 from .options import AutoShardingOption
 from .plan import Collective, LeafPlan, Objective, ShardingPlan
-from .problem import Problem, build_problem
+from .problem import Problem, build_problem, data_parallel_variant
 from .rules import itemsize
 from .solver import Solution, build_and_solve, peak_bytes
 from .spec import to_partition_spec
@@ -88,7 +88,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     names = tuple(axis_names) if axis_names is not None else DEFAULT_AXIS_NAMES.get(
         len(shape), tuple(f"a{i}" for i in range(len(shape))))
     dp = (best[2].objective_s if option.force_data_parallel
-          else _data_parallel_objective(graph, shape, batch_invars, aliases, option, warned))
+          else _data_parallel_objective(prob, batch_invars, option))
     plan = make_plan(prob, sol, names, dp_objective=dp)
     notes = list(plan.notes)
     if len(tried) > 1:
@@ -102,15 +102,11 @@ def _replace(plan: ShardingPlan, **kw) -> ShardingPlan:
     return dataclasses.replace(plan, **kw)
 
 
-def _data_parallel_objective(graph: Graph, shape, batch_invars, aliases, option, warned
-                             ) -> float | None:
+def _data_parallel_objective(prob: Problem, batch_invars, option) -> float | None:
     """The objective of pure data parallel on the same mesh (batch split over every axis)."""
-    dp_option = _replace(option, force_data_parallel=True, logical_mesh_shape=tuple(shape),
-                         memory_budget_per_device=None)
-    prob = build_problem(graph, tuple(shape), dp_option, batch_invars=batch_invars,
-                         aliases=aliases, warned=warned)
     try:
-        sol = build_and_solve(prob, time_limit_s=option.solver_time_limit_s, memory_budget=None)
+        sol = build_and_solve(data_parallel_variant(prob, batch_invars),
+                              time_limit_s=option.solver_time_limit_s, memory_budget=None)
     except (ValueError, RuntimeError):
         return None
     return sol.objective_s

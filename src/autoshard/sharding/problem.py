@@ -9,6 +9,7 @@ keep equal strategy lists.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -35,6 +36,9 @@ class Problem:
     strategies: list[list[Strategy]]
     parent: list[int]
     """Union-find over node ids; the root names the ILP variable of a node."""
+    cache: dict = field(default_factory=dict)
+    """Node signature -> strategy list (shared by repeated nodes)."""
+    keepalive: list = field(default_factory=list)
     free: set[int] = field(default_factory=set)
     """Nodes computed from constants only (one replicated strategy, never pinned)."""
     allowed: dict[int, set[int]] = field(default_factory=dict)
@@ -98,7 +102,84 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
     return prob
 
 
+def data_parallel_variant(prob: Problem, batch_invars) -> Problem:
+    """The same problem restricted to pure data parallel (strategies and ties are reused)."""
+    option = dataclasses.replace(prob.ctx.option, force_data_parallel=True,
+                                 memory_budget_per_device=None)
+    cost = CostModel.from_option(prob.ctx.mesh_shape, option)
+    ctx = RuleContext(prob.ctx.mesh_shape, cost, option, prob.ctx.warned)
+    dp = Problem(prob.graph, ctx, prob.strategies, list(prob.parent), free=prob.free)
+    _input_masks(dp, batch_invars)
+    return dp
+
+
 def _node_strategies(prob: Problem, node) -> list[Strategy]:
+    """Strategies of one node, shared with every node of the same signature.
+
+    Repeated layers repeat signatures, so rules run once per distinct node, not per layer.
+    Lists are never mutated; identical lists also let followers of repeated nodes hit the cache.
+    """
+    key, mode, leader = _signature(prob, node)
+    hit = prob.cache.get(key)
+    if hit is None:
+        hit = prob.cache[key] = _compute_strategies(prob, node)
+    elif mode == "free":
+        prob.free.add(node.id)
+    elif mode == "follow":
+        prob.parent[node.id] = prob.var(prob.graph.values[leader].producer)
+    return hit
+
+
+def _avals_key(avals) -> tuple:
+    return tuple((tuple(a.shape), a.dtype) for a in avals)
+
+
+def _params_key(params) -> str:
+    return repr(sorted((k, v) for k, v in params.items() if "jaxpr" not in k))
+
+
+def _signature(prob: Problem, node):
+    g = prob.graph
+    # How a node is handled (special / free / follower of which operand / rule) depends on the
+    # graph only, so it is worked out once per graph and reused for every mesh.
+    memo = g.memo.get(("mode", node.id))
+    if memo is None:
+        memo = g.memo[("mode", node.id)] = _mode(prob, node)
+    shapes, mode, leader, tail = memo
+    if mode != "follow":
+        return tail + shapes, mode, None
+    value = g.values[leader]
+    producer = g.nodes[value.producer]
+    leader_list = prob.strategies[producer.id]
+    prob.keepalive.append(leader_list)  # its id is part of the key: keep it unique
+    return (("follow", id(leader_list), producer.outputs.index(leader)) + tail + shapes,
+            "follow", leader)
+
+
+def _mode(prob: Problem, node):
+    g = prob.graph
+    out_avals = [g.values[v] for v in node.outputs]
+    shapes = (_avals_key(node.in_avals), _avals_key(out_avals),
+              tuple(op is None for op in node.operands))
+    if node.kind in SPECIAL_KINDS:
+        return shapes, "special", None, ("special", node.kind)
+    if _is_free(prob, node):
+        return shapes, "free", None, ("free",)
+    leader = _follows(prob, node, out_avals)
+    if leader is None and node.kind in SHAPE_FOLLOWERS and node.operands and (
+            node.operands[0] is not None) and _shape_mapper(prob, node, out_avals) is not None:
+        leader = node.operands[0]
+    if leader is not None:
+        return shapes, "follow", leader, (node.kind, _params_key(node.params),
+                                          tuple(op == leader for op in node.operands))
+    return shapes, "rule", None, ("rule", node.kind, _params_key(node.params))
+
+
+SPECIAL_KINDS = frozenset({"input", "output", "carry_back", "const", "carry", "xs", "ys",
+                           "cond_out"})
+
+
+def _compute_strategies(prob: Problem, node) -> list[Strategy]:
     ctx, g = prob.ctx, prob.graph
     kind = node.kind
     if kind == "input":

@@ -19,20 +19,42 @@ ROUNDS = 4
 
 def _initial_label(prob: Problem, node, batch_invars) -> str:
     g = prob.graph
-    outs = tuple((g.values[v].shape, str(g.values[v].dtype)) for v in node.outputs)
-    ins = tuple((tuple(a.shape), str(a.dtype)) for a in node.in_avals)
-    extra = ""
+    base = g.labels.get(node.id)
+    if base is None:  # mesh independent: computed once per graph
+        outs = tuple((g.values[v].shape, str(g.values[v].dtype)) for v in node.outputs)
+        ins = tuple((tuple(a.shape), str(a.dtype)) for a in node.in_avals)
+        params = {k: v for k, v in node.params.items() if "jaxpr" not in k}
+        batch = bool(batch_invars[node.index]) if node.kind == "input" else None
+        base = g.labels[node.id] = f"{node.kind}|{ins}|{outs}|{params}|{node.mult}|{batch}"
     if node.kind == "input":
-        extra = f"batch={bool(batch_invars[node.index])} allowed={prob.allowed.get(node.id)}"
-    params = {k: v for k, v in node.params.items() if "jaxpr" not in k}
-    return f"{node.kind}|{ins}|{outs}|{params}|{node.mult}|{extra}"
+        return f"{base}|{prob.allowed.get(node.id)}"
+    return base
 
 
 def tie_repeated(prob: Problem, batch_invars, rounds: int = ROUNDS) -> int:
     """Union variable roots with equal refined labels; returns how many variables were merged."""
     g = prob.graph
-    roots = [n.id for n in g.nodes if prob.var(n.id) == n.id]
-    names: dict[str, int] = {}
+    masks = tuple(sorted((n, tuple(sorted(ks))) for n, ks in prob.allowed.items()))
+    label = g.memo.get(("wl", rounds, masks))
+    if label is None:  # the same for every mesh with the same input masks
+        label = g.memo[("wl", rounds, masks)] = _refine(prob, batch_invars, rounds)
+    first: dict[int, int] = {}
+    merged = 0
+    for r in [n.id for n in g.nodes if prob.var(n.id) == n.id]:
+        if prob.var(r) != r:
+            continue
+        other = first.setdefault(label[r], r)
+        if other != r and len(prob.strategies[other]) == len(prob.strategies[r]) and (
+                prob.var(other) != prob.var(r)):
+            prob.union(other, r)
+            merged += 1
+    return merged
+
+
+def _refine(prob: Problem, batch_invars, rounds: int) -> list[int]:
+    """Weisfeiler-Lehman labels: a node's label, its operands' and its consumers' labels."""
+    g = prob.graph
+    names: dict = {}
     label = [names.setdefault(_initial_label(prob, n, batch_invars), len(names)) for n in g.nodes]
     consumers: list[list[tuple[int, int]]] = [[] for _ in g.nodes]
     for node in g.nodes:
@@ -49,14 +71,4 @@ def tie_repeated(prob: Problem, batch_invars, rounds: int = ROUNDS) -> int:
             outs = tuple(sorted((label[c], p) for c, p in consumers[node.id]))
             new.append(names.setdefault((label[node.id], ins, outs), len(names)))
         label = new
-    first: dict[int, int] = {}
-    merged = 0
-    for r in roots:
-        if prob.var(r) != r:
-            continue
-        other = first.setdefault(label[r], r)
-        if other != r and len(prob.strategies[other]) == len(prob.strategies[r]) and (
-                prob.var(other) != prob.var(r)):
-            prob.union(other, r)
-            merged += 1
-    return merged
+    return label

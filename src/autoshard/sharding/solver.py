@@ -45,13 +45,14 @@ class _Edges:
     def __init__(self, prob: Problem):
         self.prob = prob
         self.cache: dict = {}
+        self.reshard_cache: dict = {}
         self.groups: dict = {}
 
     def reshard(self, src, dst, shape, isize) -> float:
         key = (src, dst, shape, isize)
-        hit = self.cache.get(key)
+        hit = self.reshard_cache.get(key)
         if hit is None:
-            hit = self.cache[key] = self.prob.ctx.cost.reshard(src, dst, shape, isize)
+            hit = self.reshard_cache[key] = self.prob.ctx.cost.reshard(src, dst, shape, isize)
         return hit
 
 
@@ -78,34 +79,38 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
             if u is None:
                 continue
             _add_edge(prob, edges, node, p, u, unary, col0)
-    # Edge variables.
+    # Edge variables. Per (producer var, consumer var, mesh axis), with X_d / Y_d the chosen
+    # producer / required dim of the axis (None: not split), the resharding cost is
+    #   move * (1 - X_None) + (gather - move) * (1 - X_None) * Y_None - move * sum_d X_d * Y_d
+    # (all-gather when the split is dropped, all-to-all when it moves, free otherwise). The
+    # products become continuous variables bounded by their factors, exact at integral points.
     c_extra, rows, cols, vals, nrows = [], [], [], [], 0
-    for (ru, rv, omap, rmap), (ospecs, rspecs, C) in edges.groups.items():
-        if not C.any():
-            continue
-        if len(ospecs) == 1:
-            unary[col0[rv]:col0[rv] + K[rv]] += C[0][list(rmap)]
-            continue
-        if len(rspecs) == 1:
-            unary[col0[ru]:col0[ru] + K[ru]] += C[list(omap), 0]
-            continue
-        no, nr = C.shape
-        e0 = ncols + len(c_extra)
-        c_extra.extend(C.ravel().tolist())
-        for o in range(no):  # sum_r e[o, r] = sum_{k: omap[k] = o} s_u[k]
-            for r_ in range(nr):
-                rows.append(nrows), cols.append(e0 + o * nr + r_), vals.append(1.0)
-            for k, ok in enumerate(omap):
-                if ok == o:
-                    rows.append(nrows), cols.append(col0[ru] + k), vals.append(-1.0)
-            nrows += 1
-        for r_ in range(nr):
-            for o in range(no):
-                rows.append(nrows), cols.append(e0 + o * nr + r_), vals.append(1.0)
-            for k, rk in enumerate(rmap):
-                if rk == r_:
-                    rows.append(nrows), cols.append(col0[rv] + k), vals.append(-1.0)
-            nrows += 1
+    ub_rows, ub_cols, ub_vals, nub = [], [], [], 0
+
+    def add_terms(row, var_root, dims, d, coef):
+        for k, dk in enumerate(dims):
+            if dk == d:
+                ub_rows.append(row), ub_cols.append(col0[var_root] + k), ub_vals.append(coef)
+
+    for (ru, rv, src_dims, dst_dims), (gather, move) in edges.groups.items():
+        for k, ds in enumerate(src_dims):  # move * (1 - X_None)
+            if ds is not None:
+                unary[col0[ru] + k] += move
+        shared = sorted({d for d in src_dims if d is not None} & set(dst_dims) - {None})
+        for d in shared:  # z_d <= X_d, z_d <= Y_d, cost -move * z_d
+            z = ncols + len(c_extra)
+            c_extra.append(-move)
+            for dims, root in ((src_dims, ru), (dst_dims, rv)):
+                ub_rows.append(nub), ub_cols.append(z), ub_vals.append(1.0)
+                add_terms(nub, root, dims, d, -1.0)
+                nub += 1
+        if None in dst_dims and gather > move:  # w >= Y_None - X_None, cost (gather - move) w
+            w = ncols + len(c_extra)
+            c_extra.append(gather - move)
+            ub_rows.append(nub), ub_cols.append(w), ub_vals.append(-1.0)
+            add_terms(nub, rv, dst_dims, None, 1.0)
+            add_terms(nub, ru, src_dims, None, -1.0)
+            nub += 1
     num_edge = len(c_extra)
     total = ncols + num_edge
     rhs = [0.0] * nrows
@@ -124,6 +129,9 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
     c = np.concatenate([unary, np.array(c_extra)])
     A = sp.csr_array((vals, (rows, cols)), shape=(nrows, total))
     constraints = [LinearConstraint(A, np.array(rhs), np.array(rhs))]
+    if nub:
+        A_ub = sp.csr_array((ub_vals, (ub_rows, ub_cols)), shape=(nub, total))
+        constraints.append(LinearConstraint(A_ub, -np.inf, np.zeros(nub)))
     if memory_budget is not None:
         M = _memory_rows(prob, col0, K, total)
         constraints.append(LinearConstraint(M, -np.inf, float(memory_budget)))
@@ -150,11 +158,11 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
             choice[r] = int(np.argmin(costs))
         return Solution(choice, "time limit: no incumbent, greedy fallback",
                         _evaluate(prob, choice, edges), time.perf_counter() - t0,
-                        num_ilp_vars=total, info={"rows": nrows, "edge_vars": num_edge})
+                        num_ilp_vars=total, info={"rows": nrows + nub, "edge_vars": num_edge})
     status = "optimal" if res.status == 0 else "time limit: best incumbent"
     choice = {r: int(np.argmax(res.x[col0[r]:col0[r] + K[r]])) for r in roots}
     return Solution(choice, status, float(res.fun) / OBJECTIVE_SCALE, time.perf_counter() - t0,
-                    num_ilp_vars=total, info={"rows": nrows, "edge_vars": num_edge})
+                    num_ilp_vars=total, info={"rows": nrows + nub, "edge_vars": num_edge})
 
 
 def _evaluate(prob: Problem, choice: dict[int, int], edges: _Edges) -> float:
@@ -181,42 +189,52 @@ def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
     producer = value.producer
     ru, rv = prob.var(producer), prob.var(node.id)
     out_index = g.nodes[producer].outputs.index(u)
-    src = [s.out_specs[out_index] for s in prob.strategies[producer]]
-    dst = [s.in_specs[p] for s in prob.strategies[node.id]]
+    src_list, dst_list = prob.strategies[producer], prob.strategies[node.id]
     isize = itemsize(value.dtype)
     if ru == rv:
         base = col0[rv]
-        for k, (a, b) in enumerate(zip(src, dst, strict=False)):
+        for k, (a, b) in enumerate(zip(src_list, dst_list, strict=True)):
+            a, b = a.out_specs[out_index], b.in_specs[p]
             if a != b:
                 unary[base + k] += edges.reshard(a, b, value.shape, isize) * node.mult
         return
-    # The resharding cost is a sum over mesh axes of a term that depends only on where that
-    # axis sits in the producer's spec and in the required spec: one small edge per axis.
-    total_bytes = float(isize * np.prod(value.shape, dtype=np.float64))
+    # Strategy lists are shared by repeated nodes, so the per-axis terms are cached.
+    key = (id(src_list), out_index, id(dst_list), p, value.shape, isize)
+    terms = edges.cache.get(key)
+    if terms is None:
+        terms = edges.cache[key] = _axis_terms(prob, src_list, out_index, dst_list, p,
+                                               value.shape, isize)
+    for src_dims, dst_dims, gather, move in terms:
+        group = (ru, rv, src_dims, dst_dims)
+        entry = edges.groups.get(group)
+        if entry is None:
+            edges.groups[group] = [gather * node.mult, move * node.mult]
+        else:
+            entry[0] += gather * node.mult
+            entry[1] += move * node.mult
+
+
+def _axis_terms(prob: Problem, src_list, out_index, dst_list, p, shape, isize):
+    """The resharding cost of an edge as a sum over mesh axes of a term that depends only on
+    where that axis sits in the producer's spec and in the required spec: per axis, the dims
+    it takes under each strategy of either end, and the all-gather / all-to-all unit costs."""
+    src = [s.out_specs[out_index] for s in src_list]
+    dst = [s.in_specs[p] for s in dst_list]
+    total_bytes = float(isize * np.prod(shape, dtype=np.float64))
     cost = prob.ctx.cost
+    terms = []
     for a, size in enumerate(cost.mesh_shape):
         if size == 1:
             continue
-        src_dims = [axis_dim(x, a) for x in src]
-        dst_dims = [axis_dim(x, a) for x in dst]
-        odims = list(dict.fromkeys(src_dims))
-        rdims = list(dict.fromkeys(dst_dims))
-        if len(odims) == 1 and len(rdims) == 1 and odims[0] == rdims[0]:
-            continue
-        oindex = {d: i for i, d in enumerate(odims)}
-        rindex = {d: i for i, d in enumerate(rdims)}
-        omap = tuple(oindex[d] for d in src_dims)
-        rmap = tuple(rindex[d] for d in dst_dims)
-        key = (ru, rv, omap, rmap)
-        entry = edges.groups.get(key)
-        if entry is None:
-            entry = edges.groups[key] = (odims, rdims, np.zeros((len(odims), len(rdims))))
-        C = entry[2]
-        for i, ds in enumerate(odims):
-            for j, dd in enumerate(rdims):
-                step = cost.axis_step(a, ds, dd, total_bytes)
-                if step is not None:
-                    C[i, j] += step[2] * node.mult
+        src_dims = tuple(axis_dim(x, a) for x in src)
+        if all(d is None for d in src_dims):
+            continue  # adding a split is a local slice
+        dst_dims = tuple(axis_dim(x, a) for x in dst)
+        other = next(d for d in src_dims if d is not None)
+        gather = cost.axis_step(a, other, None, total_bytes)[2]
+        move = cost.axis_step(a, other, other + 1, total_bytes)[2]
+        terms.append((src_dims, dst_dims, gather, move))
+    return terms
 
 
 def liveness(prob: Problem) -> list[tuple[int, int, int]]:

@@ -7,6 +7,7 @@ layout has exactly one spelling; that keeps strategies and plans comparable.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -53,6 +54,7 @@ def is_valid(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) ->
     return True
 
 
+@functools.lru_cache(maxsize=4096)
 def candidate_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Spec]:
     """Every valid spec of an array: each axis (of size > 1) on one dim or on none.
 

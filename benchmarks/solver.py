@@ -146,7 +146,7 @@ def write(rows: list[dict]):
              "compile | ratio | mesh | objective ms | DP ms | status |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for r in rows:
-        def f(key):
+        def f(key, r=r):
             return f"{r[key]:.2f}" if key in r else "-"
         lines.append(f"| {r['layers']} | {r['num_equations']} | {f('trace_s')} | {f('plan_s')} "
                      f"| {f('planning_s')} | {f('planned_compile_s')} | {f('jit_compile_s')} "

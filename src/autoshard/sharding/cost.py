@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from .options import AutoShardingOption
-from .spec import Spec, axis_dim, dim_shards, shards
+from .spec import Spec, axis_place, dim_shards, shards
 
 DEFAULT_ALPHA_S = 5e-6
 """Latency of one collective on any axis, seconds."""
@@ -76,9 +76,10 @@ class CostModel:
                 total += self.alpha[a] + self.beta[a] * VOLUME[kind](n) * num_bytes
         return total
 
-    def axis_step(self, a: int, ds: int | None, dd: int | None, total_bytes: float
-                  ) -> tuple[str, float, float] | None:
-        """The collective that moves mesh axis ``a`` from dim ``ds`` to dim ``dd`` (None: none).
+    def axis_step(self, a: int, ds, dd, total_bytes: float) -> tuple[str, float, float] | None:
+        """The collective that moves mesh axis ``a`` from place ``ds`` to ``dd`` (None: unused).
+
+        A place is ``spec.axis_place``: a dim and the axes more major than ``a`` on it.
 
         Keep (free), add a split (local slice, free), drop a split (all-gather), move a split to
         another dim (all-to-all, or all-gather then slice when all-to-all is off). The step
@@ -104,7 +105,7 @@ class CostModel:
         total_bytes = math.prod(shape) * itemsize
         steps = []
         for a in range(len(self.mesh_shape)):
-            step = self.axis_step(a, axis_dim(src, a), axis_dim(dst, a), total_bytes)
+            step = self.axis_step(a, axis_place(src, a), axis_place(dst, a), total_bytes)
             if step is not None:
                 steps.append((step[0], a, step[1], step[2]))
         return steps

@@ -103,13 +103,20 @@ def _replace(plan: ShardingPlan, **kw) -> ShardingPlan:
 
 
 def _data_parallel_objective(prob: Problem, batch_invars, option) -> float | None:
-    """The objective of pure data parallel on the same mesh (batch split over every axis)."""
-    try:
-        sol = build_and_solve(data_parallel_variant(prob, batch_invars),
-                              time_limit_s=option.solver_time_limit_s, memory_budget=None)
-    except (ValueError, RuntimeError):
-        return None
-    return sol.objective_s
+    """The objective of pure data parallel on the same mesh (batch split over every axis).
+
+    Solved with resharding forbidden outright (a much easier ILP); a program that cannot run
+    without some resharding is solved again with resharding priced as forbidden.
+    """
+    dp = data_parallel_variant(prob, batch_invars)
+    for no_reshard in (True, False):
+        dp.no_reshard = no_reshard
+        try:
+            return build_and_solve(dp, time_limit_s=option.solver_time_limit_s,
+                                   memory_budget=None).objective_s
+        except (ValueError, RuntimeError):
+            continue
+    return None
 
 
 def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
@@ -168,8 +175,10 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
                 reshard += cost_s * node.mult
                 add(kind, (axis,), num_bytes, cost_s * node.mult,
                     f"reshard into {node.where}", node.mult)
-            if node.kind not in PINNED_KINDS_EXCLUDED and node.kind not in ("carry", "xs",
-                                                                          "ys", "cond_out"):
+            # Pin a planned collective before its consumer; a local slice needs no pin (XLA
+            # slices by itself, and every extra constraint costs compile time).
+            if steps and node.kind not in PINNED_KINDS_EXCLUDED and node.kind not in (
+                    "carry", "xs", "ys", "cond_out"):
                 operand_specs.append((node.id, p, pspec(dst)))
     objective = Objective(communication_s=comm, resharding_s=reshard, compute_s=compute,
                           data_parallel_s=dp_objective,

@@ -39,6 +39,8 @@ class Problem:
     cache: dict = field(default_factory=dict)
     """Node signature -> strategy list (shared by repeated nodes)."""
     keepalive: list = field(default_factory=list)
+    no_reshard: bool = False
+    """Forbid resharding outright (pure data parallel) instead of pricing it."""
     free: set[int] = field(default_factory=set)
     """Nodes computed from constants only (one replicated strategy, never pinned)."""
     allowed: dict[int, set[int]] = field(default_factory=dict)
@@ -108,7 +110,8 @@ def data_parallel_variant(prob: Problem, batch_invars) -> Problem:
                                  memory_budget_per_device=None)
     cost = CostModel.from_option(prob.ctx.mesh_shape, option)
     ctx = RuleContext(prob.ctx.mesh_shape, cost, option, prob.ctx.warned)
-    dp = Problem(prob.graph, ctx, prob.strategies, list(prob.parent), free=prob.free)
+    dp = Problem(prob.graph, ctx, prob.strategies, list(prob.parent), free=prob.free,
+                 no_reshard=True)
     _input_masks(dp, batch_invars)
     return dp
 

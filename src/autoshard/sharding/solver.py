@@ -20,9 +20,11 @@ from scipy.optimize import LinearConstraint, milp
 
 from .problem import Problem, value_bytes
 from .rules import itemsize
-from .spec import axis_dim
+from .spec import axis_place
 
 OBJECTIVE_SCALE = 1e6
+MOVED = ("elsewhere",)
+"""A place different from any other: prices moving a split (all-to-all)."""
 
 
 @dataclass
@@ -46,6 +48,7 @@ class _Edges:
         self.prob = prob
         self.cache: dict = {}
         self.reshard_cache: dict = {}
+        self.forbidden: list[int] = []
         self.groups: dict = {}
 
     def reshard(self, src, dst, shape, isize) -> float:
@@ -93,6 +96,12 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
                 ub_rows.append(row), ub_cols.append(col0[var_root] + k), ub_vals.append(coef)
 
     for (ru, rv, src_dims, dst_dims), (gather, move) in edges.groups.items():
+        if prob.no_reshard:  # X_d <= Y_d: a split the producer has, the consumer keeps
+            for d in sorted({d for d in src_dims if d is not None}):
+                add_terms(nub, ru, src_dims, d, 1.0)
+                add_terms(nub, rv, dst_dims, d, -1.0)
+                nub += 1
+            continue
         for k, ds in enumerate(src_dims):  # move * (1 - X_None)
             if ds is not None:
                 unary[col0[ru] + k] += move
@@ -120,6 +129,8 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
         rhs.append(1.0)
         nrows += 1
     upper = np.ones(total)
+    for col in edges.forbidden:
+        upper[col] = 0.0
     for allowed in (prob.allowed, extra_allowed or {}):
         for node_id, ks in allowed.items():
             r = prob.var(node_id)
@@ -196,6 +207,10 @@ def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
         for k, (a, b) in enumerate(zip(src_list, dst_list, strict=True)):
             a, b = a.out_specs[out_index], b.in_specs[p]
             if a != b:
+                if prob.no_reshard:
+                    if prob.ctx.cost.reshard_steps(a, b, value.shape, isize):
+                        edges.forbidden.append(base + k)
+                    continue
                 unary[base + k] += edges.reshard(a, b, value.shape, isize) * node.mult
         return
     # Strategy lists are shared by repeated nodes, so the per-axis terms are cached.
@@ -226,13 +241,13 @@ def _axis_terms(prob: Problem, src_list, out_index, dst_list, p, shape, isize):
     for a, size in enumerate(cost.mesh_shape):
         if size == 1:
             continue
-        src_dims = tuple(axis_dim(x, a) for x in src)
+        src_dims = tuple(axis_place(x, a) for x in src)
         if all(d is None for d in src_dims):
             continue  # adding a split is a local slice
-        dst_dims = tuple(axis_dim(x, a) for x in dst)
+        dst_dims = tuple(axis_place(x, a) for x in dst)
         other = next(d for d in src_dims if d is not None)
         gather = cost.axis_step(a, other, None, total_bytes)[2]
-        move = cost.axis_step(a, other, other + 1, total_bytes)[2]
+        move = cost.axis_step(a, other, MOVED, total_bytes)[2]
         terms.append((src_dims, dst_dims, gather, move))
     return terms
 

@@ -28,6 +28,19 @@ def axis_dim(spec: Spec, axis: int) -> int | None:
     return None
 
 
+def axis_place(spec: Spec, axis: int):
+    """Where ``axis`` sits in ``spec``: (dim, the axes more major than it on that dim), or None.
+
+    Two specs agree on an axis only if it has the same place in both: with axes 0 and 1 on one
+    dim, device (i, j) holds chunk 4i + j, so dropping the major axis 0 is no all-gather of the
+    other's chunks; the minor axis 1 changes place and must move too.
+    """
+    for d, axes in enumerate(spec):
+        if axis in axes:
+            return d, axes[: axes.index(axis)]
+    return None
+
+
 def used_axes(spec: Spec) -> tuple[int, ...]:
     return tuple(sorted(a for axes in spec for a in axes))
 

@@ -33,7 +33,8 @@ def parse_args(argv=None):
                    help="GPT layer counts for the planning-time sweep (default by size)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--report-only", action="store_true",
-                   help="rewrite suite.md and the plots from --out/suite.json; run nothing")
+                   help="recompute the ratios in --out/suite.json, rewrite suite.md and the "
+                        "plots from it; run nothing")
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.repeats, args.warmup = "quick", min(args.repeats, 3), 1
@@ -60,6 +61,9 @@ def main(argv=None) -> int:
         import suite_report
         with open(os.path.join(args.out, "suite.json")) as f:
             result = json.load(f)
+        suite_report.derive(result["records"])
+        with open(os.path.join(args.out, "suite.json"), "w") as f:
+            json.dump(result, f, indent=1)
         suite_report.write_markdown(result, os.path.join(args.out, "suite.md"))
         suite_report.write_plots(result, args.out)
         return 0

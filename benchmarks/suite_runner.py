@@ -150,34 +150,6 @@ def run_model(case, names: list[str], devices, args, solver_limit: float) -> lis
     return [records[p] for p in names]
 
 
-def derive(records: list[dict]) -> None:
-    """Ratios to the best hand-written plan of the same model (and of the same mesh)."""
-    for model in {r["model"] for r in records}:
-        rows = [r for r in records if r["model"] == model and r["status"] == "ok"]
-        manual = [r for r in rows if r["family"] == "manual"]
-        single = next((r for r in rows if r["family"] == "single"), None)
-        best = min(manual, key=lambda r: r["step_time_s"], default=None)
-        for r in rows:
-            r["best_manual_plan"] = best and best["plan"]
-            r["step_time_ratio_to_best_manual"] = (
-                r["step_time_s"] / best["step_time_s"] if best else None)
-            same = [m for m in manual if m["mesh_shape"] == r["mesh_shape"]]
-            best_same = min(same, key=lambda m: m["step_time_s"], default=None)
-            r["best_manual_same_mesh"] = best_same and best_same["plan"]
-            if best_same:
-                r["step_time_ratio_to_best_manual_same_mesh"] = (
-                    r["step_time_s"] / best_same["step_time_s"])
-                r["collective_bytes_ratio_to_best_manual_same_mesh"] = (
-                    r["total_collective_bytes"] / best_same["total_collective_bytes"]
-                    if best_same["total_collective_bytes"] else None)
-                r["plan_plus_compile_ratio_to_manual_jit"] = (
-                    r["plan_plus_compile_s"] / best_same["plan_plus_compile_s"])
-            if single is not None and r.get("loss_first_step") is not None:
-                ref = single["loss_first_step"]
-                r["loss_matches_single"] = bool(
-                    abs(r["loss_first_step"] - ref) <= 1e-3 * abs(ref) + 1e-4)
-
-
 def planning_sweep(sizes: dict, layer_counts, devices, args, solver_limit, done) -> list[dict]:
     """Planning and compile time of ShardParallel on GPTs of growing depth (no steps run)."""
     rows = []
@@ -270,7 +242,7 @@ def run_suite(args) -> int:
         print(f"{model}: {case.num_params:,} parameters {case.config}", flush=True)
         names = plan_names(model, len(devices), wanted)
         result["records"] += run_model(case, names, devices, args, solver_limit)
-        derive(result["records"])
+        report.derive(result["records"])
         write_json(result, args.out)
     if "gpt" in models and (wanted is None or "autoshard:ShardParallel-1d" in wanted):
         layers = SWEEP_LAYERS[args.size] if args.sweep_layers is None else tuple(

@@ -97,6 +97,8 @@ def test_executable_inspection():
     assert "HloModule" in ex.get_hlo_text()
     assert ex.get_total_allocation_size() > 0
     assert ex.auto_sharding_objective is None
+    assert set(ex.timings) == {"trace_s", "planning_s", "lowering_s", "compile_s"}
+    assert all(t >= 0 for t in ex.timings.values()) and ex.timings["compile_s"] > 0
     text = ex.plan.explain()
     assert "DataParallel plan on mesh (data=8)" in text
     assert "arg1[0]" in text and "(data)" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, overload
@@ -183,11 +184,14 @@ class ParallelizedFunc:
         return self._last
 
     def _compile(self, args, flat: FlatArgs, batch_argnums, static_argnums) -> Executable:
+        t0 = time.perf_counter()
         program, out_tree = trace_program(
             self.fun, args, flat, batch_argnums=batch_argnums,
             donate_argnums=self.donate_argnums,
             num_micro_batches=self.method.micro_batches)
+        t1 = time.perf_counter()
         compiled = self.method.compile(program)
+        t2 = time.perf_counter()
         mesh, plan = compiled.mesh, compiled.plan
         in_shardings = tuple(NamedSharding(mesh, leaf.spec) for leaf in plan.inputs)
         out_shardings = tuple(NamedSharding(mesh, leaf.spec) for leaf in plan.outputs)
@@ -197,16 +201,21 @@ class ParallelizedFunc:
         fn = compiled.fn
         jitted = jax.jit(lambda *a: tuple(fn(*a)), in_shardings=in_shardings, out_shardings=out_shardings,
                          donate_argnums=donate)
-        xla = jitted.lower(*abstract).compile()
+        lowered = jitted.lower(*abstract)
+        t3 = time.perf_counter()
+        xla = lowered.compile()
+        t4 = time.perf_counter()
+        timings = {"trace_s": t1 - t0, "planning_s": t2 - t1, "lowering_s": t3 - t2,
+                   "compile_s": t4 - t3}
         return Executable(xla, plan, mesh, in_shardings, out_shardings, flat, out_tree,
-                          program, static_argnums)
+                          program, static_argnums, timings)
 
 
 class Executable:
     """A compiled, planned step: call it, inspect its HLO, memory and placements."""
 
     def __init__(self, compiled, plan: ShardingPlan, mesh, in_shardings, out_shardings,
-                 flat: FlatArgs, out_tree, program: Program, static_argnums):
+                 flat: FlatArgs, out_tree, program: Program, static_argnums, timings):
         self.compiled = compiled
         self.plan = plan
         self.mesh = mesh
@@ -216,6 +225,8 @@ class Executable:
         self.static_argnums = static_argnums
         self._flat = flat
         self._out_tree = out_tree
+        self.timings: dict[str, float] = dict(timings)
+        """Seconds spent tracing, planning, lowering and XLA-compiling this executable."""
 
     def __call__(self, *args):
         flat = flatten_args(args, self.static_argnums)

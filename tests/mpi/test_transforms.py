@@ -159,14 +159,37 @@ def test_fast_dispatch():
     assert not jax.make_jaxpr(f)(jnp.ones(2)).effects  # no effect: JAX's C++ fast path
 
 
-@pytest.mark.xfail(reason="XLA's SPMD partitioner rejects the side-effecting custom call "
-                   "('Side-effect HLO must have sharding') despite an sdy.sharding; unresolved",
-                   strict=False)
 def test_multi_device_jit(rank, size):
+    # A jit over all local devices of each process (a mesh per process), MPI across processes.
     devices = jax.local_devices()
-    if len(devices) < 2:
-        pytest.skip("needs several local devices")
+    assert len(devices) > 1  # tests/conftest.py forces 8 CPU devices
     mesh = jax.sharding.Mesh(np.array(devices), ("d",))
     x = jax.device_put(jnp.arange(len(devices) * 2.0) + rank, NamedSharding(mesh, PartitionSpec("d")))
-    y = jax.jit(lambda x: mpi.allreduce(x * 2, MPI.SUM)[0])(x)
+
+    def f(x):
+        y, token = mpi.allreduce(x * 2, MPI.SUM)
+        mpi.barrier(token=token)
+        return y, mpi.allgather(x[:2])[0]
+
+    y, g = jax.jit(f)(x)
     np.testing.assert_allclose(y, sum(2 * (np.arange(len(devices) * 2.0) + r) for r in range(size)))
+    np.testing.assert_allclose(g, [[r, r + 1.0] for r in range(size)])
+    assert not jax.make_jaxpr(f)(x).effects
+
+
+def test_shard_map_per_device(rank, size):
+    # Inside shard_map every device reduces its own shard across ranks (own communicator).
+    devices = jax.local_devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    x = jnp.arange(len(devices) * 3.0).reshape(len(devices), 3) * (rank + 1)
+
+    def per_device(block):
+        y, _ = mpi.allreduce(block, MPI.SUM)
+        z, _ = mpi.sendrecv(y, y, (rank - 1) % size, (rank + 1) % size)
+        return z
+
+    f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=PartitionSpec("d"),
+                              out_specs=PartitionSpec("d")))
+    y = f(jax.device_put(x, NamedSharding(mesh, PartitionSpec("d"))))
+    expected = np.arange(len(devices) * 3.0).reshape(len(devices), 3) * sum(r + 1 for r in range(size))
+    np.testing.assert_allclose(y, expected)

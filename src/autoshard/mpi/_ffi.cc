@@ -1,7 +1,8 @@
 // XLA FFI handlers for autoshard.mpi: MPI called directly on XLA's CPU buffers.
 //
-// Every handler takes an ordering token first and returns one last; the Python
-// lowering chains these tokens so that MPI calls run in program order. The
+// Every handler takes an ordering value first and returns one last (a one-byte
+// scalar, never read: XLA's token type would make Shardy drop the call's sharding);
+// the Python lowering chains these values so that MPI calls run in program order. The
 // communicator arrives as an integer id into a table of communicators built by
 // register_comm(): one communicator per local device, so that a computation
 // spanning several local devices runs one independent MPI stream per device.
@@ -215,14 +216,20 @@ ffi::Error ReductionTypes(ffi::DataType dtype, int64_t op, MPI_Datatype* type, M
 int Count(const ffi::AnyBuffer& b) { return static_cast<int>(b.element_count()); }
 int Bytes(const ffi::AnyBuffer& b) { return static_cast<int>(b.size_bytes()); }
 
+// The lowering aliases x to y for the reductions, so XLA hands us one buffer and MPI reduces
+// in place (no temporary, no copy); a distinct y (never produced today) still works.
+const void* SendBuffer(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y) {
+  return x.untyped_data() == y.untyped_data() ? MPI_IN_PLACE : x.untyped_data();
+}
+
 void FillStatus(int64_t status_addr, const MPI_Status& status) {
   if (status_addr != 0) std::memcpy(reinterpret_cast<void*>(status_addr), &status, sizeof(MPI_Status));
 }
 
 // ---------------------------------------------------------------- handlers
 
-ffi::Error AllreduceImpl(int32_t device, ffi::Token, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+ffi::Error AllreduceImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x,
+                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer>,
                          int64_t comm_id, int64_t op) {
   InflightGuard guard;
   MPI_Comm comm;
@@ -230,14 +237,14 @@ ffi::Error AllreduceImpl(int32_t device, ffi::Token, ffi::AnyBuffer x,
   MPI_Datatype type;
   MPI_Op mpi_op;
   if (auto e = ReductionTypes(x.element_type(), op, &type, &mpi_op); e.failure()) return e;
-  MPI_CHECK(MPI_Allreduce(x.untyped_data(), y->untyped_data(), Count(x), type, mpi_op, comm),
+  MPI_CHECK(MPI_Allreduce(SendBuffer(x, *y), y->untyped_data(), Count(x), type, mpi_op, comm),
             "MPI_Allreduce");
   return ffi::Error::Success();
 }
 
 // x is aliased to y: non-root ranks return their input unchanged.
-ffi::Error ReduceImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                      ffi::Result<ffi::Token>, int64_t comm_id, int64_t op, int64_t root) {
+ffi::Error ReduceImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                      ffi::Result<ffi::AnyBuffer>, int64_t comm_id, int64_t op, int64_t root) {
   InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
@@ -257,21 +264,22 @@ ffi::Error ReduceImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Result<
   return ffi::Error::Success();
 }
 
-ffi::Error ScanImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                    ffi::Result<ffi::Token>, int64_t comm_id, int64_t op) {
+ffi::Error ScanImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                    ffi::Result<ffi::AnyBuffer>, int64_t comm_id, int64_t op) {
   InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
   MPI_Datatype type;
   MPI_Op mpi_op;
   if (auto e = ReductionTypes(x.element_type(), op, &type, &mpi_op); e.failure()) return e;
-  MPI_CHECK(MPI_Scan(x.untyped_data(), y->untyped_data(), Count(x), type, mpi_op, comm), "MPI_Scan");
+  MPI_CHECK(MPI_Scan(SendBuffer(x, *y), y->untyped_data(), Count(x), type, mpi_op, comm),
+            "MPI_Scan");
   return ffi::Error::Success();
 }
 
 // x is aliased to y: the root's buffer already holds the data.
-ffi::Error BcastImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                     ffi::Result<ffi::Token>, int64_t comm_id, int64_t root) {
+ffi::Error BcastImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                     ffi::Result<ffi::AnyBuffer>, int64_t comm_id, int64_t root) {
   InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
@@ -281,8 +289,8 @@ ffi::Error BcastImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Result<f
 }
 
 // Root: y has shape (size, *x.shape). Other ranks: y aliases x (unchanged).
-ffi::Error GatherImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                      ffi::Result<ffi::Token>, int64_t comm_id, int64_t root) {
+ffi::Error GatherImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                      ffi::Result<ffi::AnyBuffer>, int64_t comm_id, int64_t root) {
   InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
@@ -296,8 +304,8 @@ ffi::Error GatherImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Result<
 }
 
 // x has shape (size, *y.shape) on the root; other ranks pass y's shape.
-ffi::Error ScatterImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                       ffi::Result<ffi::Token>, int64_t comm_id, int64_t root) {
+ffi::Error ScatterImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                       ffi::Result<ffi::AnyBuffer>, int64_t comm_id, int64_t root) {
   InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
@@ -310,8 +318,8 @@ ffi::Error ScatterImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Result
   return ffi::Error::Success();
 }
 
-ffi::Error AllgatherImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                         ffi::Result<ffi::Token>, int64_t comm_id) {
+ffi::Error AllgatherImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::AnyBuffer>, int64_t comm_id) {
   InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
@@ -321,8 +329,8 @@ ffi::Error AllgatherImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Resu
   return ffi::Error::Success();
 }
 
-ffi::Error AlltoallImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                        ffi::Result<ffi::Token>, int64_t comm_id) {
+ffi::Error AlltoallImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                        ffi::Result<ffi::AnyBuffer>, int64_t comm_id) {
   InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
@@ -337,8 +345,8 @@ ffi::Error AlltoallImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Resul
 
 // Variable counts, static: rank i contributes counts[i] rows of row_bytes bytes each; y is
 // every rank's rows concatenated in rank order (MPI_Allgatherv).
-ffi::Error AllgathervImpl(int32_t device, ffi::Token, ffi::AnyBuffer x,
-                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t comm_id,
+ffi::Error AllgathervImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer>, int64_t comm_id,
                           ffi::Span<const int64_t> counts, int64_t row_bytes) {
   InflightGuard guard;
   MPI_Comm comm;
@@ -365,9 +373,9 @@ ffi::Error AllgathervImpl(int32_t device, ffi::Token, ffi::AnyBuffer x,
 // Variable counts, dynamic: x is padded to (size, max_rows, *rest) on every rank;
 // send_counts[i] rows of x[i] go to rank i, and y[j] receives recv_counts[j] rows
 // from rank j (the rest of y is zeros). The counts are runtime values, checked here.
-ffi::Error AlltoallvImpl(int32_t device, ffi::Token, ffi::AnyBuffer x,
+ffi::Error AlltoallvImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x,
                          ffi::Buffer<ffi::S32> send_counts, ffi::Buffer<ffi::S32> recv_counts,
-                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t comm_id,
+                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer>, int64_t comm_id,
                          int64_t row_bytes, int64_t max_rows) {
   InflightGuard guard;
   MPI_Comm comm;
@@ -396,7 +404,7 @@ ffi::Error AlltoallvImpl(int32_t device, ffi::Token, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
-ffi::Error SendImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+ffi::Error SendImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer>,
                     int64_t comm_id, int64_t dest, int64_t tag) {
   InflightGuard guard;
   MPI_Comm comm;
@@ -407,9 +415,9 @@ ffi::Error SendImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Result<ff
   return ffi::Error::Success();
 }
 
-// x (the template) is aliased to y.
-ffi::Error RecvImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                    ffi::Result<ffi::Token>, int64_t comm_id, int64_t source, int64_t tag,
+// x is a template for the shape of y (not aliased: its contents are never used).
+ffi::Error RecvImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                    ffi::Result<ffi::AnyBuffer>, int64_t comm_id, int64_t source, int64_t tag,
                     int64_t status_addr) {
   InflightGuard guard;
   MPI_Comm comm;
@@ -422,9 +430,9 @@ ffi::Error RecvImpl(int32_t device, ffi::Token, ffi::AnyBuffer x, ffi::Result<ff
   return ffi::Error::Success();
 }
 
-// recvbuf (the template) is aliased to y.
-ffi::Error SendrecvImpl(int32_t device, ffi::Token, ffi::AnyBuffer sendbuf, ffi::AnyBuffer recvbuf,
-                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t comm_id,
+// recvbuf is a template for the shape of y (not aliased: its contents are never used).
+ffi::Error SendrecvImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer sendbuf, ffi::AnyBuffer recvbuf,
+                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer>, int64_t comm_id,
                         int64_t source, int64_t dest, int64_t sendtag, int64_t recvtag,
                         int64_t status_addr) {
   InflightGuard guard;
@@ -439,7 +447,7 @@ ffi::Error SendrecvImpl(int32_t device, ffi::Token, ffi::AnyBuffer sendbuf, ffi:
   return ffi::Error::Success();
 }
 
-ffi::Error BarrierImpl(int32_t device, ffi::Token, ffi::Result<ffi::Token>, int64_t comm_id) {
+ffi::Error BarrierImpl(int32_t device, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>, int64_t comm_id) {
   InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
@@ -451,59 +459,59 @@ ffi::Error BarrierImpl(int32_t device, ffi::Token, ffi::Result<ffi::Token>, int6
 
 // ---------------------------------------------------------------- bindings
 
-#define AUTOSHARD_BIND() ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>().Arg<ffi::Token>()
+#define AUTOSHARD_BIND() ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>().Arg<ffi::AnyBuffer>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_allreduce, AllreduceImpl,
                               AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>().Attr<int64_t>("comm").Attr<int64_t>("op"));
+                                  .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm").Attr<int64_t>("op"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_reduce, ReduceImpl,
                               AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>().Attr<int64_t>("comm").Attr<int64_t>("op")
+                                  .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm").Attr<int64_t>("op")
                                   .Attr<int64_t>("root"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_scan, ScanImpl,
                               AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>().Attr<int64_t>("comm").Attr<int64_t>("op"));
+                                  .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm").Attr<int64_t>("op"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_bcast, BcastImpl,
                               AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>().Attr<int64_t>("comm").Attr<int64_t>("root"));
+                                  .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm").Attr<int64_t>("root"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_gather, GatherImpl,
                               AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>().Attr<int64_t>("comm").Attr<int64_t>("root"));
+                                  .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm").Attr<int64_t>("root"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_scatter, ScatterImpl,
                               AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>().Attr<int64_t>("comm").Attr<int64_t>("root"));
+                                  .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm").Attr<int64_t>("root"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_allgather, AllgatherImpl,
                               AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>().Attr<int64_t>("comm"));
+                                  .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_alltoall, AlltoallImpl,
                               AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>().Attr<int64_t>("comm"));
+                                  .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_allgatherv, AllgathervImpl,
                               AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>().Attr<int64_t>("comm")
+                                  .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm")
                                   .Attr<ffi::Span<const int64_t>>("counts")
                                   .Attr<int64_t>("row_bytes"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_alltoallv, AlltoallvImpl,
                               AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>().Attr<int64_t>("comm")
+                                  .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm")
                                   .Attr<int64_t>("row_bytes").Attr<int64_t>("max_rows"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_send, SendImpl,
-                              AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Ret<ffi::Token>()
+                              AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("comm").Attr<int64_t>("dest")
                                   .Attr<int64_t>("tag"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_recv, RecvImpl,
                               AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>().Attr<int64_t>("comm").Attr<int64_t>("source")
+                                  .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm").Attr<int64_t>("source")
                                   .Attr<int64_t>("tag").Attr<int64_t>("status"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_sendrecv, SendrecvImpl,
                               AUTOSHARD_BIND().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>().Ret<ffi::Token>().Attr<int64_t>("comm")
+                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>("comm")
                                   .Attr<int64_t>("source").Attr<int64_t>("dest")
                                   .Attr<int64_t>("sendtag").Attr<int64_t>("recvtag")
                                   .Attr<int64_t>("status"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(autoshard_mpi_barrier, BarrierImpl,
-                              AUTOSHARD_BIND().Ret<ffi::Token>().Attr<int64_t>("comm"));
+                              AUTOSHARD_BIND().Ret<ffi::AnyBuffer>().Attr<int64_t>("comm"));
 
 // ---------------------------------------------------------------- C API for ctypes
 

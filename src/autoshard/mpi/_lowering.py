@@ -1,5 +1,7 @@
 """Lowering shared by all operations: an MPI custom call ordered by a hidden token chain.
 
+The "token" here is a one-byte scalar threaded through the calls (see _chain_type).
+
 Why no JAX effect: any effect on a jitted function takes JAX off its C++ dispatch fast
 path (measured here: 10 us for an effect-free jitted call, 125 us with an unordered
 effect, 350 us with an ordered one). The operations are therefore effect-free JAX
@@ -33,7 +35,7 @@ from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
-from jax._src.sharding_impls import SdyArray, SdyArrayList, SdyDim
+from jax._src.sharding_impls import SdyArray, SdyArrayList, SdyDim, ShardingContext
 from jax.interpreters import mlir
 
 from ._native import target_name
@@ -65,6 +67,21 @@ def _state(module_context) -> _ModuleState:
         while len(_states) > 8:  # lowered modules are not revisited
             _states.popitem(last=False)
     return entry[1]
+
+
+def _chain_type():
+    """The type of the values that order MPI calls: a one-byte scalar, not an XLA token.
+
+    An ordinary array can be threaded wherever data can (optimization barriers, operands
+    and results of shard_map regions, see _thread_manual_region) with no special cases in
+    XLA or Shardy. The handlers never read it; it costs one byte per call.
+    """
+    return ir.RankedTensorType.get([], ir.IntegerType.get_signless(8))
+
+
+def _chain_start():
+    return hlo.constant(ir.DenseElementsAttr.get_splat(_chain_type(), ir.IntegerAttr.get(
+        ir.IntegerType.get_signless(8), 0)))
 
 
 def _is_mpi_call(op) -> bool:
@@ -119,12 +136,11 @@ def _insert_after(block, op):
     return ir.InsertionPoint(ops[i + 1]) if i + 1 < len(ops) else ir.InsertionPoint(block)
 
 
-def _chain(state: _ModuleState, block):
+def _chain(state: _ModuleState, block, token=None):
     """Walks ``block`` in order, tying new MPI-holding ops into its token chain.
 
     Returns the token after the last MPI-related op of the block (None if there is none).
     """
-    token = None
     for child in list(block.operations):
         op = child.operation
         if _is_mpi_call(op):
@@ -140,7 +156,7 @@ def _chain(state: _ModuleState, block):
                 op.operands[0] = before.results[1]
             with _insert_after(block, op):
                 if token is None:
-                    token = hlo.create_token()
+                    token = _chain_start()
                 after = hlo.OptimizationBarrierOp([token, op.results[0]])
             token = state.folds[op] = after.results[0]
     return token
@@ -170,7 +186,7 @@ def _current_token(module_context):
     for block in _blocks_outside_in(ir.InsertionPoint.current.block):
         token = _chain(state, block)
     if token is None:
-        token = hlo.create_token()
+        token = _chain_start()
     return token
 
 
@@ -216,7 +232,7 @@ def _add_token_result(state: _ModuleState, case) -> None:
     Without a result nothing can depend on it, so later MPI calls could overtake it.
     """
     with ir.InsertionPoint(case), case.location:
-        new = hlo.CaseOp([hlo.TokenType.get()], case.operands[0], num_branches=len(case.regions))
+        new = hlo.CaseOp([_chain_type()], case.operands[0], num_branches=len(case.regions))
     for old_region, new_region in zip(case.regions, new.regions, strict=True):
         (old_block,) = old_region
         token = _chain(state, old_block)
@@ -224,13 +240,33 @@ def _add_token_result(state: _ModuleState, case) -> None:
         ops = [child.operation for child in old_block.operations]
         with ir.InsertionPoint(new_block), case.location:
             if token is None:
-                token = hlo.create_token()
+                token = _chain_start()
             end = hlo.ReturnOp([token]).operation
         for op in ops[:-1]:
             op.move_before(end)
     state.containers.discard(case)
     state.folds.pop(case, None)
     case.erase()
+
+
+def _thread_manual_region(state: _ModuleState, region_op) -> None:
+    """Threads the chain through a shard_map region (``sdy.manual_computation``).
+
+    Shardy inlines the region's body when it exports the module, so, as for a function
+    call, only data dependencies order its MPI calls after that: the first one waits for
+    the region's first operand (which _chain gates with the outer token) and the region's
+    first result waits for the last one (which _chain's barrier after the region consumes).
+    """
+    (block,) = region_op.regions[0]
+    ops = [child.operation for child in block.operations]
+    if not len(block.arguments) or not len(ops[-1].operands):
+        return
+    with ir.InsertionPoint(ops[0]):
+        start = hlo.OptimizationBarrierOp([_chain_start(), block.arguments[0]]).results[0]
+    token = _chain(state, block, start)
+    with ir.InsertionPoint(ops[-1]):
+        end = hlo.OptimizationBarrierOp([token, ops[-1].operands[0]])
+    ops[-1].operands[0] = end.results[1]
 
 
 def _finish(module) -> None:
@@ -267,6 +303,11 @@ def _finish(module) -> None:
     for case in reversed(cases):  # inner ones first
         _add_token_result(state, case)
     _mark(state, module_op)
+    regions = []
+    _walk(module_op, lambda op: regions.append(op) if op.name == "sdy.manual_computation"
+          and op in state.containers else None)
+    for region in reversed(regions):
+        _thread_manual_region(state, region)
     for block in _all_blocks(module_op):
         _chain(state, block)
 
@@ -299,7 +340,7 @@ def emit(ctx: mlir.LoweringRuleContext, op: str, operands, *,
     result_types = [mlir.aval_to_ir_type(ctx.module_context, a) for a in ctx.avals_out]
     call = _mlir.custom_call(
         target_name(op),
-        result_types=[*result_types, hlo.TokenType.get()],
+        result_types=[*result_types, _chain_type()],
         operands=[token, *operands],
         backend_config={k: _attr(v) for k, v in attrs.items()},
         has_side_effect=True,
@@ -308,14 +349,33 @@ def emit(ctx: mlir.LoweringRuleContext, op: str, operands, *,
         result_layouts=[*(_layout(a) for a in ctx.avals_out), ()],
         operand_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
     )
-    # Several devices: the SPMD partitioner needs a sharding on side-effecting ops. Each device
-    # runs the call on a full replica, through its own communicator (see _comm.py).
+    _mlir.set_sharding(ctx.module_context, call, _sharding(ctx))
+    return list(call.results)[:-1]
+
+
+def _sharding(ctx: mlir.LoweringRuleContext) -> SdyArrayList:
+    """The sharding of an MPI call: one call per process, or one per device under shard_map.
+
+    XLA's SPMD partitioner refuses a replicated sharding on a side-effecting op ("side-effect
+    HLO cannot have a replicated sharding"; without any: "Side-effect HLO must have
+    sharding"). So in a jit over several devices (axis context ShardingContext) the call is
+    placed on the first device (maximal sharding): the partitioner gathers the operands
+    there and spreads the results back, and the process makes one MPI call with its whole
+    array, which is the meaning of the operation on a global array. Inside shard_map (a
+    manual region) the partitioner leaves the call alone and every device makes its own
+    call on its shard, through its own communicator (see _comm.py); the replicated
+    annotation there is only a placeholder.
+    """
+    axis_context = ctx.module_context.axis_context
+    maximal = isinstance(axis_context, ShardingContext) and axis_context.num_devices > 1
+    if maximal:  # a maximal sharding lists no dims
+        return SdyArrayList((SdyArray(mesh_shape=(), dim_shardings=(), logical_device_ids=(0,)),)
+                            * (len(ctx.avals_out) + 1))
     ndims = [len(a.shape) for a in ctx.avals_out] + [0]
-    _mlir.set_sharding(ctx.module_context, call, SdyArrayList(tuple(
+    return SdyArrayList(tuple(
         SdyArray(mesh_shape=(), dim_shardings=(SdyDim(axes=(), is_open=False),) * n,
                  logical_device_ids=())
-        for n in ndims)))
-    return list(call.results)[:-1]
+        for n in ndims))
 
 
 def _keep_dce_rule(used_outputs, eqn):
@@ -324,6 +384,47 @@ def _keep_dce_rule(used_outputs, eqn):
 
 
 _primitives: set = set()
+
+
+def _per_device(primitive, lowering):
+    """Lowers ``primitive`` in a jit over several devices as one call per device.
+
+    XLA rejects a side-effecting custom call without a sharding there, and a replicated one
+    ("side-effect HLO cannot have a replicated sharding"); the maximal sharding that would
+    run it once, on one device, is dropped by Shardy, which keeps shardings only on the
+    custom calls it knows (its Sharding and X64Combine calls and JAX's Python callbacks;
+    XLA's SdyRoundTripImportShardyAttrsPass). So the call runs in a manual region
+    (``shard_map``) over all the jit's devices, on the whole (replicated) operands: each
+    device makes the MPI call through its own communicator (see _comm.py) with the same
+    data and gets the same result. Inside a user's shard_map the call is already per device.
+    """
+    def rule(ctx, *args, **params):
+        axis_context = ctx.module_context.axis_context
+        if not (isinstance(axis_context, ShardingContext) and axis_context.num_devices > 1):
+            return lowering(ctx, *args, **params)
+        import jax  # noqa: PLC0415
+        from jax.sharding import AbstractMesh, PartitionSpec  # noqa: PLC0415
+
+        mesh = AbstractMesh((axis_context.num_devices,), ("autoshard_mpi",))
+        spec = PartitionSpec()
+
+        def body(anchor, *xs):
+            # The anchor gives the region an operand and a result even for send and barrier:
+            # without them Shardy does not keep the call in the manual region.
+            out = primitive.bind(*xs, **params)
+            return anchor, *(out if primitive.multiple_results else [out])
+
+        num_out = len(ctx.avals_out)
+        region = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * (len(args) + 1),
+                               out_specs=(spec,) * (num_out + 1), check_vma=False)
+
+        def call(*xs):
+            outs = region(jax.numpy.zeros((), jax.numpy.int8), *xs)[1:]
+            return list(outs) if primitive.multiple_results else outs[0]
+
+        return mlir.lower_fun(call, multiple_results=primitive.multiple_results)(ctx, *args)
+
+    return rule
 
 
 def _holds_mpi(jaxpr) -> bool:
@@ -371,7 +472,8 @@ def register(primitive, lowering) -> None:
     """Registers the CPU lowering and the keep-alive DCE rule of an MPI primitive."""
     # Not cacheable: a cached lowering is emitted into a scratch function, out of the block
     # whose token chain it must join.
-    mlir.register_lowering(primitive, lowering, platform="cpu", cacheable=False)
+    mlir.register_lowering(primitive, _per_device(primitive, lowering), platform="cpu",
+                           cacheable=False)
     _pe.dce_rules[primitive] = _keep_dce_rule
     _primitives.add(primitive)
     _install_hooks()

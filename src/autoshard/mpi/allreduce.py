@@ -37,7 +37,8 @@ def _abstract_eval(x, *, op, comm, transpose):
 def _lowering_rule(ctx, x, *, op, comm, transpose):
     if transpose:
         return [x]
-    return _lowering.emit(ctx, "allreduce", [x], attrs={"comm": comm, "op": op})
+    return _lowering.emit(ctx, "allreduce", [x], attrs={"comm": comm, "op": op},
+                          aliases={0: 0})  # in place (MPI_IN_PLACE)
 
 
 def _batching_rule(args, dims, **params):

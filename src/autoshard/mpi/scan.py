@@ -30,7 +30,8 @@ def _abstract_eval(x, *, op, comm):
 
 
 def _lowering_rule(ctx, x, *, op, comm):
-    return _lowering.emit(ctx, "scan", [x], attrs={"comm": comm, "op": op})
+    return _lowering.emit(ctx, "scan", [x], attrs={"comm": comm, "op": op},
+                          aliases={0: 0})  # in place (MPI_IN_PLACE)
 
 
 def _batching_rule(args, dims, **params):

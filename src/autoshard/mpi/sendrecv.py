@@ -45,7 +45,9 @@ def _abstract_eval(sendbuf, recvbuf, **params):
 def _lowering_rule(ctx, sendbuf, recvbuf, *, source, dest, sendtag, recvtag, comm, status):
     attrs = {"comm": comm, "source": source, "dest": dest, "sendtag": sendtag,
              "recvtag": recvtag, "status": status}
-    return _lowering.emit(ctx, "sendrecv", [sendbuf, recvbuf], attrs=attrs, aliases={1: 0})
+    # No aliasing: recvbuf only gives the shape, so a fresh result buffer avoids the copy XLA
+    # would need whenever recvbuf is still live (e.g. sendrecv(x, x, ...)).
+    return _lowering.emit(ctx, "sendrecv", [sendbuf, recvbuf], attrs=attrs)
 
 
 def _batching_rule(args, dims, **params):

@@ -153,6 +153,18 @@ def test_nested_jit_joins_chain():
     np.testing.assert_allclose(b, np.full((MPI.COMM_WORLD.Get_size(), 2), 2.0))
 
 
+def test_in_place_in_loops():
+    # allreduce and bcast reduce in place on the loop carry; recv/sendrecv need no template copy.
+    x = jnp.ones(1024, jnp.float32)
+    for f in (lambda c: mpi.allreduce(c, MPI.SUM)[0], lambda c: mpi.bcast(c, 0)[0]):
+        loop = jax.jit(lambda v, f=f: jax.lax.fori_loop(0, 3, lambda i, c: f(c), v),
+                       donate_argnums=0)
+        text = loop.lower(x).compile().as_text()
+        assert "f32[1024]{0} copy(" not in text, text
+    text = jax.jit(lambda v: mpi.sendrecv(v, v, 0, 0)[0]).lower(x).compile().as_text()
+    assert "f32[1024]{0} copy(" not in text, text
+
+
 def test_fast_dispatch():
     f = jax.jit(lambda x: mpi.allreduce(x, MPI.SUM)[0])
     f(jnp.ones(2))

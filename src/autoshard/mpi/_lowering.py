@@ -19,7 +19,12 @@ primitives, and ordering is established while lowering to StableHLO instead:
   ``_finish``), every call to a function that holds MPI calls is therefore inlined here and
   the chain is rebuilt over the result, so the inlined calls join the caller's chain. That
   final pass also ties in whatever came last in the program, after which no further MPI
-  call would have triggered the tying.
+  call would have triggered the tying. It runs from a wrapper around JAX's
+  ``mlir.lower_jaxpr_to_module`` (installed once; a no-op for modules without MPI calls).
+  A result-less cond holding MPI calls is rebuilt there to return the chain.
+* In a jit over several devices each call runs inside a manual (shard_map) region, once per
+  device (see _per_device); the chain is threaded through such regions (and through a
+  user's shard_map) by data dependencies, as Shardy inlines them.
 * A DCE rule keeps every MPI equation even when its results are unused (send, barrier), and
   the DCE rules of JAX's higher-order primitives (cond, while, scan, jit, ...) are wrapped
   so that an equation holding MPI equations is kept even when its outputs are unused.
@@ -354,23 +359,11 @@ def emit(ctx: mlir.LoweringRuleContext, op: str, operands, *,
 
 
 def _sharding(ctx: mlir.LoweringRuleContext) -> SdyArrayList:
-    """The sharding of an MPI call: one call per process, or one per device under shard_map.
+    """A replicated placeholder sharding for the call.
 
-    XLA's SPMD partitioner refuses a replicated sharding on a side-effecting op ("side-effect
-    HLO cannot have a replicated sharding"; without any: "Side-effect HLO must have
-    sharding"). So in a jit over several devices (axis context ShardingContext) the call is
-    placed on the first device (maximal sharding): the partitioner gathers the operands
-    there and spreads the results back, and the process makes one MPI call with its whole
-    array, which is the meaning of the operation on a global array. Inside shard_map (a
-    manual region) the partitioner leaves the call alone and every device makes its own
-    call on its shard, through its own communicator (see _comm.py); the replicated
-    annotation there is only a placeholder.
+    Calls only reach the SPMD partitioner inside manual regions (a user's shard_map, or the
+    one _per_device wraps them in), where each device runs its own call; see _per_device.
     """
-    axis_context = ctx.module_context.axis_context
-    maximal = isinstance(axis_context, ShardingContext) and axis_context.num_devices > 1
-    if maximal:  # a maximal sharding lists no dims
-        return SdyArrayList((SdyArray(mesh_shape=(), dim_shardings=(), logical_device_ids=(0,)),)
-                            * (len(ctx.avals_out) + 1))
     ndims = [len(a.shape) for a in ctx.avals_out] + [0]
     return SdyArrayList(tuple(
         SdyArray(mesh_shape=(), dim_shardings=(SdyDim(axes=(), is_open=False),) * n,

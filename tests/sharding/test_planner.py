@@ -138,3 +138,22 @@ def test_argument_errors():
             logical_mesh_shape=(2, 4), mesh_beta=(1e-9,), show_progress=False)})
     with pytest.raises(ValueError, match="logical_mesh_shape"):
         AutoShardingOption(logical_mesh_shape=(0, 8))
+
+
+def test_collective_options_change_the_plan():
+    args = _mlp_args(batch=64, hidden=128)
+    rs = _plan(args, logical_mesh_shape=(8,), prefer_reduce_scatter=True)
+    ar = _plan(args, logical_mesh_shape=(8,))
+    assert rs.objective.total_s <= ar.objective.total_s
+    no_moves = _plan(args, logical_mesh_shape=(8,), allow_all_gather=False,
+                     allow_all_to_all=False)
+    assert not [c for c in no_moves.collectives if c.kind in ("all-gather", "all-to-all")]
+    no_a2a = _plan(args, logical_mesh_shape=(8,), allow_all_to_all=False)
+    assert not [c for c in no_a2a.collectives if c.kind == "all-to-all"]
+
+
+def test_memory_budget_rows_cover_the_peak():
+    # The budget is enforced at sampled program points; the reported peak uses all points.
+    args = _mlp_args(batch=8, hidden=256)
+    plan = _plan(args, logical_mesh_shape=(8,), memory_budget_per_device=3_000_000)
+    assert plan.objective.peak_bytes_per_device <= 3_000_000

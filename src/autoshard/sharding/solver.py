@@ -273,28 +273,33 @@ def liveness(prob: Problem) -> list[tuple[int, int, int]]:
 
 
 def _memory_rows(prob: Problem, col0, K, total, num_points: int = 48):
+    """One row per sampled program point: bytes per device of everything live there.
+
+    Points: the half with the largest replicated live set, plus evenly spaced ones.
+    """
     spans = liveness(prob)
     n = len(prob.graph.nodes) + 1
     repl = np.zeros(n + 1)
-    full = {}
     for vid, a, b in spans:
         v = prob.graph.values[vid]
         size = float(itemsize(v.dtype) * np.prod(v.shape, dtype=np.int64))
-        full[vid] = size
         repl[a] += size
         repl[b + 1] -= size
     live = np.cumsum(repl)[:n]
     top = np.argsort(-live, kind="stable")[: num_points // 2]
     even = np.linspace(0, n - 1, num_points // 2).astype(int)
-    points = sorted(set(top.tolist()) | set(even.tolist()))
+    points = np.array(sorted(set(top.tolist()) | set(even.tolist())))
     rows, cols, vals = [], [], []
-    for row, t in enumerate(points):
-        for vid, a, b in spans:
-            if a <= t <= b:
-                r = prob.var(prob.graph.values[vid].producer)
-                for k in range(K[r]):
-                    rows.append(row), cols.append(col0[r] + k)
-                    vals.append(float(value_bytes(prob, vid, k)))
+    for vid, a, b in spans:
+        inside = np.arange(np.searchsorted(points, a), np.searchsorted(points, b, side="right"))
+        if not len(inside):
+            continue
+        r = prob.var(prob.graph.values[vid].producer)
+        sizes = [float(value_bytes(prob, vid, k)) for k in range(K[r])]
+        for row in inside.tolist():
+            rows.extend([row] * K[r])
+            cols.extend(range(col0[r], col0[r] + K[r]))
+            vals.extend(sizes)
     return sp.csr_array((vals, (rows, cols)), shape=(len(points), total))
 
 

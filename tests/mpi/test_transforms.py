@@ -118,6 +118,15 @@ def test_send_and_barrier_not_removed():
     assert "autoshard_mpi_send" in text and "autoshard_mpi_barrier" in text
 
 
+def test_partially_manual_shard_map_fails_clearly():
+    mesh = jax.sharding.Mesh(np.array(jax.local_devices()).reshape(2, -1), ("a", "b"))
+    f = jax.jit(jax.shard_map(lambda v: mpi.allreduce(v, MPI.SUM)[0], mesh=mesh,
+                              in_specs=PartitionSpec("a"), out_specs=PartitionSpec("a"),
+                              axis_names={"a"}))
+    with pytest.raises(NotImplementedError, match=r"leaves mesh axes \['b'\] automatic"):
+        f(jnp.ones(4))
+
+
 def test_unused_control_flow_and_nested_jit_not_removed(rank, size):
     # Every output of the cond, the loop and the nested jit is unused (sends/barriers only).
     peer = (rank + 1) % size

@@ -40,7 +40,7 @@ from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
-from jax._src.sharding_impls import SdyArray, SdyArrayList, SdyDim, ShardingContext
+from jax._src.sharding_impls import SdyArray, SdyArrayList, SdyDim, ShardingContext, SPMDAxisContext
 from jax.interpreters import mlir
 
 from ._native import target_name
@@ -393,6 +393,15 @@ def _per_device(primitive, lowering):
     """
     def rule(ctx, *args, **params):
         axis_context = ctx.module_context.axis_context
+        if isinstance(axis_context, SPMDAxisContext):
+            axes = frozenset(axis_context.mesh.axis_names)
+            if axis_context.manual_axes != axes:
+                raise NotImplementedError(
+                    f"{primitive.name} inside a shard_map that leaves mesh axes "
+                    f"{sorted(axes - axis_context.manual_axes)} automatic: MPI calls need every "
+                    f"axis manual (one call per device). Omit axis_names in jax.shard_map (all "
+                    f"axes manual) or move the MPI call out of the shard_map."
+                )
         if not (isinstance(axis_context, ShardingContext) and axis_context.num_devices > 1):
             return lowering(ctx, *args, **params)
         import jax  # noqa: PLC0415

@@ -45,6 +45,7 @@ def test_automatic_mesh_choice_keeps_the_cheapest():
 
 def test_plan_is_deterministic():
     a, b = _plan(), _plan()
+    assert a == b
     assert a.in_specs == b.in_specs and a.out_specs == b.out_specs
     assert a.intermediates == b.intermediates
     assert a.objective.total_s == b.objective.total_s

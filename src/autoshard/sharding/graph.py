@@ -75,7 +75,6 @@ class Graph:
     """(context, equation index) -> refs of its outputs."""
     loops: dict[tuple, dict] = field(default_factory=dict)
     """(context, equation index) -> value ids of carries and scanned slices of a loop."""
-    unknown: list[str] = field(default_factory=list)
     labels: dict[int, str] = field(default_factory=dict)
     """Structural label per node (cache of ``repeats``)."""
     memo: dict = field(default_factory=dict)

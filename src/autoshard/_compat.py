@@ -41,3 +41,44 @@ def bind_eqn(eqn, invals):
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*invals, **params)
     return out if eqn.primitive.multiple_results else [out]
+
+
+# -- Internals used by autoshard.mpi (jax 0.10) ---------------------------------------------------
+# The MPI primitives build their own ordering chain at lowering time instead of using an ordered
+# effect (which costs ~350 us per jitted call here). That needs JAX's private lowering, DCE and
+# sharding-context modules; they are imported here and nowhere else.
+def mpi_internals():
+    """Private JAX modules and classes that ``autoshard.mpi`` builds on, as a namespace."""
+    from types import SimpleNamespace
+
+    from jax._src import ad_checkpoint, custom_derivatives, dispatch, pjit, shard_map
+    from jax._src import core as private_core
+    from jax._src.interpreters import mlir as private_mlir
+    from jax._src.interpreters import partial_eval
+    from jax._src.lax.control_flow import conditionals, loops
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import hlo
+    from jax._src.sharding_impls import (
+        SdyArray,
+        SdyArrayList,
+        SdyDim,
+        ShardingContext,
+        SPMDAxisContext,
+    )
+
+    return SimpleNamespace(
+        apply_primitive=dispatch.apply_primitive, core=private_core, mlir=private_mlir,
+        pe=partial_eval, ir=ir, hlo=hlo, SdyArray=SdyArray, SdyArrayList=SdyArrayList,
+        SdyDim=SdyDim, ShardingContext=ShardingContext, SPMDAxisContext=SPMDAxisContext,
+        higher_order_primitives=(
+            conditionals.cond_p, loops.while_p, loops.scan_p, pjit.jit_p,
+            private_core.closed_call_p, private_core.call_p,
+            custom_derivatives.custom_jvp_call_p, custom_derivatives.custom_vjp_call_p,
+            ad_checkpoint.remat_p, shard_map.shard_map_p))
+
+
+def apply_primitive(primitive, *args, **params):
+    """Eager implementation of a primitive by compiling it alone (``def_impl`` of MPI ops)."""
+    from jax._src import dispatch
+
+    return dispatch.apply_primitive(primitive, *args, **params)

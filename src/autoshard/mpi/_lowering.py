@@ -35,15 +35,15 @@ from __future__ import annotations
 import atexit
 from collections import OrderedDict
 
-from jax._src import core as _core
-from jax._src.interpreters import mlir as _mlir
-from jax._src.interpreters import partial_eval as _pe
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo
-from jax._src.sharding_impls import SdyArray, SdyArrayList, SdyDim, ShardingContext, SPMDAxisContext
 from jax.interpreters import mlir
 
+from .._compat import mpi_internals
 from ._native import target_name
+
+_jax = mpi_internals()
+_core, _mlir, _pe, ir, hlo = _jax.core, _jax.mlir, _jax.pe, _jax.ir, _jax.hlo
+SdyArray, SdyArrayList, SdyDim = _jax.SdyArray, _jax.SdyArrayList, _jax.SdyDim
+ShardingContext, SPMDAxisContext = _jax.ShardingContext, _jax.SPMDAxisContext
 
 _PREFIX = "autoshard_mpi_"
 
@@ -453,13 +453,7 @@ def _install_hooks() -> None:
     global _lower_jaxpr_to_module_jax
     if _lower_jaxpr_to_module_jax is not None:
         return
-    from jax._src import ad_checkpoint, custom_derivatives, pjit, shard_map  # noqa: PLC0415
-    from jax._src.lax.control_flow import conditionals, loops  # noqa: PLC0415
-
-    for primitive in (conditionals.cond_p, loops.while_p, loops.scan_p, pjit.jit_p,
-                      _core.closed_call_p, _core.call_p, custom_derivatives.custom_jvp_call_p,
-                      custom_derivatives.custom_vjp_call_p, ad_checkpoint.remat_p,
-                      shard_map.shard_map_p):
+    for primitive in _jax.higher_order_primitives:
         rule = _pe.dce_rules.get(primitive)
         if not getattr(rule, "autoshard_mpi", False):
             _pe.dce_rules[primitive] = _keep_holders(rule)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from functools import partial
 
 import jax.numpy as jnp
-from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
+from .._compat import apply_primitive
 from . import _lowering, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
@@ -65,7 +65,7 @@ def _transpose_rule(ct, x, *, op, comm, transpose):
     return [mpi_allreduce_p.bind(ct, op=op, comm=comm, transpose=not transpose)]
 
 
-mpi_allreduce_p.def_impl(partial(dispatch.apply_primitive, mpi_allreduce_p))
+mpi_allreduce_p.def_impl(partial(apply_primitive, mpi_allreduce_p))
 mpi_allreduce_p.def_abstract_eval(_abstract_eval)
 _lowering.register(mpi_allreduce_p, _lowering_rule)
 batching.primitive_batchers[mpi_allreduce_p] = _batching_rule

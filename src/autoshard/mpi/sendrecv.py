@@ -5,10 +5,10 @@ from __future__ import annotations
 from functools import partial
 
 import jax.numpy as jnp
-from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
+from .._compat import apply_primitive
 from . import _lowering, _validation
 from ._comm import comm_id, resolve
 from ._native import MPI
@@ -87,7 +87,7 @@ def _transpose_rule(ct, sendbuf, recvbuf, *, source, dest, sendtag, recvtag, com
     return [ct_send if ad.is_undefined_primal(sendbuf) else None, ct_recv]
 
 
-mpi_sendrecv_p.def_impl(partial(dispatch.apply_primitive, mpi_sendrecv_p))
+mpi_sendrecv_p.def_impl(partial(apply_primitive, mpi_sendrecv_p))
 mpi_sendrecv_p.def_abstract_eval(_abstract_eval)
 _lowering.register(mpi_sendrecv_p, _lowering_rule)
 batching.primitive_batchers[mpi_sendrecv_p] = _batching_rule

@@ -1,8 +1,17 @@
 """The planning problem on one logical mesh: strategies per node, grouped into ILP variables.
 
-Nodes that can only follow their operand (elementwise ops with one full-size operand) join that
-operand's variable: their k-th strategy is "take the operand's k-th spec". Loop carries and
-their loop-back, and a donated input and the output replacing it, are tied into one variable.
+Simplifications before the ILP:
+
+* followers: an elementwise op joins the variable of the operand it follows (its k-th strategy
+  is "take the operand's k-th spec", other full-size operands are resharded to it), and so do
+  transpose / reshape / squeeze with their spec mapped through the op;
+* free nodes: values computed from constants only (iota, broadcast scalars, masks) keep one
+  replicated strategy, which any consumer slices for free;
+* ties: a loop carry and its loop-back, a donated input and the output replacing it, and (in
+  ``repeats``) structurally identical nodes of repeated layers share one variable;
+* caches: strategy lists are shared by nodes of equal signature, so rules run once per
+  distinct node and not once per layer.
+
 Inputs get masks (strategies the options forbid) instead of shorter lists, so tied variables
 keep equal strategy lists.
 """
@@ -20,8 +29,8 @@ from .rules import (
     ELEMENTWISE,
     RuleContext,
     Strategy,
-    _map_reshape,
     itemsize,
+    map_reshape,
     nbytes,
     reshape_groups,
     strategies_for,
@@ -39,6 +48,7 @@ class Problem:
     cache: dict = field(default_factory=dict)
     """Node signature -> strategy list (shared by repeated nodes)."""
     keepalive: list = field(default_factory=list)
+    """Strategy lists whose ids are part of cache keys (kept alive so ids stay unique)."""
     no_reshard: bool = False
     """Forbid resharding outright (pure data parallel) instead of pricing it."""
     free: set[int] = field(default_factory=set)
@@ -320,7 +330,7 @@ def _shape_mapper(prob: Problem, node, out_avals):
             return None
 
         def mapper(s):
-            mapped = _map_reshape(s, x.shape, out.shape, groups, mesh)
+            mapped = map_reshape(s, x.shape, out.shape, groups, mesh)
             if mapped is not None:
                 return s, mapped
             # Keep only the axes that map; the operand is resharded to that spec first.
@@ -329,10 +339,10 @@ def _shape_mapper(prob: Problem, node, out_avals):
                 if s[d]:
                     trial = list(replicated(len(s)))
                     trial[d] = s[d]
-                    if _map_reshape(tuple(trial), x.shape, out.shape, groups, mesh) is None:
+                    if map_reshape(tuple(trial), x.shape, out.shape, groups, mesh) is None:
                         kept[d] = ()
             kept = tuple(kept)
-            mapped = _map_reshape(kept, x.shape, out.shape, groups, mesh)
+            mapped = map_reshape(kept, x.shape, out.shape, groups, mesh)
             if mapped is None:
                 kept = replicated(len(s))
                 mapped = replicated(len(out.shape))

@@ -307,7 +307,7 @@ def reshape_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]] | N
     return groups
 
 
-def _map_reshape(spec: Spec, src_shape, dst_shape, groups, mesh_shape) -> Spec | None:
+def map_reshape(spec: Spec, src_shape, dst_shape, groups, mesh_shape) -> Spec | None:
     """Map a spec through a reshape group by group: only the major non-1 dim may be split."""
     out = [()] * len(dst_shape)
     for src_dims, dst_dims in groups:
@@ -334,11 +334,11 @@ def reshape(ctx, in_avals, out_avals, params):
     flipped = [(b, a) for a, b in groups]
     pairs: list[tuple[Spec, Spec]] = []
     for s in ctx.candidates(x.shape):
-        o = _map_reshape(s, x.shape, out.shape, groups, ctx.mesh_shape)
+        o = map_reshape(s, x.shape, out.shape, groups, ctx.mesh_shape)
         if o is not None and (s, o) not in pairs:
             pairs.append((s, o))
     for o in ctx.candidates(out.shape):
-        s = _map_reshape(o, out.shape, x.shape, flipped, ctx.mesh_shape)
+        s = map_reshape(o, out.shape, x.shape, flipped, ctx.mesh_shape)
         if s is not None and (s, o) not in pairs:
             pairs.append((s, o))
     rest = tuple(replicated(len(a.shape)) for a in in_avals[1:])

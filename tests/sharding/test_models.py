@@ -108,3 +108,26 @@ def test_user_mesh_axis_names_are_kept():
     assert plan.axis_names == ("data", "model") and plan.mesh_shape == (2, 4)
     assert all(set(str(s)) for s in plan.in_specs)
     assert P("x") not in plan.in_specs
+
+
+def test_pipeline_markers_are_identities_for_the_planner():
+    rng = np.random.default_rng(3)
+    w1 = jnp.asarray(rng.normal(size=(32, 64)).astype(np.float32) / 6)
+    w2 = jnp.asarray(rng.normal(size=(64, 32)).astype(np.float32) / 8)
+    x = jnp.asarray(rng.normal(size=(16, 32)).astype(np.float32))
+
+    def loss_fn(params, x):
+        h = jnp.tanh(x @ params[0])
+        autoshard.mark_pipeline_boundary()
+        return jnp.mean((h @ params[1]) ** 2)
+
+    def step(params, x):
+        loss, grads = autoshard.value_and_grad(loss_fn)(params, x)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    parallel = autoshard.parallelize(step, method=autoshard.ShardParallel(
+        auto_sharding_option=QUIET))
+    closed = parallel.get_executable((w1, w2), x)
+    assert closed.plan.objective is not None
+    out = parallel((w1, w2), x)
+    assert_close(out, jax.jit(step)((w1, w2), x))

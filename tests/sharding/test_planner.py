@@ -43,6 +43,17 @@ def test_automatic_mesh_choice_keeps_the_cheapest():
     assert tried and str(plan.mesh_shape) in tried[0]
 
 
+def test_objective_carries_structured_ilp_stats():
+    plan = _plan()
+    o = plan.objective
+    assert o.num_columns > o.num_edge_columns >= 0 and o.num_rows > 0
+    assert o.solver_status == "optimal"
+    assert [s for s, _ in o.meshes_tried] == [(8,), (2, 4), (4, 2)]
+    chosen = dict(o.meshes_tried)[plan.mesh_shape]
+    assert chosen == min(dict(o.meshes_tried).values())
+    assert f"ILP: {o.num_columns} columns, {o.num_rows} rows" in plan.notes
+
+
 def test_plan_is_deterministic():
     a, b = _plan(), _plan()
     assert a == b

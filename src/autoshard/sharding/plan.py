@@ -85,6 +85,14 @@ class Objective:
     """Estimated peak memory per device."""
     solver_status: str = "optimal"
     """'optimal', or 'time limit: best incumbent'."""
+    num_columns: int = 0
+    """ILP columns (strategy choices plus edge variables) of the chosen mesh's problem."""
+    num_rows: int = 0
+    """ILP constraint rows of the chosen mesh's problem."""
+    num_edge_columns: int = 0
+    """Of ``num_columns``, the continuous edge variables that price resharding."""
+    meshes_tried: tuple[tuple[tuple[int, ...], float], ...] = ()
+    """(logical mesh shape, objective in seconds) of every mesh the planner solved, in order."""
 
     @property
     def total_s(self) -> float:

@@ -6,6 +6,7 @@ than this machine can be computed, printed and costed here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -88,17 +89,16 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     dp = (best[2].objective_s if option.force_data_parallel
           else _data_parallel_objective(prob, batch_invars, option))
     plan = make_plan(prob, sol, names, dp_objective=dp)
+    objective = dataclasses.replace(
+        plan.objective, num_columns=sol.num_ilp_vars, num_rows=sol.info.get("rows", 0),
+        num_edge_columns=sol.info.get("edge_vars", 0),
+        meshes_tried=tuple((tuple(s), o) for s, o in tried))
     notes = list(plan.notes)
     if len(tried) > 1:
         notes.append("meshes tried: " + ", ".join(f"{s} {o * 1e3:.4f} ms" for s, o in tried))
     # No wall-clock time here: the same program and options must give an identical plan.
     notes.append(f"ILP: {sol.num_ilp_vars} columns, {sol.info.get('rows', 0)} rows")
-    return _replace(plan, notes=tuple(notes))
-
-
-def _replace(plan: ShardingPlan, **kw) -> ShardingPlan:
-    import dataclasses
-    return dataclasses.replace(plan, **kw)
+    return dataclasses.replace(plan, objective=objective, notes=tuple(notes))
 
 
 def _data_parallel_objective(prob: Problem, batch_invars, option) -> float | None:

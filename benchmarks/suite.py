@@ -25,10 +25,19 @@ def parse_args(argv=None):
     p.add_argument("--plans", default="all",
                    help="comma-separated plan names (e.g. manual:dp,autoshard:ShardParallel-1d)")
     p.add_argument("--num-devices", type=int, default=None, help="default: all (cpu: 8)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed steps per plan (compiled ahead of time: no compile in them)")
+    p.add_argument("--repeats", type=int, default=8, help="most timed steps per plan")
+    p.add_argument("--min-repeats", type=int, default=5,
+                   help="fewest timed steps per plan; more rounds only while --step-budget lasts")
+    p.add_argument("--step-budget", type=float, default=20.0,
+                   help="seconds of timed round-robin stepping per model (after --min-repeats "
+                        "rounds no new round starts once it is spent)")
     p.add_argument("--pair-timeout", type=float, default=300.0,
                    help="seconds for one (model, plan) pair before it is recorded as timed out")
+    p.add_argument("--solver-time-limit", type=float, default=30.0,
+                   help="ILP solver time limit (s) per autoshard plan (at most a third of "
+                        "--pair-timeout)")
     p.add_argument("--sweep-layers", default=None,
                    help="GPT layer counts for the planning-time sweep (default by size)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -38,6 +47,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.repeats, args.warmup = "quick", min(args.repeats, 3), 1
+    args.min_repeats = max(1, min(args.min_repeats, args.repeats))
     return args
 
 

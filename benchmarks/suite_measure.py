@@ -85,13 +85,15 @@ class Stepper:
         self.losses.append(float(loss))
 
 
-def time_interleaved(steppers: dict, *, warmup: int, repeats: int, budget_s: float) -> None:
+def time_interleaved(steppers: dict, *, warmup: int, repeats: int, budget_s: float,
+                     min_rounds: int = 2) -> None:
     """Warm every stepper up, then time them round-robin, one step each per round.
 
     Interleaving spreads background load (other processes on shared cores) over all plans
-    instead of penalising whichever ran while it lasted. Stops after the round in which
-    ``budget_s`` ran out, keeping at least two rounds. A stepper that raises records its
-    error and leaves the rotation.
+    instead of penalising whichever ran while it lasted. Runs at least ``min_rounds`` and at
+    most ``repeats`` rounds, and starts no new round after ``min_rounds`` once ``budget_s``
+    seconds of timed stepping are spent. A stepper that raises records its error and leaves
+    the rotation.
     """
     def run(name, stepper, timed):
         try:
@@ -110,7 +112,7 @@ def time_interleaved(steppers: dict, *, warmup: int, repeats: int, budget_s: flo
         for name in order:
             if steppers[name].error is None:
                 run(name, steppers[name], timed=True)
-        if r >= 1 and time.perf_counter() - t0 > budget_s:
+        if r + 1 >= min_rounds and time.perf_counter() - t0 > budget_s:
             break
 
 

@@ -234,12 +234,21 @@ class ModelCase:
     """Integer labels (next tokens or classes)."""
     config: dict = field(default_factory=dict)
     """Sizes, for the report."""
+    _states: dict = field(default_factory=dict, repr=False, compare=False)
+    """init_state's host copies, by learning rate (built once, shared by every plan)."""
 
     def init_state(self, learning_rate: float = 1e-3) -> TrainState:
-        """A fresh train state (Adam) with parameters on the host."""
-        params = jax.device_get(self.module.init(jax.random.key(0), self.inputs[:1]))
-        return TrainState.create(apply_fn=self.module.apply, params=params,
-                                 tx=optax.adam(learning_rate))
+        """The initial train state (Adam), every array on the host (NumPy).
+
+        Initialised once per case with one jitted ``init`` (not op by op) and kept: each plan
+        places its own device copy, so donating that copy leaves this one intact.
+        """
+        if learning_rate not in self._states:
+            params = jax.jit(self.module.init)(jax.random.key(0), self.inputs[:1])
+            state = TrainState.create(apply_fn=self.module.apply, params=params,
+                                      tx=optax.adam(learning_rate))
+            self._states[learning_rate] = jax.device_get(state)
+        return self._states[learning_rate]
 
     @property
     def num_params(self) -> int:

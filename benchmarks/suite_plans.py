@@ -10,7 +10,7 @@ and on the gradients (ZeRO-2/3, so XLA reduce-scatters them).
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import re
 import time
 from collections.abc import Callable
@@ -43,31 +43,11 @@ class Prepared:
     compile_time_s: float
     """XLA compile time (``Lowered.compile``)."""
     planning_time_s: float | None = None
-    """autoshard: get_executable time minus XLA compile (tracing, planning, lowering)."""
+    """autoshard: tracing, planning and lowering (``Executable.timings`` less ``compile_s``)."""
     lower_time_s: float | None = None
     """Hand-written plans: tracing and lowering time of ``jax.jit(...).lower``."""
     extra: dict = field(default_factory=dict)
     """Plan-specific facts (ILP objective and columns, solver status, notes)."""
-
-
-@contextlib.contextmanager
-def xla_compile_timer():
-    """Sum the seconds spent in ``jax.stages.Lowered.compile`` while the block runs."""
-    spent = [0.0]
-    original = jax.stages.Lowered.compile
-
-    def timed(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - t0
-
-    jax.stages.Lowered.compile = timed
-    try:
-        yield spent
-    finally:
-        jax.stages.Lowered.compile = original
 
 
 # Hand-written plans ----------------------------------------------------------------------------
@@ -266,30 +246,66 @@ def autoshard_methods(num_devices: int, solver_time_limit_s: float) -> dict[str,
     return methods
 
 
-_PLANNED = re.compile(r"planned in ([0-9.]+) s \((\d+) ILP columns\)")
+# Fallbacks for planners that report their ILP size only in the plan's notes.
+_NOTE_ILP = re.compile(r"ILP: (\d+) columns(?:, (\d+) rows)?")
+_NOTE_PLANNED = re.compile(r"planned in ([0-9.]+) s \((\d+) ILP columns\)")
+
+
+def ilp_stats(plan) -> dict:
+    """The planner's own figures: structured ``Objective`` fields, else parsed from the notes.
+
+    Every field of the objective lands in the record as ``ilp_<field>`` (so fields the planner
+    adds later show up without a change here); ``ilp_columns`` and ``ilp_rows`` come from
+    ``num_columns`` / ``num_rows`` when the objective has them (non-zero), else from the notes.
+    """
+    extra = {"plan_notes": list(plan.notes)}
+    objective = plan.objective
+    if objective is not None:
+        extra["ilp_objective_s"] = objective.total_s
+        extra["ilp_solver_status"] = objective.solver_status
+        extra["ilp_estimated_peak_bytes"] = objective.peak_bytes_per_device
+        extra["ilp_data_parallel_objective_s"] = objective.data_parallel_s
+        if dataclasses.is_dataclass(objective):
+            for f in dataclasses.fields(objective):
+                value = getattr(objective, f.name)
+                if isinstance(value, bool | int | float | str | tuple | type(None)):
+                    extra.setdefault(f"ilp_{f.name}", value)
+        for key, name in (("ilp_columns", "num_columns"), ("ilp_rows", "num_rows")):
+            value = getattr(objective, name, None)
+            if value:            # 0: not filled in by this planner
+                extra[key] = int(value)
+    for note in plan.notes:
+        match = _NOTE_ILP.search(note)
+        if match:
+            extra.setdefault("ilp_columns", int(match.group(1)))
+            if match.group(2) is not None:
+                extra.setdefault("ilp_rows", int(match.group(2)))
+        match = _NOTE_PLANNED.search(note)
+        if match:
+            extra.setdefault("planner_reported_s", float(match.group(1)))
+            extra.setdefault("ilp_columns", int(match.group(2)))
+    return extra
 
 
 def prepare_autoshard(case: ModelCase, make_method: Callable, devices) -> Prepared:
+    """Plan and compile once through ``get_executable``; its ``timings`` split the time."""
     f = autoshard.parallelize(autoshard_step, method=make_method(list(devices)))
     state = case.init_state()
     batch = (case.inputs, case.labels)
-    with xla_compile_timer() as compile_s:
-        t0 = time.perf_counter()
-        executable = f.get_executable(state, batch)
-        total = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    executable = f.get_executable(state, batch)
+    total = time.perf_counter() - t0
     plan = executable.plan
-    extra = {"plan_notes": list(plan.notes)}
-    if plan.objective is not None:
-        extra["ilp_objective_s"] = plan.objective.total_s
-        extra["ilp_solver_status"] = plan.objective.solver_status
-        extra["ilp_estimated_peak_bytes"] = plan.objective.peak_bytes_per_device
-        extra["ilp_data_parallel_objective_s"] = plan.objective.data_parallel_s
-    for note in plan.notes:
-        match = _PLANNED.search(note)
-        if match:
-            extra["planner_reported_s"] = float(match.group(1))
-            extra["ilp_columns"] = int(match.group(2))
-    state, batch = f.preshard_dynamic_args(state, batch)
+    extra = ilp_stats(plan)
+    timings = dict(getattr(executable, "timings", None) or {})
+    compile_s = timings.get("compile_s")
+    if compile_s is None:        # no timings: the XLA compile is not told apart
+        compile_s = 0.0
+    if "planning_s" in timings:
+        extra["planner_reported_s"] = timings["planning_s"]
+    extra["autoshard_timings_s"] = timings
+    extra["get_executable_s"] = total
+    state, batch = f.preshard_dynamic_args(state, batch)   # the cached executable: no recompile
     return Prepared(step=f, state=state, batch=batch, compiled=executable.compiled,
-                    mesh_shape=tuple(plan.mesh_shape), compile_time_s=compile_s[0],
-                    planning_time_s=total - compile_s[0], extra=extra)
+                    mesh_shape=tuple(plan.mesh_shape), compile_time_s=compile_s,
+                    planning_time_s=total - compile_s, extra=extra)

@@ -145,13 +145,22 @@ def _first_line(text) -> str:
     return str(text).strip().splitlines()[-1][:200] if text else ""
 
 
+def _steps(result: dict) -> str:
+    """Timed steps per plan as run (between --min-repeats and --repeats, by the step budget)."""
+    counts = {r["num_timed_steps"] for r in result["records"] if r.get("num_timed_steps")}
+    if not counts:
+        return str(result["settings"]["repeats"])
+    lo, hi = min(counts), max(counts)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
 def write_markdown(result: dict, path: str) -> None:
     m = result["machine"]
     out = ["# autoshard side-by-side suite", "",
            f"{m['num_devices']} x {m['backend']} devices ({m['device_kind']}), "
            f"{m['cpu_count']} CPU cores, jax {m['jax']}, flax {m['flax']}, commit "
            f"`{(m['git_commit'] or '?')[:10]}`{' (dirty)' if m['git_dirty'] else ''}, size "
-           f"`{result['size']}`, {result['settings']['repeats']} timed steps after "
+           f"`{result['size']}`, {_steps(result)} timed steps after "
            f"{result['settings']['warmup']} warm-up, suite wall time "
            f"{result.get('suite_wall_time_s', 0):.0f} s.", ""]
     if m["backend"] == "cpu":

@@ -22,6 +22,8 @@ import suite_plans as plans
 import suite_report as report
 from suite_models import MODELS, SIZES, make_case
 
+# The default GPT depth (2) is reused from the main records; benchmarks/solver.py
+# sweeps planning time much deeper (2..48 layers).
 SWEEP_LAYERS = {"quick": (1,), "default": (1, 2, 4), "large": (2, 4, 8)}
 
 
@@ -135,7 +137,7 @@ def run_model(case, names: list[str], devices, args, solver_limit: float) -> lis
             print(f"  {plan:<30} {_brief(record)}", flush=True)
         del prepared
     measure.time_interleaved(steppers, warmup=args.warmup, repeats=args.repeats,
-                             budget_s=args.pair_timeout)
+                             budget_s=args.step_budget, min_rounds=args.min_repeats)
     for plan, stepper in steppers.items():
         record = records[plan]
         if stepper.error is not None:
@@ -218,7 +220,7 @@ def run_suite(args) -> int:
     if args.num_devices:
         devices = devices[:args.num_devices]
     os.makedirs(args.out, exist_ok=True)
-    solver_limit = max(5.0, min(60.0, args.pair_timeout / 3))
+    solver_limit = max(1.0, min(args.solver_time_limit, args.pair_timeout / 3))
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     for m in models:
         if m not in MODELS:
@@ -230,6 +232,7 @@ def run_suite(args) -> int:
         raise SystemExit(f"--plans: {sorted(wanted - known)} unknown; choose from {sorted(known)}")
     result = {"suite": "autoshard side-by-side", "size": args.size,
               "settings": {"warmup": args.warmup, "repeats": args.repeats,
+                           "min_repeats": args.min_repeats, "step_budget_s": args.step_budget,
                            "pair_timeout_s": args.pair_timeout,
                            "solver_time_limit_s": solver_limit},
               "machine": machine_info(devices), "models": {}, "records": [],

@@ -76,3 +76,54 @@ def test_suite_records_a_failing_pair_and_goes_on(tmp_path):
     failed = by_plan["autoshard:DataParallel"]
     assert failed["status"] == "error" and "divisible" in failed["error"]
     assert "error" in (tmp_path / "suite.md").read_text()
+
+
+def _suite_module(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_ilp_stats_prefer_structured_fields_and_fall_back_to_notes():
+    import dataclasses
+    from types import SimpleNamespace
+
+    from autoshard.sharding.plan import Objective
+
+    plans = _suite_module("suite_plans")
+    notes = ("meshes tried: (8,) 1.0 ms", "ILP: 1234 columns, 56 rows")
+    stats = plans.ilp_stats(SimpleNamespace(objective=Objective(communication_s=2e-3),
+                                            notes=notes))
+    assert stats["ilp_columns"] == 1234 and stats["ilp_rows"] == 56     # from the notes
+    assert stats["ilp_objective_s"] == pytest.approx(2e-3)
+    assert stats["ilp_communication_s"] == pytest.approx(2e-3)          # every field kept
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Structured(Objective):
+        num_columns: int = 7
+        num_rows: int = 3
+
+    stats = plans.ilp_stats(SimpleNamespace(objective=Structured(), notes=notes))
+    assert stats["ilp_columns"] == 7 and stats["ilp_rows"] == 3         # fields win over notes
+    old = plans.ilp_stats(SimpleNamespace(objective=None,
+                                          notes=("planned in 0.5 s (99 ILP columns)",)))
+    assert old["ilp_columns"] == 99 and old["planner_reported_s"] == 0.5
+
+
+def test_round_robin_stops_on_budget_after_min_rounds():
+    measure = _suite_module("suite_measure")
+
+    class Fake:
+        def __init__(self):
+            self.error, self.calls = None, 0
+
+        def __call__(self, timed):
+            self.calls += timed
+
+    steppers = {"a": Fake(), "b": Fake()}
+    measure.time_interleaved(steppers, warmup=1, repeats=8, budget_s=0.0, min_rounds=3)
+    assert [s.calls for s in steppers.values()] == [3, 3]
+    measure.time_interleaved(steppers, warmup=0, repeats=4, budget_s=60.0, min_rounds=2)
+    assert [s.calls for s in steppers.values()] == [7, 7]

@@ -35,7 +35,7 @@ test-slow: $(STAMP) native
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
 
-bench: $(STAMP)
+bench: $(STAMP) native
 	$(CPU8) $(PY) benchmarks/suite.py
 	$(CPU8) $(PY) benchmarks/solver.py
 	$(MAKE) --no-print-directory bench-mpi

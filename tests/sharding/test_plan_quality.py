@@ -161,3 +161,42 @@ def test_objective_is_what_the_ilp_minimised():
     assert sum(c.cost_s for c in plan.collectives) == pytest.approx(
         o.communication_s + o.resharding_s)
     assert o.data_parallel_s > o.total_s
+
+
+def _gather(n: int, num_bytes: float, axis: int) -> float:
+    """Alpha-beta all-gather over n devices of mesh axis ``axis``: a + b * (n-1)/n * B."""
+    return DEFAULT_ALPHA_S + DEFAULT_BETA_S_PER_BYTE / 10**axis * (n - 1) / n * num_bytes
+
+
+def test_2d_resharding_cost_is_exact():
+    from autoshard.sharding.cost import CostModel
+    from autoshard.sharding.options import AutoShardingOption
+
+    cost = CostModel.from_option((2, 4), AutoShardingOption())
+    shape, total = (64, 512), 64 * 512 * 4
+    # Split by axis 1 only: each group of 4 devices holds the whole array (axis 0 replicates
+    # it), so the all-gather moves total bytes, not total / 2.
+    assert cost.reshard(((1,), ()), ((), ()), shape, 4) == pytest.approx(_gather(4, total, 1))
+    # One dim split over both axes: gather the expensive axis 0 first while the array is
+    # small (total / 4 per group of 2), then axis 1 on the whole array.
+    both = ((0, 1), ())
+    first0 = _gather(2, total / 4, 0) + _gather(4, total, 1)
+    first1 = _gather(4, total / 2, 1) + _gather(2, total, 0)
+    assert first0 < first1
+    assert cost.reshard(both, ((), ()), shape, 4) == pytest.approx(first0)
+    # Moving axis 1 to the other dim while axis 0 keeps dim 0: an all-to-all over the group
+    # that holds half the array.
+    a2a = DEFAULT_ALPHA_S + DEFAULT_BETA_S_PER_BYTE / 10 * 3 / 16 * (total / 2)
+    assert cost.reshard(both, ((0,), (1,)), shape, 4) == pytest.approx(a2a)
+    # Adding splits is a local slice.
+    assert cost.reshard(((0,), ()), both, shape, 4) == 0.0
+
+
+def test_2d_objective_is_what_the_ilp_minimised():
+    params, x, y = _mlp_case(16, 256)
+    closed, plan = plan_fn(MLP_STEP, (params, x, y), batch=[0, 0, 1, 1],
+                           aliases=[(0, 0), (1, 1)], logical_mesh_shape=(2, 4))
+    o = plan.objective
+    assert dict(o.meshes_tried)[(2, 4)] == pytest.approx(o.total_s, rel=1e-6)
+    assert sum(c.cost_s for c in plan.collectives) == pytest.approx(
+        o.communication_s + o.resharding_s)

@@ -9,6 +9,7 @@ costs the sum. Replace the constants with measured ones through ``AutoShardingOp
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -97,18 +98,55 @@ class CostModel:
             return "all-gather", group_bytes, cost
         return "all-to-all", group_bytes, self.collective("all-to-all", (a,), group_bytes)
 
+    def live_axes(self) -> tuple[int, ...]:
+        return tuple(a for a, n in enumerate(self.mesh_shape) if n > 1)
+
     def reshard_steps(self, src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int
                       ) -> list[tuple[str, int, float, float]]:
-        """Collectives that turn an array laid out as ``src`` into ``dst``: (kind, axis, bytes, s)."""
+        """Collectives that turn an array laid out as ``src`` into ``dst``: (kind, axis, bytes, s).
+
+        The cheapest chain of per-axis steps, each priced on the array its device group really
+        holds at that point: first the new splits (local slices, free, and they shrink what
+        moves), then the splits that change dim (all-to-all, size per device unchanged), then
+        the dropped splits (all-gathers, each growing the array) in the cheapest order. On a
+        1-D mesh this is ``axis_step``; on more axes it also prices a dim split over two axes
+        and an array the other axes do not split.
+        """
         if src == dst:
             return []
         total_bytes = math.prod(shape) * itemsize
+        adds, moves, drops = [], [], []
+        for a in self.live_axes():
+            ps, pd = axis_place(src, a), axis_place(dst, a)
+            if ps == pd:
+                continue
+            if ps is None:
+                adds.append(a)
+            elif pd is None or not self.allow_all_to_all:
+                drops.append((a, pd is None))
+            else:
+                moves.append(a)
+        if len(moves) + len(drops) == 0:
+            return []
+        pieces = shards(src, self.mesh_shape) * math.prod(self.mesh_shape[a] for a in adds)
         steps = []
-        for a in range(len(self.mesh_shape)):
-            step = self.axis_step(a, axis_place(src, a), axis_place(dst, a), total_bytes)
-            if step is not None:
-                steps.append((step[0], a, step[1], step[2]))
-        return steps
+        for a in moves:
+            group = total_bytes / pieces * self.mesh_shape[a]
+            steps.append(("all-to-all", a, group, self.collective("all-to-all", (a,), group)))
+        best = None
+        for order in itertools.permutations(drops):
+            chain, left = [], pieces
+            for a, dropped in order:
+                group = total_bytes / left * self.mesh_shape[a]
+                cost = self.collective("all-gather", (a,), group)
+                if not self.allow_all_gather:
+                    cost += FORBIDDEN_S
+                chain.append(("all-gather", a, group, cost))
+                if dropped:  # else sliced again at once (a move without all-to-all)
+                    left //= self.mesh_shape[a]
+            if best is None or sum(c[3] for c in chain) < sum(c[3] for c in best) - 1e-18:
+                best = chain
+        return steps + (best or [])
 
     def reshard(self, src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int) -> float:
         """Cost in seconds of turning an array laid out as ``src`` into ``dst``."""

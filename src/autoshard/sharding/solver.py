@@ -23,6 +23,8 @@ from .rules import itemsize
 from .spec import axis_place
 
 OBJECTIVE_SCALE = 1e6
+PAIR_COLUMN_BUDGET = 60_000
+"""Most edge columns spent on exact pairwise resharding costs (meshes with several axes)."""
 MOVED = ("elsewhere",)
 """A place different from any other: prices moving a split (all-to-all)."""
 
@@ -50,6 +52,18 @@ class _Edges:
         self.reshard_cache: dict = {}
         self.forbidden: list[int] = []
         self.groups: dict = {}
+        self.pairs: dict = {}
+        """(producer var, consumer var) -> matrix of exact resharding costs (several axes)."""
+        self.fallback: dict = {}
+        """(producer var, consumer var) -> per-axis terms, for pairs too large for the ILP."""
+
+    def add_group(self, group, gather: float, move: float):
+        entry = self.groups.get(group)
+        if entry is None:
+            self.groups[group] = [gather, move]
+        else:
+            entry[0] += gather
+            entry[1] += move
 
     def reshard(self, src, dst, shape, isize) -> float:
         key = (src, dst, shape, isize)
@@ -95,6 +109,57 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
             if dk == d:
                 ub_rows.append(row), ub_cols.append(col0[var_root] + k), ub_vals.append(coef)
 
+    # Pairwise edges: e_ij for (producer strategy i, consumer strategy j) with marginal rows
+    # sum_j e_ij = x_i and sum_i e_ij = y_j (exact at integral points, and a tight relaxation).
+    # Row and column minima go to the unary costs first; a matrix left all zero needs no e.
+    # (Pairs are exact but large, so meshes with one axis keep the per-axis terms above.)
+    reduced = []
+    for (ru, rv), mat in edges.pairs.items():
+        row = mat.min(axis=1)
+        unary[col0[ru]:col0[ru] + K[ru]] += row
+        mat = mat - row[:, None]
+        col = mat.min(axis=0)
+        unary[col0[rv]:col0[rv] + K[rv]] += col
+        mat = mat - col[None, :]
+        if not (mat > 0).any():
+            continue
+        # Strategies with equal cost rows (columns) share their e variables: exact, and the
+        # relaxation is the same, but the LP is much smaller.
+        mat, row_of = np.unique(mat, axis=0, return_inverse=True)
+        mat, col_of = np.unique(mat, axis=1, return_inverse=True)
+        reduced.append((ru, rv, mat, np.ravel(row_of), np.ravel(col_of), row, col))
+    # The LP grows with the pair columns: the smallest pairs are priced exactly within
+    # PAIR_COLUMN_BUDGET, the rest fall back to the per-axis terms (the reported objective is
+    # still the exact cost of the chosen plan).
+    order = sorted(range(len(reduced)), key=lambda i: (reduced[i][2].size, i))
+    exact, used = set(), 0
+    for i in order:
+        if used + reduced[i][2].size > PAIR_COLUMN_BUDGET:
+            break
+        exact.add(i)
+        used += reduced[i][2].size
+    for i, (ru, rv, mat, row_of, col_of, row, col) in enumerate(reduced):
+        if i not in exact:
+            unary[col0[ru]:col0[ru] + K[ru]] -= row
+            unary[col0[rv]:col0[rv] + K[rv]] -= col
+            for group, gather, move in edges.fallback.get((ru, rv), ()):
+                edges.add_group(group, gather, move)
+            continue
+        e0 = ncols + len(c_extra)
+        c_extra.extend(mat.ravel().tolist())
+        nu, nv = mat.shape
+        for a in range(nu):
+            members = [col0[ru] + k for k in np.flatnonzero(row_of == a).tolist()]
+            rows.extend([nrows] * (nv + len(members)))
+            cols.extend(list(range(e0 + a * nv, e0 + (a + 1) * nv)) + members)
+            vals.extend([1.0] * nv + [-1.0] * len(members))
+            nrows += 1
+        for b in range(nv):
+            members = [col0[rv] + k for k in np.flatnonzero(col_of == b).tolist()]
+            rows.extend([nrows] * (nu + len(members)))
+            cols.extend(list(range(e0 + b, e0 + nu * nv, nv)) + members)
+            vals.extend([1.0] * nu + [-1.0] * len(members))
+            nrows += 1
     for (ru, rv, src_dims, dst_dims), (gather, move) in edges.groups.items():
         if prob.no_reshard:  # X_d <= Y_d: a split the producer has, the consumer keeps
             for d in sorted({d for d in src_dims if d is not None}):
@@ -172,8 +237,13 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
                         num_ilp_vars=total, info={"rows": nrows + nub, "edge_vars": num_edge})
     status = "optimal" if res.status == 0 else "time limit: best incumbent"
     choice = {r: int(np.argmax(res.x[col0[r]:col0[r] + K[r]])) for r in roots}
-    return Solution(choice, status, float(res.fun) / OBJECTIVE_SCALE, time.perf_counter() - t0,
-                    num_ilp_vars=total, info={"rows": nrows + nub, "edge_vars": num_edge})
+    info = {"rows": nrows + nub, "edge_vars": num_edge,
+            "approximate_pairs": len(reduced) - len(exact)}
+    # With per-axis fallbacks the ILP saw an approximation: report the plan's exact cost.
+    objective = (_evaluate(prob, choice, edges) if len(exact) < len(reduced)
+                 else float(res.fun) / OBJECTIVE_SCALE)
+    return Solution(choice, status, objective, time.perf_counter() - t0,
+                    num_ilp_vars=total, info=info)
 
 
 def _evaluate(prob: Problem, choice: dict[int, int], edges: _Edges) -> float:
@@ -213,6 +283,21 @@ def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
                     continue
                 unary[base + k] += edges.reshard(a, b, value.shape, isize) * node.mult
         return
+    pairwise = not prob.no_reshard and len(prob.ctx.cost.live_axes()) > 1
+    if pairwise:
+        # Several mesh axes: a step's cost depends on what the other axes do, so the edge is
+        # priced pairwise, exactly (see CostModel.reshard_steps), where the ILP can afford it.
+        key = ("pairs", id(src_list), out_index, id(dst_list), p, value.shape, isize)
+        mat = edges.cache.get(key)
+        if mat is None:
+            mat = edges.cache[key] = np.array(
+                [[edges.reshard(a.out_specs[out_index], b.in_specs[p], value.shape, isize)
+                  for b in dst_list] for a in src_list])
+        acc = edges.pairs.get((ru, rv))
+        if acc is None:
+            edges.pairs[(ru, rv)] = mat * node.mult
+        else:
+            acc += mat * node.mult
     # Strategy lists are shared by repeated nodes, so the per-axis terms are cached.
     key = (id(src_list), out_index, id(dst_list), p, value.shape, isize)
     terms = edges.cache.get(key)
@@ -221,6 +306,10 @@ def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
                                                value.shape, isize)
     for src_dims, dst_dims, gather, move in terms:
         group = (ru, rv, src_dims, dst_dims)
+        if pairwise:
+            edges.fallback.setdefault((ru, rv), []).append((group, gather * node.mult,
+                                                            move * node.mult))
+            continue
         entry = edges.groups.get(group)
         if entry is None:
             edges.groups[group] = [gather * node.mult, move * node.mult]

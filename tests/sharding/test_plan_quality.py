@@ -200,3 +200,32 @@ def test_2d_objective_is_what_the_ilp_minimised():
     assert dict(o.meshes_tried)[(2, 4)] == pytest.approx(o.total_s, rel=1e-6)
     assert sum(c.cost_s for c in plan.collectives) == pytest.approx(
         o.communication_s + o.resharding_s)
+
+
+def test_conv_images_are_never_split_spatially():
+    from jax import lax
+
+    from autoshard.sharding import AutoShardingOption
+    from autoshard.sharding.graph import build_graph
+    from autoshard.sharding.problem import build_problem
+
+    def loss(w, x):
+        y = lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return (jnp.tanh(y) ** 2).sum()
+
+    args = (jnp.ones((3, 3, 8, 16)), jnp.ones((8, 16, 16, 8)))
+    closed, plan = plan_fn(jax.grad(loss), args, batch=[False, True],
+                           logical_mesh_shape=(2, 4))
+    graph = build_graph(closed, ["w", "x"], ["dw"])
+    prob = build_problem(graph, (2, 4), AutoShardingOption(), batch_invars=[False, True],
+                         aliases=(), warned=set())
+    images = 0
+    for node in graph.nodes:
+        for s in prob.strategies[node.id]:
+            for vid, spec in zip(node.outputs, s.out_specs, strict=False):
+                if graph.values[vid].shape in ((8, 16, 16, 8), (8, 16, 16, 16)):
+                    images += 1
+                    assert not spec[1] and not spec[2], (node.kind, spec)
+    assert images
+    assert_close(run_plan(closed, plan, args), jax.jit(jax.grad(loss))(*args))

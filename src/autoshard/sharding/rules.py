@@ -44,9 +44,15 @@ class RuleContext:
     option: AutoShardingOption
     warned: set[str] = field(default_factory=set)
     allow_recompute_heavy_op: bool = False
+    keep_whole: dict = field(default_factory=dict)
+    """Shape -> dims never split in values of that shape (the spatial dims of conv images)."""
 
     def candidates(self, shape) -> list[Spec]:
-        return candidate_specs(tuple(shape), self.mesh_shape)
+        found = candidate_specs(tuple(shape), self.mesh_shape)
+        dims = self.keep_whole.get(tuple(shape))
+        if dims:
+            found = [s for s in found if not any(s[d] for d in dims)]
+        return found
 
     def all_reduce(self, axes, num_bytes) -> tuple[float, tuple]:
         axes = tuple(a for a in axes if self.mesh_shape[a] > 1)

@@ -98,6 +98,14 @@ class CostModel:
             return "all-gather", group_bytes, cost
         return "all-to-all", group_bytes, self.collective("all-to-all", (a,), group_bytes)
 
+    def reshard_per_axis(self, src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int
+                         ) -> float:
+        """The sum of ``axis_step`` costs: what the ILP's per-axis terms price."""
+        total_bytes = math.prod(shape) * itemsize
+        steps = (self.axis_step(a, axis_place(src, a), axis_place(dst, a), total_bytes)
+                 for a in range(len(self.mesh_shape)))
+        return sum(step[2] for step in steps if step is not None)
+
     def live_axes(self) -> tuple[int, ...]:
         return tuple(a for a, n in enumerate(self.mesh_shape) if n > 1)
 

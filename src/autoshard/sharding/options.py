@@ -32,6 +32,9 @@ class AutoShardingOption:
     """Allow parameters to stay replicated."""
     solver_time_limit_s: float = 60.0
     """Wall-clock limit of the ILP solver; on timeout the best incumbent is used."""
+    exact_resharding_columns: int = 20_000
+    """ILP columns spent on exact pairwise resharding costs on meshes with several axes (the
+    rest use per-axis terms); more is exact on more edges and slower to solve."""
     show_progress: bool = True
     """Show a progress bar while planning long searches."""
 
@@ -54,6 +57,10 @@ class AutoShardingOption:
             raise ValueError(
                 f"memory_budget_per_device ({self.memory_budget_per_device}) must be a positive "
                 "number of bytes, or None for no budget.")
+        if self.exact_resharding_columns < 0:
+            raise ValueError(
+                f"exact_resharding_columns ({self.exact_resharding_columns}) must be a "
+                "non-negative number of ILP columns (0: per-axis resharding terms only).")
         if self.solver_time_limit_s <= 0:
             raise ValueError(
                 f"solver_time_limit_s ({self.solver_time_limit_s}) must be positive seconds.")

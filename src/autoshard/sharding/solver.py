@@ -23,8 +23,6 @@ from .rules import itemsize
 from .spec import axis_place
 
 OBJECTIVE_SCALE = 1e6
-PAIR_COLUMN_BUDGET = 60_000
-"""Most edge columns spent on exact pairwise resharding costs (meshes with several axes)."""
 MOVED = ("elsewhere",)
 """A place different from any other: prices moving a split (all-to-all)."""
 
@@ -128,16 +126,13 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
         mat, row_of = np.unique(mat, axis=0, return_inverse=True)
         mat, col_of = np.unique(mat, axis=1, return_inverse=True)
         reduced.append((ru, rv, mat, np.ravel(row_of), np.ravel(col_of), row, col))
-    # The LP grows with the pair columns: the smallest pairs are priced exactly within
-    # PAIR_COLUMN_BUDGET, the rest fall back to the per-axis terms (the reported objective is
-    # still the exact cost of the chosen plan).
-    order = sorted(range(len(reduced)), key=lambda i: (reduced[i][2].size, i))
-    exact, used = set(), 0
-    for i in order:
-        if used + reduced[i][2].size > PAIR_COLUMN_BUDGET:
-            break
-        exact.add(i)
-        used += reduced[i][2].size
+    # The LP grows with the pair columns: within AutoShardingOption.exact_resharding_columns
+    # every pair is priced exactly, beyond it every edge keeps the per-axis terms. Never a mix:
+    # half-exact prices mislead the ILP more than consistent approximate ones. The reported
+    # objective is the exact cost of the chosen plan either way.
+    num_pair_columns = sum(r[2].size for r in reduced)
+    exact = (set(range(len(reduced)))
+             if num_pair_columns <= prob.ctx.option.exact_resharding_columns else set())
     for i, (ru, rv, mat, row_of, col_of, row, col) in enumerate(reduced):
         if i not in exact:
             unary[col0[ru]:col0[ru] + K[ru]] -= row
@@ -287,12 +282,21 @@ def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
     if pairwise:
         # Several mesh axes: a step's cost depends on what the other axes do, so the edge is
         # priced pairwise, exactly (see CostModel.reshard_steps), where the ILP can afford it.
+        # Edges the per-axis terms already price exactly keep them (a much smaller LP).
         key = ("pairs", id(src_list), out_index, id(dst_list), p, value.shape, isize)
-        mat = edges.cache.get(key)
-        if mat is None:
-            mat = edges.cache[key] = np.array(
-                [[edges.reshard(a.out_specs[out_index], b.in_specs[p], value.shape, isize)
-                  for b in dst_list] for a in src_list])
+        mat = edges.cache.get(key, False)
+        if mat is False:
+            cost = prob.ctx.cost
+            mat = np.array([[edges.reshard(a.out_specs[out_index], b.in_specs[p], value.shape,
+                                           isize) for b in dst_list] for a in src_list])
+            per_axis = np.array([[cost.reshard_per_axis(a.out_specs[out_index], b.in_specs[p],
+                                                        value.shape, isize)
+                                  for b in dst_list] for a in src_list])
+            if np.allclose(mat, per_axis, rtol=1e-9, atol=0.0):
+                mat = None
+            edges.cache[key] = mat
+        pairwise = mat is not None
+    if pairwise:
         acc = edges.pairs.get((ru, rv))
         if acc is None:
             edges.pairs[(ru, rv)] = mat * node.mult

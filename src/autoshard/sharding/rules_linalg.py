@@ -164,31 +164,38 @@ def gather(ctx: RuleContext, in_avals, out_avals, params):
                          params["slice_sizes"], operand.shape)
     result = []
     for assign in _enumerate_roles(ctx, roles):
-        oa, ia, xa, partial = {}, {}, {}, []
-        for axis, role in assign.items():
-            if role is None:
-                continue
-            name, out_d, op_d, idx_d = role
-            if out_d is not None:
-                oa[axis] = out_d
-            if op_d is not None:
-                xa[axis] = op_d
-            if idx_d is not None:
-                ia[axis] = idx_d
-            if name == "table":
-                partial.append(axis)
-        os_ = from_assignment(len(out.shape), oa)
-        xs = from_assignment(len(operand.shape), xa)
-        is_ = from_assignment(len(indices.shape), ia)
-        if not (is_valid(os_, tuple(out.shape), ctx.mesh_shape)
-                and is_valid(xs, tuple(operand.shape), ctx.mesh_shape)
-                and is_valid(is_, tuple(indices.shape), ctx.mesh_shape)):
+        split = _role_specs(ctx, assign, (out, operand, indices), partial_role="table")
+        if split is None:
             continue
-        comm, coll = ctx.all_reduce(tuple(partial),
-                                    nbytes(out) / shards(os_, ctx.mesh_shape))
+        (os_, xs, is_), partial = split
+        comm, coll = ctx.all_reduce(partial, nbytes(out) / shards(os_, ctx.mesh_shape))
         result.append(Strategy((os_,), (xs, is_), comm,
                                byte_cost(nbytes(out), shards(os_, ctx.mesh_shape)), coll))
     return result
+
+
+def _role_specs(ctx: RuleContext, assign, avals, *, partial_role: str):
+    """Specs of ``avals`` under an assignment of mesh axes to roles, and the partial axes.
+
+    A role is ``(name, dim of avals[0], dim of avals[1], ...)`` with None where the role does
+    not touch that array. Returns None when a spec does not divide its array.
+    """
+    per_array = [{} for _ in avals]
+    partial = []
+    for axis, role in assign.items():
+        if role is None:
+            continue
+        name, *dims = role
+        for k, d in enumerate(dims):
+            if d is not None:
+                per_array[k][axis] = d
+        if name == partial_role:
+            partial.append(axis)
+    specs = tuple(from_assignment(len(a.shape), m) for a, m in zip(avals, per_array, strict=True))
+    if not all(is_valid(sp, tuple(a.shape), ctx.mesh_shape)
+               for sp, a in zip(specs, avals, strict=True)):
+        return None
+    return specs, tuple(partial)
 
 
 @register("scatter-add", "scatter_add")
@@ -224,28 +231,12 @@ def _scatter(ctx: RuleContext, in_avals, out_avals, params, *, is_add: bool):
             roles.append(("table", op_d, None, None))
     result = []
     for assign in _enumerate_roles(ctx, roles):
-        xa, ua, ia, partial = {}, {}, {}, []
-        for axis, role in assign.items():
-            if role is None:
-                continue
-            name, op_d, up_d, idx_d = role
-            if op_d is not None:
-                xa[axis] = op_d
-            if up_d is not None:
-                ua[axis] = up_d
-            if idx_d is not None:
-                ia[axis] = idx_d
-            if name == "partial":
-                partial.append(axis)
-        xs = from_assignment(len(operand.shape), xa)
-        us = from_assignment(len(updates.shape), ua)
-        is_ = from_assignment(len(indices.shape), ia)
-        if not (is_valid(xs, tuple(operand.shape), ctx.mesh_shape)
-                and is_valid(us, tuple(updates.shape), ctx.mesh_shape)
-                and is_valid(is_, tuple(indices.shape), ctx.mesh_shape)):
+        split = _role_specs(ctx, assign, (operand, updates, indices), partial_role="partial")
+        if split is None:
             continue
+        (xs, us, is_), partial = split
         out = out_avals[0]
-        comm, coll = ctx.all_reduce(tuple(partial), nbytes(out) / shards(xs, ctx.mesh_shape))
+        comm, coll = ctx.all_reduce(partial, nbytes(out) / shards(xs, ctx.mesh_shape))
         result.append(Strategy((xs,), (xs, is_, us), comm,
                                byte_cost(nbytes(updates), shards(us, ctx.mesh_shape)), coll))
     return result

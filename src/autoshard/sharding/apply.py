@@ -21,6 +21,7 @@ from jax import lax
 from jax.extend import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._compat import bind_eqn
 from .graph import IDENTITIES, INLINE_CALLS, Graph, build_graph
 from .plan import ShardingPlan
 
@@ -108,9 +109,7 @@ def _eval(graph: Graph, pins: _Pins, jaxpr, consts, args, ctx):
             node_id = graph.values[refs[0]].producer if refs else None
             if node_id is not None:
                 ins = [pins.operand(node_id, p, x) for p, x in enumerate(ins)]
-            outs = eqn.primitive.bind(*ins, **eqn.params)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
+            outs = bind_eqn(eqn, ins)
             outs = [pins.value(r, o) for r, o in zip(refs, outs, strict=False)]
         for var, o in zip(eqn.outvars, outs, strict=False):
             env[var] = o

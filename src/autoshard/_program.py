@@ -85,7 +85,7 @@ def trace_program(fun: Callable, args: tuple, flat: FlatArgs, *, batch_argnums: 
     closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*trace_avals)
     out_leaves, out_tree = jax.tree.flatten(out_shape)
     out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
-    candidates = _donation_candidates(args, donate_argnums, batch_argnums)
+    candidates = _donation_candidates(args, flat, donate_argnums, batch_argnums)
     aliases, matched = _aliases(args, flat, out_shape, candidates)
     if donate_argnums == "auto":
         donated = matched | {i for i in candidates if _is_train_state(args[i])}
@@ -121,10 +121,9 @@ def _is_train_state(x) -> bool:
     return hasattr(x, "apply_gradients") and hasattr(x, "params") and hasattr(x, "opt_state")
 
 
-def _donation_candidates(args, donate_argnums, batch_argnums) -> set[int]:
-    if donate_argnums == "auto":
-        return {i for i, a in enumerate(args)
-                if i not in batch_argnums and _has_array_leaves(a)}
+def _donation_candidates(args, flat: FlatArgs, donate_argnums, batch_argnums) -> set[int]:
+    if donate_argnums == "auto":  # every non-batch argument that holds an array
+        return set(flat.leaf_argnum) - set(batch_argnums)
     nums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
     for i in nums:
         if not isinstance(i, int) or not 0 <= i < len(args):
@@ -132,11 +131,6 @@ def _donation_candidates(args, donate_argnums, batch_argnums) -> set[int]:
                 f"donate_argnums ({donate_argnums!r}) names argument {i!r}, but there are "
                 f"{len(args)} positional arguments. Use indices below {len(args)} or 'auto'.")
     return set(nums)
-
-
-def _has_array_leaves(a) -> bool:
-    from ._jaxpr import is_array_leaf
-    return any(is_array_leaf(x) for x in jax.tree.leaves(a))
 
 
 def _aliases(args, flat: FlatArgs, out_shape, donated: set[int]):

@@ -82,13 +82,10 @@ def dot_general(ctx: RuleContext, in_avals, out_avals, params):
             else:
                 la[axis], ra[axis] = lc[i], rc[i]
                 contract.append(axis)
-        ls = from_assignment(len(lhs.shape), la)
-        rs = from_assignment(len(rhs.shape), ra)
-        os_ = from_assignment(len(out.shape), oa)
-        if not (is_valid(ls, tuple(lhs.shape), ctx.mesh_shape)
-                and is_valid(rs, tuple(rhs.shape), ctx.mesh_shape)
-                and is_valid(os_, tuple(out.shape), ctx.mesh_shape)):
+        specs = _valid_specs(ctx, (lhs, rhs, out), (la, ra, oa))
+        if specs is None:
             continue
+        ls, rs, os_ = specs
         used = sum(1 for r in assign.values() if r is not None)
         pieces = math.prod(ctx.mesh_shape[a] for a, r in assign.items() if r is not None)
         _contracting(ctx, os_, out, tuple(contract), found, used, (ls, rs),
@@ -120,13 +117,10 @@ def conv(ctx: RuleContext, in_avals, out_avals, params):
             elif role == "in_feature":
                 la[axis], ra[axis] = lspec[1], rspec[1]
                 contract.append(axis)
-        ls = from_assignment(len(lhs.shape), la)
-        rs = from_assignment(len(rhs.shape), ra)
-        os_ = from_assignment(len(out.shape), oa)
-        if not (is_valid(ls, tuple(lhs.shape), ctx.mesh_shape)
-                and is_valid(rs, tuple(rhs.shape), ctx.mesh_shape)
-                and is_valid(os_, tuple(out.shape), ctx.mesh_shape)):
+        specs = _valid_specs(ctx, (lhs, rhs, out), (la, ra, oa))
+        if specs is None:
             continue
+        ls, rs, os_ = specs
         used = sum(1 for r in assign.values() if r is not None)
         pieces = math.prod(ctx.mesh_shape[a] for a, r in assign.items() if r is not None)
         _contracting(ctx, os_, out, tuple(contract), found, used, (ls, rs),
@@ -191,11 +185,18 @@ def _role_specs(ctx: RuleContext, assign, avals, *, partial_role: str):
                 per_array[k][axis] = d
         if name == partial_role:
             partial.append(axis)
-    specs = tuple(from_assignment(len(a.shape), m) for a, m in zip(avals, per_array, strict=True))
+    specs = _valid_specs(ctx, avals, per_array)
+    return None if specs is None else (specs, tuple(partial))
+
+
+def _valid_specs(ctx: RuleContext, avals, assignments):
+    """One spec per aval from its {mesh axis: dim} assignment; None if one does not divide."""
+    specs = tuple(from_assignment(len(a.shape), m)
+                  for a, m in zip(avals, assignments, strict=True))
     if not all(is_valid(sp, tuple(a.shape), ctx.mesh_shape)
                for sp, a in zip(specs, avals, strict=True)):
         return None
-    return specs, tuple(partial)
+    return specs
 
 
 @register("scatter-add", "scatter_add")

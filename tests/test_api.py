@@ -64,16 +64,67 @@ def test_donate_auto_donates_train_state_and_aliases_outputs():
     assert prog.aliases == tuple((i, i) for i in range(n_state))
 
 
-def test_donate_auto_for_a_plain_params_dict():
+def test_donate_auto_donates_only_train_states_explicit_argnums_as_jit():
     def sgd(params, x):
         g = autoshard.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(params)
         return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), jnp.sum(x)
     f = autoshard.parallelize(sgd, method=autoshard.DataParallel())
     params = {"w": jnp.ones((4, 2))}
     ex = f.get_executable(params, jnp.ones((8, 4)))
-    assert ex.program.donated_invars == (True, False)
-    f2 = autoshard.parallelize(sgd, method=autoshard.DataParallel(), donate_argnums=())
-    assert f2.get_executable(params, jnp.ones((8, 4))).program.donated_invars == (False, False)
+    assert ex.program.donated_invars == (False, False)  # a plain dict is not a train state
+    assert ex.program.aliases == ((0, 0),)  # but it is state: same spec in and out
+    f(params, jnp.ones((8, 4)))
+    assert not params["w"].is_deleted()
+    f2 = autoshard.parallelize(sgd, method=autoshard.DataParallel(), donate_argnums=(0,))
+    assert f2.get_executable(params, jnp.ones((8, 4))).program.donated_invars == (True, False)
+
+
+def test_auto_donation_never_deletes_plain_arguments():
+    f = autoshard.parallelize(lambda x, y: x * 2 + y, method=autoshard.DataParallel(),
+                              batch_argnums=(0,))
+    x, y = jnp.ones((16, 4)), jnp.ones((16, 4))
+    f(x, y)
+    grads_only = autoshard.parallelize(
+        lambda p, x: autoshard.grad(lambda p: jnp.sum(x @ p))(p),
+        method=autoshard.DataParallel())
+    p = jnp.ones((4, 2))
+    grads_only(p, x)
+    assert not (x.is_deleted() or y.is_deleted() or p.is_deleted())
+    np.testing.assert_allclose(f(x, y), 3 * np.ones((16, 4)))
+
+
+@autoshard.register_state_type
+class _MyState:
+    def __init__(self, w):
+        self.w = w
+
+
+jax.tree_util.register_pytree_node(_MyState, lambda s: ((s.w,), None), lambda _, c: _MyState(*c))
+
+
+def test_registered_state_type_is_donated():
+    f = autoshard.parallelize(lambda s, x: (_MyState(s.w + x.sum()), x.sum()),
+                              method=autoshard.DataParallel())
+    s = _MyState(jnp.ones(3))
+    new, _ = f(s, jnp.ones((8, 2)))
+    assert s.w.is_deleted() and not new.w.is_deleted()
+
+
+@pytest.mark.parametrize("method", ["data", "zero3", "auto"])
+def test_reusing_a_donated_state_raises_naming_the_leaf(method):
+    make = {"data": autoshard.DataParallel, "zero3": autoshard.Zero3Parallel,
+            "auto": lambda: autoshard.ShardParallel(
+                auto_sharding_option=autoshard.AutoShardingOption(show_progress=False))}[method]
+    f = autoshard.parallelize(train_step, method=make())
+    state, batch = mlp_state()
+    state, batch = f.preshard_dynamic_args(state, batch)  # placed: the fast path would crash
+    new, _ = f(state, batch)
+    with pytest.raises(ValueError, match=r"arg0\.\S+ .*was donated to a previous call of "
+                                         r"train_step .*pass the state that call returned"):
+        f(state, batch)
+    with pytest.raises(ValueError, match="was donated to a previous call of train_step"):
+        f.get_executable(state, (batch[0][:8], batch[1][:8]))  # a cache miss checks too
+    f(new, batch)  # the returned state works
 
 
 def test_preshard_dynamic_args_places_inputs_so_calls_move_nothing():

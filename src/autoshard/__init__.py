@@ -10,12 +10,14 @@ from ._api import shutdown as shutdown
 from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
 from ._methods import DataParallel as DataParallel
+from ._program import register_state_type as register_state_type
 from ._methods import ManualShardingOption as ManualShardingOption
 from ._methods import ParallelMethod as ParallelMethod
 from ._methods import ShardParallel as ShardParallel
 from ._methods import Zero2Parallel as Zero2Parallel
 from ._methods import Zero3Parallel as Zero3Parallel
 from .markers import mark_gradient as mark_gradient
+from .markers import mark_parameters as mark_parameters
 from .markers import mark_pipeline_boundary as mark_pipeline_boundary
 from .sharding.options import AutoShardingOption as AutoShardingOption
 from .sharding.plan import ShardingPlan as ShardingPlan
@@ -37,9 +39,11 @@ __all__ = [
     "grad",
     "init",
     "mark_gradient",
+    "mark_parameters",
     "mark_pipeline_boundary",
     "markers",
     "parallelize",
+    "register_state_type",
     "shutdown",
     "value_and_grad",
 ]

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 
-from . import _compat
+from . import _compat, _config
 from ._config import CLUSTERS, Cluster, required_cluster
+from ._executable import MISS, Executable, abstract_leaf, deleted_error
 from ._jaxpr import FlatArgs, flatten_args
 from ._methods import ParallelMethod, ShardParallel
-from ._program import Program, trace_program
-from .sharding.plan import ShardingPlan
+from ._program import trace_program
 
 _state: dict[str, Any] = {"cluster": None}
 _all_funcs: weakref.WeakSet = weakref.WeakSet()
@@ -39,7 +40,7 @@ def init(cluster: Cluster = "local", **kwargs) -> None:
             f"autoshard is already initialized with cluster={current!r}; call "
             "autoshard.shutdown() before init(cluster={cluster!r}).")
     if cluster == "distributed":
-        jax.distributed.initialize(**kwargs)
+        _initialize_distributed(kwargs)
     elif cluster == "ray":
         try:
             import ray
@@ -50,6 +51,17 @@ def init(cluster: Cluster = "local", **kwargs) -> None:
             ray.init(**kwargs)
         jax.distributed.initialize()
     _state["cluster"] = cluster
+
+
+def _initialize_distributed(kwargs):
+    try:
+        jax.distributed.initialize(**kwargs)
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise RuntimeError(
+            f"init(cluster='distributed') could not start JAX's distributed runtime with "
+            f"{kwargs or 'no settings'}: {e}. Pass coordinator_address='host:port', "
+            "num_processes and process_id (or launch the processes with Slurm, mpirun or "
+            "autoshard.launch, which set them).") from e
 
 
 def shutdown() -> None:
@@ -77,24 +89,40 @@ def clear_executable_cache() -> None:
     """Forget every compiled executable; the next call of each function traces again."""
     for f in list(_all_funcs):
         f._cache.clear()
+        f._fast.clear()
         f._last = None
 
 
 # parallelize -----------------------------------------------------------------------------------
+_DEFAULT_BATCH = (1,)
+
+
 @overload
 def parallelize(fun: Callable, *, static_argnums="auto", donate_argnums="auto",
-                batch_argnums=(1,), method: ParallelMethod | None = None) -> ParallelizedFunc: ...
+                batch_argnums=_DEFAULT_BATCH, method: ParallelMethod | None = None,
+                max_executables: int | None = None) -> ParallelizedFunc: ...
 @overload
 def parallelize(fun: None = None, *, static_argnums="auto", donate_argnums="auto",
-                batch_argnums=(1,), method: ParallelMethod | None = None
-                ) -> Callable[[Callable], ParallelizedFunc]: ...
+                batch_argnums=_DEFAULT_BATCH, method: ParallelMethod | None = None,
+                max_executables: int | None = None) -> Callable[[Callable], ParallelizedFunc]: ...
 def parallelize(fun=None, *, static_argnums: str | Sequence[int] = "auto",
                 donate_argnums: str | Sequence[int] = "auto",
-                batch_argnums: Sequence[int] = (1,), method: ParallelMethod | None = None):
-    """Make ``fun`` run on many devices; ``method`` decides how (default ``ShardParallel()``)."""
+                batch_argnums: Sequence[int] = _DEFAULT_BATCH,
+                method: ParallelMethod | None = None, max_executables: int | None = None):
+    """Make ``fun`` run on many devices; ``method`` decides how (default ``ShardParallel()``).
+
+    ``static_argnums="auto"``: arguments holding no array (Python numbers, strings) are
+    static; a changed value recompiles. ``donate_argnums="auto"``: train states (flax
+    ``TrainState`` or a class given to ``autoshard.register_state_type``) are donated; explicit
+    indices donate those arguments as in ``jax.jit``. ``batch_argnums``: arguments split on
+    dim 0 (default the second; a one-argument function has no batch unless given).
+    ``max_executables``: executables kept per function (least recently used dropped; default
+    ``AUTOSHARD_MAX_EXECUTABLES`` or 32).
+    """
     def wrap(f):
         return ParallelizedFunc(f, static_argnums=static_argnums, donate_argnums=donate_argnums,
-                                batch_argnums=batch_argnums, method=method)
+                                batch_argnums=batch_argnums, method=method,
+                                max_executables=max_executables)
     return wrap if fun is None else wrap(fun)
 
 
@@ -112,7 +140,8 @@ def _argnums(value, name: str):
 class ParallelizedFunc:
     """The result of ``parallelize``: call it like the original function."""
 
-    def __init__(self, fun, *, static_argnums, donate_argnums, batch_argnums, method):
+    def __init__(self, fun, *, static_argnums, donate_argnums, batch_argnums, method,
+                 max_executables=None):
         if not callable(fun):
             raise TypeError(f"parallelize expects a function, got {fun!r}.")
         if method is None:
@@ -121,30 +150,53 @@ class ParallelizedFunc:
             raise TypeError(
                 f"method ({method!r}) must be a ParallelMethod such as autoshard.ShardParallel(), "
                 "DataParallel(), Zero2Parallel() or Zero3Parallel().")
+        if max_executables is None:
+            max_executables = _config.max_executables()
+        if not isinstance(max_executables, int) or isinstance(max_executables, bool) or (
+                max_executables < 1):
+            raise ValueError(
+                f"max_executables ({max_executables!r}) must be a positive int (executables "
+                "kept per function).")
         self.fun = fun
         self.method = method
         self.static_argnums = _argnums(static_argnums, "static_argnums")
         self.donate_argnums = _argnums(donate_argnums, "donate_argnums")
+        self._default_batch = batch_argnums is _DEFAULT_BATCH
         batch = _argnums(batch_argnums, "batch_argnums")
         if batch == "auto":
             raise TypeError("batch_argnums must be a sequence of ints, e.g. (1,); not 'auto'.")
         self.batch_argnums = batch
-        self._cache: dict = {}
+        self.max_executables = max_executables
+        self._cache: OrderedDict = OrderedDict()
+        self._fast: dict = {}  # argument treedef -> the executable used last with it
         self._last: Executable | None = None
+        self._warned_static: set[str] = set()
         _all_funcs.add(self)
         self.__wrapped__ = fun
         self.__name__ = getattr(fun, "__name__", "parallelized")
 
     def __call__(self, *args, **kwargs):
-        executable = self.get_executable(*args, **kwargs)
-        return executable(*args)
+        if kwargs:
+            raise self._kwargs_error(kwargs)
+        leaves, treedef = jax.tree.flatten(args)
+        executable = self._fast.get(treedef)
+        if executable is not None:
+            out = executable.call_leaves(leaves)
+            if out is not MISS:
+                self._last = executable
+                return out
+        executable = self.get_executable(*args)
+        self._fast[treedef] = executable
+        return executable.call_args(args)
 
     def get_executable(self, *args, **kwargs) -> Executable:
-        """The compiled executable for these arguments (traced and planned on first use)."""
+        """The compiled executable for these arguments (traced and planned on first use).
+
+        Arguments may be arrays or ``jax.ShapeDtypeStruct``s: a step can be planned and
+        compiled before any data exists.
+        """
         if kwargs:
-            raise TypeError(
-                f"{self.__name__} was called with keyword argument(s) {sorted(kwargs)}; "
-                "parallelized functions take positional arguments only. Pass them positionally.")
+            raise self._kwargs_error(kwargs)
         _ensure_init()
         static = () if self.static_argnums == "auto" else self.static_argnums
         for i in static:
@@ -161,34 +213,75 @@ class ParallelizedFunc:
                     "cannot be called inside jax.jit, grad or vmap. Call them on concrete "
                     "arrays, or mark the argument static with static_argnums if it is a "
                     "Python value.")
-        batch = tuple(b % len(args) if -len(args) <= b < len(args) else b
-                      for b in self.batch_argnums)
         key = flat.key()
         executable = self._cache.get(key)
         if executable is None:
-            executable = self._compile(args, flat, batch, static)
+            if _compat.any_deleted(flat.dynamic_leaves):
+                raise deleted_error(flat.dynamic_leaves, flat.paths, self.__name__)
+            self._warn_static_recompiles(flat)
+            executable = self._compile(args, flat, self._batch_argnums(args), static)
             self._cache[key] = executable
+            while len(self._cache) > self.max_executables:
+                _, dropped = self._cache.popitem(last=False)
+                self._fast = {t: e for t, e in self._fast.items() if e is not dropped}
+        else:
+            self._cache.move_to_end(key)
         self._last = executable
         return executable
 
     def preshard_dynamic_args(self, *args):
-        """The arguments with every array already placed where the executable wants it."""
+        """The arguments with every array already placed where the executable wants it.
+
+        ``jax.ShapeDtypeStruct`` leaves come back as ShapeDtypeStructs carrying the sharding.
+        """
         executable = self.get_executable(*args)
         flat = flatten_args(args, executable.static_argnums)
-        placed = [jax.device_put(x, s) for x, s in
-                  zip(flat.dynamic_leaves, executable.in_shardings, strict=True)]
+        placed = [abstract_leaf(x, s) if isinstance(x, jax.ShapeDtypeStruct)
+                  else jax.device_put(x, s)
+                  for x, s in zip(flat.dynamic_leaves, executable.in_shardings, strict=True)]
         return flat.rebuild(placed)
 
     def get_last_executable(self) -> Executable | None:
         """The executable of the latest call, or None before the first call."""
         return self._last
 
+    def _kwargs_error(self, kwargs) -> TypeError:
+        return TypeError(
+            f"{self.__name__} was called with keyword argument(s) {sorted(kwargs)}; "
+            "parallelized functions take positional arguments only. Pass them positionally.")
+
+    def _batch_argnums(self, args) -> tuple[int, ...]:
+        if self._default_batch and len(args) < 2:
+            return ()  # as in Alpa: a one-argument function has no batch argument
+        n = len(args)
+        return tuple(b % n if -n <= b < n else b for b in self.batch_argnums)
+
+    def _warn_static_recompiles(self, flat: FlatArgs):
+        """Warn, naming the argument, when only static values keep changing."""
+        same = [k for k in self._cache
+                if k[0] == flat.treedef and k[1] == flat.is_dynamic and k[3] == flat.avals()]
+        if len(same) < _config.RECOMPILE_WARNING_AFTER:
+            return
+        changed = sorted({p for k in same for p, old, new in zip(
+            flat.static_paths, k[2], flat.static_leaves, strict=True) if old != new})
+        fresh = [p for p in changed if p not in self._warned_static]
+        if not fresh:
+            return
+        self._warned_static.update(fresh)
+        warnings.warn(
+            f"{self.__name__} is compiling for the {len(same) + 1}th time only because the "
+            f"static value of {', '.join(fresh)} changed (now "
+            f"{[flat.static_leaves[flat.static_paths.index(p)] for p in fresh]}). Python "
+            "numbers passed as arguments are static (static_argnums='auto'); pass "
+            "jnp.asarray(value) to make it traced data, so one executable serves every value.",
+            RuntimeWarning, stacklevel=4)
+
     def _compile(self, args, flat: FlatArgs, batch_argnums, static_argnums) -> Executable:
         t0 = time.perf_counter()
         program, out_tree = trace_program(
             self.fun, args, flat, batch_argnums=batch_argnums,
             donate_argnums=self.donate_argnums,
-            num_micro_batches=self.method.micro_batches)
+            num_micro_batches=self.method.micro_batches, name=self.__name__)
         t1 = time.perf_counter()
         compiled = self.method.compile(program)
         t2 = time.perf_counter()
@@ -196,74 +289,19 @@ class ParallelizedFunc:
         in_shardings = tuple(NamedSharding(mesh, leaf.spec) for leaf in plan.inputs)
         out_shardings = tuple(NamedSharding(mesh, leaf.spec) for leaf in plan.outputs)
         donate = tuple(i for i, d in enumerate(program.donated_invars) if d)
-        abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                    for a, s in zip(program.in_avals, in_shardings, strict=True)]
+        abstract = [abstract_leaf(a, s) for a, s in zip(program.in_avals, in_shardings,
+                                                        strict=True)]
         fn = compiled.fn
-        jitted = jax.jit(lambda *a: tuple(fn(*a)), in_shardings=in_shardings, out_shardings=out_shardings,
-                         donate_argnums=donate)
+        jitted = jax.jit(lambda *a: tuple(fn(*a)), in_shardings=in_shardings,
+                         out_shardings=out_shardings, donate_argnums=donate)
         lowered = jitted.lower(*abstract)
         t3 = time.perf_counter()
         xla = lowered.compile()
         t4 = time.perf_counter()
         timings = {"trace_s": t1 - t0, "planning_s": t2 - t1, "lowering_s": t3 - t2,
                    "compile_s": t4 - t3}
-        return Executable(xla, plan, mesh, in_shardings, out_shardings, flat, out_tree,
-                          program, static_argnums, timings)
-
-
-class Executable:
-    """A compiled, planned step: call it, inspect its HLO, memory and placements."""
-
-    def __init__(self, compiled, plan: ShardingPlan, mesh, in_shardings, out_shardings,
-                 flat: FlatArgs, out_tree, program: Program, static_argnums, timings):
-        self.compiled = compiled
-        self.plan = plan
-        self.mesh = mesh
-        self.in_shardings = in_shardings
-        self.out_shardings = out_shardings
-        self.program = program
-        self.static_argnums = static_argnums
-        self._flat = flat
-        self._out_tree = out_tree
-        self.timings: dict[str, float] = dict(timings)
-        """Seconds spent tracing, planning, lowering and XLA-compiling this executable."""
-
-    def __call__(self, *args):
-        flat = flatten_args(args, self.static_argnums)
-        leaves = [jax.device_put(x, s) if not _placed(x, s) else x
-                  for x, s in zip(flat.dynamic_leaves, self.in_shardings, strict=True)]
-        outs = self.compiled(*leaves)
-        return jax.tree.unflatten(self._out_tree, outs)
-
-    @property
-    def auto_sharding_objective(self) -> float | None:
-        """The objective (seconds) the ILP minimised, or None for fixed-plan methods."""
-        return None if self.plan.objective is None else self.plan.objective.total_s
-
-    def get_hlo_text(self) -> str:
-        """Optimized HLO after SPMD partitioning (per-device shapes and collectives)."""
-        return self.compiled.as_text()
-
-    def get_total_allocation_size(self) -> int:
-        """Bytes per device: arguments + outputs + temporaries, minus aliased (donated) bytes."""
-        m = self.compiled.memory_analysis()
-        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                   - m.alias_size_in_bytes)
-
-    def get_input_placement_specs(self):
-        """Pytree like the arguments: a NamedSharding per array leaf, None for static leaves."""
-        it = iter(self.in_shardings)
-        leaves = [next(it) if d else None for d in self._flat.is_dynamic]
-        return jax.tree.unflatten(self._flat.treedef, leaves)
-
-    def get_output_placement_specs(self):
-        """Pytree like the outputs: a NamedSharding per leaf."""
-        return jax.tree.unflatten(self._out_tree, list(self.out_shardings))
-
-
-def _placed(x, sharding) -> bool:
-    return isinstance(x, jax.Array) and not isinstance(x, np.ndarray) and (
-        x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim))
+        return Executable(xla, lowered, plan, mesh, in_shardings, out_shardings, flat, out_tree,
+                          program, static_argnums, timings, name=self.__name__)
 
 
 __all__ = ["init", "shutdown", "parallelize", "ParallelizedFunc", "Executable",

@@ -16,3 +16,24 @@ def required_cluster() -> Cluster:
         raise ValueError(
             f"The environment variable AUTOSHARD_CLUSTER ({value!r}) must be one of {CLUSTERS}.")
     return value
+
+
+DEFAULT_MAX_EXECUTABLES = 32
+"""Executables a parallelized function keeps (least recently used ones are dropped)."""
+
+RECOMPILE_WARNING_AFTER = 3
+"""Warn when a function recompiles more than this many times only because a static value changed."""
+
+
+def max_executables() -> int:
+    """Per-function executable cache size: AUTOSHARD_MAX_EXECUTABLES, default 32."""
+    value = os.environ.get("AUTOSHARD_MAX_EXECUTABLES", str(DEFAULT_MAX_EXECUTABLES))
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(
+            f"The environment variable AUTOSHARD_MAX_EXECUTABLES ({value!r}) must be a positive "
+            "integer (executables kept per parallelized function).")
+    return size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,8 @@ from .markers import pipeline_p
 
 # Flattening arguments into dynamic (array) and static (hashable) leaves ---------------------------
 def is_array_leaf(x) -> bool:
-    return isinstance(x, jax.Array | np.ndarray | np.generic) or _compat.is_tracer(x)
+    return isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct) or (
+        _compat.is_tracer(x))
 
 
 @dataclass(frozen=True)
@@ -30,15 +32,26 @@ class FlatArgs:
     static_leaves: tuple[Any, ...]
     """The non-array leaves, in order (hashable)."""
     dynamic_leaves: tuple[Any, ...]
-    """The array leaves, in order."""
+    """The array leaves, in order (arrays, or ShapeDtypeStructs once made abstract)."""
     leaf_argnum: tuple[int, ...]
     """Per dynamic leaf: the positional argument it belongs to."""
     paths: tuple[str, ...]
     """Per dynamic leaf: readable path."""
+    static_paths: tuple[str, ...] = ()
+    """Per static leaf: readable path."""
 
     def key(self):
-        avals = tuple((tuple(x.shape), np.dtype(x.dtype).name) for x in self.dynamic_leaves)
-        return (self.treedef, self.is_dynamic, self.static_leaves, avals)
+        return (self.treedef, self.is_dynamic, self.static_leaves, self.avals())
+
+    def avals(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Abstract dynamic leaves (weak types kept, so Python scalars match on later calls)."""
+        return tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype,
+                                          weak_type=bool(getattr(x, "weak_type", False)))
+                     for x in self.dynamic_leaves)
+
+    def abstract(self) -> FlatArgs:
+        """The same split with ShapeDtypeStruct leaves: holds no user arrays."""
+        return dataclasses.replace(self, dynamic_leaves=self.avals())
 
     def rebuild(self, dynamic):
         it_dyn, it_static = iter(dynamic), iter(self.static_leaves)
@@ -51,39 +64,55 @@ def _is_number(x) -> bool:
 
 
 def flatten_args(args: tuple, static_argnums: Sequence[int]) -> FlatArgs:
-    is_dynamic, static, dynamic, argnum, paths = [], [], [], [], []
+    """Split ``args``; slow (paths for every leaf), so callers run it on cache misses only."""
+    is_dynamic, static, dynamic, argnum, paths, static_paths = [], [], [], [], [], []
     per_arg = [jax.tree_util.tree_flatten_with_path(a)[0] for a in args]
     for i, leaves in enumerate(per_arg):
+        if i in static_argnums:
+            _check_static_arg(i, leaves, static_argnums)
         # A Python number next to arrays in one argument (a train state's step counter) is
         # data, not configuration: it becomes a weakly typed scalar array.
         mixed = i not in static_argnums and any(is_array_leaf(x) for _, x in leaves)
         for path, leaf in leaves:
+            name = f"arg{i}{jax.tree_util.keystr(path)}"
             if mixed and _is_number(leaf):
                 leaf = jnp.asarray(leaf)
             if i not in static_argnums and is_array_leaf(leaf):
                 is_dynamic.append(True)
                 dynamic.append(leaf)
                 argnum.append(i)
-                paths.append(f"arg{i}{jax.tree_util.keystr(path)}")
+                paths.append(name)
                 continue
-            if _compat.is_tracer(leaf):
-                raise TypeError(
-                    f"Argument {i} is a static argument (static_argnums) but got a tracer "
-                    f"{leaf}. A static value must be concrete: mark it static with "
-                    "static_argnums only if it is a Python value, or do not call a "
-                    "parallelized function inside jax.jit/vmap/grad.")
             try:
                 hash(leaf)
             except TypeError:
                 raise TypeError(
-                    f"Argument {i} has a non-array leaf of type {type(leaf).__name__} that is "
-                    "not hashable, so it cannot be a static value. Pass it as an array or make "
+                    f"{name} is a non-array value of type {type(leaf).__name__} that is not "
+                    "hashable, so it cannot be a static value. Pass it as an array or make "
                     "it hashable.") from None
             is_dynamic.append(False)
             static.append(leaf)
+            static_paths.append(name)
     treedef = jax.tree.structure(args)
     return FlatArgs(treedef, tuple(is_dynamic), tuple(static), tuple(dynamic), tuple(argnum),
-                    tuple(paths))
+                    tuple(paths), tuple(static_paths))
+
+
+def _check_static_arg(i: int, leaves, static_argnums):
+    for path, leaf in leaves:
+        name = f"arg{i}{jax.tree_util.keystr(path)}"
+        if _compat.is_tracer(leaf):
+            raise TypeError(
+                f"{name} is a static argument (static_argnums={tuple(static_argnums)}) but got a "
+                f"tracer {leaf}. A static value must be concrete: mark it static with "
+                "static_argnums only if it is a Python value, or do not call a parallelized "
+                "function inside jax.jit/vmap/grad.")
+        if is_array_leaf(leaf):
+            raise TypeError(
+                f"{name} is an array of shape {tuple(leaf.shape)}, but static_argnums="
+                f"{tuple(static_argnums)} marks argument {i} static. Arrays cannot be static "
+                f"(they are not hashable); remove {i} from static_argnums, or pass a Python "
+                "value.")
 
 
 def output_paths(out_tree) -> list[str]:
@@ -102,6 +131,32 @@ def grad_marker_index(jaxpr) -> int | None:
             "needs exactly one. Call autoshard.grad/value_and_grad once per step, or mark all "
             "gradients together with autoshard.markers.mark_gradient.")
     return found[0] if found else None
+
+
+# Ops that pass a value through unchanged (up to dtype) when tracing a parameter to its input.
+_TRANSPARENT = {"convert_element_type", "copy", "copy_p", "pipeline_marker", "sharding_constraint",
+                "optimization_barrier"}
+
+
+def differentiated_inputs(jaxpr) -> list:
+    """Top-level input variables that reach a ``params`` marker (what autoshard.grad differentiates).
+
+    A parameter may pass through casts (a bf16 copy of float32 weights) on its way there.
+    """
+    producer = {o: e for e in jaxpr.eqns for o in e.outvars}
+    inputs, found = set(jaxpr.invars), []
+    for e in jaxpr.eqns:
+        if e.primitive is not pipeline_p or e.params["mark_type"] != "params":
+            continue
+        for v in e.invars:
+            while isinstance(v, _compat.Var) and v not in inputs and v in producer and (
+                    producer[v].primitive.name in _TRANSPARENT):
+                src = producer[v]
+                v = src.invars[src.outvars.index(v)] if len(src.invars) == len(
+                    src.outvars) else src.invars[0]
+            if isinstance(v, _compat.Var) and v in inputs and v not in found:
+                found.append(v)
+    return found
 
 
 def dependents(eqns, seeds: set) -> set:

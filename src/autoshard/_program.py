@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from ._jaxpr import FlatArgs, output_paths
+from ._jaxpr import FlatArgs, differentiated_inputs, output_paths
 from .grad_accum import StepHooks, build_step
 
 
@@ -32,9 +32,9 @@ class Program:
     donated_invars: tuple[bool, ...]
     """Inputs whose buffers are donated."""
     param_invars: tuple[bool, ...]
-    """Donated inputs that are model parameters (the rest of the state is optimizer state)."""
+    """Inputs that autoshard.grad differentiates: the model parameters, found by structure."""
     aliases: tuple[tuple[int, int], ...]
-    """(input, output) leaf pairs where the output replaces the donated input."""
+    """(input, output) leaf pairs where the output replaces the input (state; same spec)."""
     num_micro_batches: int
     """Micro-batches for gradient accumulation."""
     args_shape: Any = None
@@ -61,12 +61,13 @@ class Program:
 
 
 def trace_program(fun: Callable, args: tuple, flat: FlatArgs, *, batch_argnums: Sequence[int],
-                  donate_argnums, num_micro_batches: int) -> tuple[Program, Any]:
+                  donate_argnums, num_micro_batches: int, name: str = "the function"
+                  ) -> tuple[Program, Any]:
     """Trace ``fun`` on abstract values of ``flat``; return the Program and the output treedef."""
     _check_batch_argnums(args, flat, batch_argnums)
     k = num_micro_batches
     batch_invars = tuple(a in batch_argnums for a in flat.leaf_argnum)
-    in_avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat.dynamic_leaves)
+    in_avals = flat.avals()
     trace_avals = []
     for aval, b, path in zip(in_avals, batch_invars, flat.paths, strict=True):
         if b and k > 1:
@@ -76,7 +77,8 @@ def trace_program(fun: Callable, args: tuple, flat: FlatArgs, *, batch_argnums: 
                     f"num_micro_batches ({k}) must divide the batch size ({size}) of {path} "
                     f"(batch_argnums={tuple(batch_argnums)}). Choose a divisor of {size} or "
                     "change batch_argnums.")
-            aval = jax.ShapeDtypeStruct((aval.shape[0] // k,) + aval.shape[1:], aval.dtype)
+            aval = jax.ShapeDtypeStruct((aval.shape[0] // k,) + aval.shape[1:], aval.dtype,
+                                        weak_type=aval.weak_type)
         trace_avals.append(aval)
 
     def flat_fun(*dynamic):
@@ -85,20 +87,15 @@ def trace_program(fun: Callable, args: tuple, flat: FlatArgs, *, batch_argnums: 
     closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*trace_avals)
     out_leaves, out_tree = jax.tree.flatten(out_shape)
     out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
-    candidates = _donation_candidates(args, flat, donate_argnums, batch_argnums)
-    aliases, matched = _aliases(args, flat, out_shape, candidates)
-    if donate_argnums == "auto":
-        donated = matched | {i for i in candidates if _is_train_state(args[i])}
-        aliases = tuple(p for p in aliases if flat.leaf_argnum[p[0]] in donated)
-    else:
-        donated = candidates
+    state_args = set(flat.leaf_argnum) - set(batch_argnums)
+    aliases = _aliases(args, flat, out_shape, state_args)
+    donated = _donated_args(args, flat, donate_argnums, batch_argnums, name)
     donated_invars = tuple(a in donated for a in flat.leaf_argnum)
-    param_invars = _param_invars(flat, donated)
     program = Program(
         closed=closed, in_avals=in_avals, out_avals=out_avals, in_paths=flat.paths,
         out_paths=tuple(output_paths(out_shape)), batch_invars=batch_invars,
-        donated_invars=donated_invars, param_invars=param_invars, aliases=aliases,
-        num_micro_batches=k, args_shape=_args_shape(flat, in_avals),
+        donated_invars=donated_invars, param_invars=_param_invars(closed.jaxpr),
+        aliases=aliases, num_micro_batches=k, args_shape=_args_shape(flat, in_avals),
         out_shape=out_shape)
     return program, out_tree
 
@@ -117,24 +114,46 @@ def _check_batch_argnums(args, flat: FlatArgs, batch_argnums):
                 "pytree of arrays split on dim 0; fix batch_argnums.")
 
 
-def _is_train_state(x) -> bool:
-    return hasattr(x, "apply_gradients") and hasattr(x, "params") and hasattr(x, "opt_state")
+# Train states: what donate_argnums="auto" donates -------------------------------------------------
+_STATE_TYPES: list[type] = []
 
 
-def _donation_candidates(args, flat: FlatArgs, donate_argnums, batch_argnums) -> set[int]:
-    if donate_argnums == "auto":  # every non-batch argument that holds an array
-        return set(flat.leaf_argnum) - set(batch_argnums)
-    nums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+def register_state_type(cls: type) -> type:
+    """Make ``donate_argnums="auto"`` donate arguments of type ``cls`` (usable as a decorator).
+
+    flax's ``TrainState`` (and its subclasses) is donated without registration.
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"register_state_type expects a class, got {cls!r}.")
+    if cls not in _STATE_TYPES:
+        _STATE_TYPES.append(cls)
+    return cls
+
+
+def is_train_state(x) -> bool:
+    if isinstance(x, tuple(_STATE_TYPES)):
+        return True
+    try:
+        from flax.training.train_state import TrainState
+    except ImportError:
+        return False
+    return isinstance(x, TrainState)
+
+
+def _donated_args(args, flat: FlatArgs, donate_argnums, batch_argnums, name) -> set[int]:
+    if donate_argnums == "auto":
+        return {i for i in set(flat.leaf_argnum) - set(batch_argnums) if is_train_state(args[i])}
+    nums = tuple(donate_argnums)
     for i in nums:
-        if not isinstance(i, int) or not 0 <= i < len(args):
+        if not 0 <= i < len(args):
             raise ValueError(
-                f"donate_argnums ({donate_argnums!r}) names argument {i!r}, but there are "
-                f"{len(args)} positional arguments. Use indices below {len(args)} or 'auto'.")
-    return set(nums)
+                f"donate_argnums ({nums}) names argument {i}, but {name} was called with "
+                f"{len(args)} positional arguments. Use indices below {len(args)}, 'auto' or ().")
+    return {i for i in nums if i in flat.leaf_argnum}
 
 
-def _aliases(args, flat: FlatArgs, out_shape, donated: set[int]):
-    """Pair each donated argument with an output of the same structure and leaf types."""
+def _aliases(args, flat: FlatArgs, out_shape, candidates: set[int]):
+    """Pair each state argument with an output of the same structure and leaf types."""
     outs = list(out_shape) if isinstance(out_shape, tuple | list) else [out_shape]
     out_offsets, offset = [], 0
     for o in outs:
@@ -142,8 +161,8 @@ def _aliases(args, flat: FlatArgs, out_shape, donated: set[int]):
         offset += len(jax.tree.leaves(o))
     if not isinstance(out_shape, tuple | list):
         out_offsets = [0]
-    taken, pairs, matched = set(), [], set()
-    for i in sorted(donated):
+    taken, pairs = set(), []
+    for i in sorted(candidates):
         in_idx = [j for j, a in enumerate(flat.leaf_argnum) if a == i]
         sig = (jax.tree.structure(args[i]),
                tuple((tuple(flat.dynamic_leaves[j].shape), str(flat.dynamic_leaves[j].dtype))
@@ -152,10 +171,9 @@ def _aliases(args, flat: FlatArgs, out_shape, donated: set[int]):
             if n in taken or _signature(o) != sig or not in_idx:
                 continue
             taken.add(n)
-            matched.add(i)
             pairs += [(j, out_offsets[n] + m) for m, j in enumerate(in_idx)]
             break
-    return tuple(pairs), matched
+    return tuple(pairs)
 
 
 def _signature(tree):
@@ -164,15 +182,9 @@ def _signature(tree):
                           for x in leaves)
 
 
-def _param_invars(flat: FlatArgs, donated: set[int]) -> tuple[bool, ...]:
-    def under_params(i, path):
-        return path.startswith((f"arg{i}.params", f"arg{i}['params']"))
-
-    has_params = {i for i, p in zip(flat.leaf_argnum, flat.paths, strict=True)
-                  if i in donated and under_params(i, p)}
-    return tuple(
-        a in donated and (under_params(a, p) if a in has_params else True)
-        for a, p in zip(flat.leaf_argnum, flat.paths, strict=True))
+def _param_invars(jaxpr) -> tuple[bool, ...]:
+    """Inputs that autoshard.grad differentiates (its parameter marker), found by structure."""
+    return tuple(v in set(differentiated_inputs(jaxpr)) for v in jaxpr.invars)
 
 
 def _args_shape(flat: FlatArgs, in_avals):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -31,11 +33,19 @@ def compile_data_parallel(method, program: Program, *, zero_stage: int) -> Compi
     n = len(devices)
     in_specs = batch_spec(program, axes, n)
     in_notes = [""] * len(in_specs)
+    name = {0: "DataParallel", 2: "Zero2Parallel", 3: "Zero3Parallel"}[zero_stage]
+    if zero_stage >= 2 and not any(program.param_invars):
+        warnings.warn(
+            f"{name} found no parameters in the traced step, so nothing is sharded as "
+            "parameters or optimizer state. Compute gradients with autoshard.grad or "
+            "autoshard.value_and_grad: their differentiated arguments are the parameters.",
+            RuntimeWarning, stacklevel=6)
+    state = {i for i, _ in program.aliases}  # inputs the step returns updated
     sharded_state = {}  # input index -> spec of a ZeRO-sharded state leaf
     for i, aval in enumerate(program.in_avals):
-        if not program.donated_invars[i]:
-            continue
         is_param = program.param_invars[i]
+        if not (is_param or i in state) or program.batch_invars[i]:
+            continue
         if zero_stage == 3 or (zero_stage == 2 and not is_param):
             spec, note = shard_dim_spec(aval.shape, axes, n)
             in_specs[i], in_notes[i] = spec, note
@@ -45,7 +55,6 @@ def compile_data_parallel(method, program: Program, *, zero_stage: int) -> Compi
     for i, o in program.aliases:
         out_specs[o] = in_specs[i]
 
-    name = {0: "DataParallel", 2: "Zero2Parallel", 3: "Zero3Parallel"}[zero_stage]
     notes = []
     hooks = StepHooks()
     if zero_stage >= 2:

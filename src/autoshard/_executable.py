@@ -1,0 +1,186 @@
+"""Executable: a compiled, planned step; called through jax's own C++ dispatch when it can be."""
+
+from __future__ import annotations
+
+import json
+import os
+from itertools import compress
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _compat
+from ._jaxpr import FlatArgs, flatten_args
+from ._program import Program
+from .sharding.plan import ShardingPlan
+
+MISS = object()
+"""Returned by ``Executable.call_leaves`` when the leaves do not fit this executable."""
+
+
+class Executable:
+    """A compiled, planned step: call it, inspect its HLO, memory and placements.
+
+    It keeps abstract values only (shapes, dtypes, shardings), never the arrays it was
+    compiled for.
+    """
+
+    def __init__(self, compiled, lowered, plan: ShardingPlan, mesh, in_shardings, out_shardings,
+                 flat: FlatArgs, out_tree, program: Program, static_argnums, timings,
+                 name: str = "the function"):
+        self.compiled = compiled
+        self.plan = plan
+        self.mesh = mesh
+        self.in_shardings = in_shardings
+        self.out_shardings = out_shardings
+        self.program = program
+        self.static_argnums = static_argnums
+        self.name = name
+        self._lowered = lowered
+        self._flat = flat.abstract()
+        self._out_tree = out_tree
+        self.timings: dict[str, float] = dict(timings)
+        """Seconds spent tracing, planning, lowering and XLA-compiling this executable."""
+        statics = not all(flat.is_dynamic)
+        self._dynamic_sel = flat.is_dynamic if statics else None
+        self._static_sel = tuple(not d for d in flat.is_dynamic) if statics else None
+        self._static_leaves = flat.static_leaves
+        self._num_dynamic = len(flat.dynamic_leaves)
+
+    # Calling -----------------------------------------------------------------------------------
+    def __call__(self, *args):
+        out = self.call_leaves(jax.tree.leaves(args))
+        return self.call_args(args) if out is MISS else out
+
+    def call_leaves(self, leaves: list):
+        """Run on flat argument leaves through jax's C++ dispatch, or return MISS.
+
+        MISS means the leaves need the slow path: other static values, shapes or dtypes, or
+        committed arrays placed elsewhere (``call_args`` moves them).
+        """
+        if self._static_sel is not None:
+            if tuple(compress(leaves, self._static_sel)) != self._static_leaves:
+                return MISS
+            leaves = list(compress(leaves, self._dynamic_sel))
+        if len(leaves) != self._num_dynamic:
+            return MISS
+        if _compat.any_deleted(leaves):
+            raise self._deleted_error(leaves)
+        try:
+            outs = self.compiled(*leaves)
+        except (TypeError, ValueError):  # signature or sharding mismatch, raised before running
+            return MISS
+        return self._out_tree.unflatten(outs)
+
+    def call_args(self, args: tuple):
+        """The slow path: flatten with paths, check, place every leaf, run."""
+        flat = flatten_args(args, self.static_argnums)
+        if flat.key() != self._flat.key():
+            raise TypeError(
+                f"These arguments do not match the executable of {self.name}: it was compiled "
+                f"for {_describe(self._flat)}, got {_describe(flat)}. Call the parallelized "
+                "function instead; it compiles an executable per signature.")
+        leaves = list(flat.dynamic_leaves)
+        abstract = [p for x, p in zip(leaves, flat.paths, strict=True)
+                    if isinstance(x, jax.ShapeDtypeStruct)]
+        if abstract:
+            raise TypeError(
+                f"{abstract[0]} is a jax.ShapeDtypeStruct: an executable runs on arrays. Use "
+                f"{self.name}.get_executable(...) to plan and compile from abstract values, then "
+                "call it with arrays.")
+        if _compat.any_deleted(leaves):
+            raise self._deleted_error(leaves)
+        placed = [x if _placed(x, s) else jax.device_put(x, s)
+                  for x, s in zip(leaves, self.in_shardings, strict=True)]
+        return self._out_tree.unflatten(self.compiled(*placed))
+
+    def _deleted_error(self, leaves) -> ValueError:
+        return deleted_error(leaves, self._flat.paths, self.name)
+
+    # Inspection --------------------------------------------------------------------------------
+    @property
+    def auto_sharding_objective(self) -> float | None:
+        """The objective (seconds) the ILP minimised, or None for fixed-plan methods."""
+        return None if self.plan.objective is None else self.plan.objective.total_s
+
+    def get_hlo_text(self) -> str:
+        """Optimized HLO after SPMD partitioning (per-device shapes and collectives)."""
+        return self.compiled.as_text()
+
+    def get_total_allocation_size(self) -> int:
+        """Bytes per device: arguments + outputs + temporaries, minus aliased (donated) bytes."""
+        m = self.compiled.memory_analysis()
+        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                   - m.alias_size_in_bytes)
+
+    def get_input_placement_specs(self):
+        """Pytree like the arguments: a NamedSharding per array leaf, None for static leaves."""
+        it = iter(self.in_shardings)
+        leaves = [next(it) if d else None for d in self._flat.is_dynamic]
+        return jax.tree.unflatten(self._flat.treedef, leaves)
+
+    def get_output_placement_specs(self):
+        """Pytree like the outputs: a NamedSharding per leaf."""
+        return jax.tree.unflatten(self._out_tree, list(self.out_shardings))
+
+    def dump_debug_info(self, dir_path: str | os.PathLike) -> list[str]:
+        """Write what is needed to debug this step into ``dir_path``; return the file names.
+
+        ``before_partitioning.hlo`` (the program as lowered, with sharding annotations),
+        ``after_partitioning.hlo`` (per-device program XLA compiled), ``plan.txt`` (the
+        plan's explain text), ``plan_specs.json`` (every input and output spec), ``jaxpr.txt``,
+        ``timings.json`` and ``memory.json``.
+        """
+        os.makedirs(dir_path, exist_ok=True)
+        m = self.compiled.memory_analysis()
+        memory = {k: int(getattr(m, k)) for k in (
+            "argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+            "alias_size_in_bytes", "generated_code_size_in_bytes")}
+        memory["total_allocation_size"] = self.get_total_allocation_size()
+        specs = {
+            "method": self.plan.method, "mesh_shape": list(self.plan.mesh_shape),
+            "axis_names": list(self.plan.axis_names),
+            "inputs": {leaf.path: str(leaf.spec) for leaf in self.plan.inputs},
+            "outputs": {leaf.path: str(leaf.spec) for leaf in self.plan.outputs}}
+        files = {
+            "before_partitioning.hlo": self._lowered.as_text(dialect="hlo"),
+            "after_partitioning.hlo": self.get_hlo_text(),
+            "plan.txt": self.plan.explain() + "\n",
+            "plan_specs.json": json.dumps(specs, indent=1),
+            "jaxpr.txt": str(self.program.closed),
+            "timings.json": json.dumps(self.timings, indent=1),
+            "memory.json": json.dumps(memory, indent=1)}
+        for name, text in files.items():
+            with open(os.path.join(dir_path, name), "w") as f:
+                f.write(text)
+        return sorted(files)
+
+
+def deleted_error(leaves, paths, name: str) -> ValueError:
+    """The error for arguments whose buffers were donated (or deleted), naming the first."""
+    gone = [p for x, p in zip(leaves, paths, strict=True)
+            if isinstance(x, _compat.ArrayImpl) and x.is_deleted()]
+    more = f" (and {len(gone) - 1} more leaves)" if len(gone) > 1 else ""
+    return ValueError(
+        f"{gone[0]}{more} was donated to a previous call of {name} (or deleted); pass the state "
+        f"that call returned (state, ... = {name}(state, ...)), or parallelize with "
+        "donate_argnums=() to keep inputs alive.")
+
+
+def _placed(x, sharding) -> bool:
+    return isinstance(x, jax.Array) and not isinstance(x, np.ndarray) and (
+        x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim))
+
+
+def _describe(flat: FlatArgs) -> str:
+    shapes = [f"{p}: {x.dtype}{list(x.shape)}" for p, x in zip(
+        flat.paths, flat.dynamic_leaves, strict=True)][:4]
+    more = ", ..." if len(flat.paths) > 4 else ""
+    statics = f"; static {list(flat.static_leaves)[:4]}" if flat.static_leaves else ""
+    return "(" + ", ".join(shapes) + more + statics + ")"
+
+
+def abstract_leaf(x: Any, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding,
+                                weak_type=bool(getattr(x, "weak_type", False)))

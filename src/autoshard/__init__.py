@@ -16,6 +16,7 @@ from ._methods import ParallelMethod as ParallelMethod
 from ._methods import ShardParallel as ShardParallel
 from ._methods import Zero2Parallel as Zero2Parallel
 from ._methods import Zero3Parallel as Zero3Parallel
+from .custom_partitioning import custom_partitioning as custom_partitioning
 from .markers import mark_gradient as mark_gradient
 from .markers import mark_parameters as mark_parameters
 from .markers import mark_pipeline_boundary as mark_pipeline_boundary
@@ -36,6 +37,7 @@ __all__ = [
     "Zero2Parallel",
     "Zero3Parallel",
     "clear_executable_cache",
+    "custom_partitioning",
     "grad",
     "init",
     "mark_gradient",

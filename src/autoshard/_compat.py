@@ -105,3 +105,24 @@ def any_deleted(leaves) -> bool:
         return any(map(ArrayImpl.is_deleted, leaves))
     except TypeError:  # a numpy array, Python scalar or ShapeDtypeStruct among the leaves
         return any(x.is_deleted() for x in leaves if isinstance(x, ArrayImpl))
+
+
+# -- Custom partitioning (autoshard.custom_partitioning, jax 0.10) --------------------------------
+# autoshard builds on JAX's custom_partitioning (the XLA partitioner callbacks stay JAX's). Its
+# rule classes live in jax.experimental.custom_partitioning. Which partitioner runs (Shardy or
+# GSPMD, the jax_use_shardy_partitioner flag) decides whether JAX reads the sharding rule or the
+# infer/propagate callbacks; autoshard always hands JAX both forms.
+def cp_rule_types():
+    """JAX's custom-partitioning classes: custom_partitioning and the SdyShardingRule types."""
+    from types import SimpleNamespace
+
+    from jax.experimental import custom_partitioning as cp
+
+    return SimpleNamespace(custom_partitioning=cp.custom_partitioning, BATCHING=cp.BATCHING,
+                           ArrayMapping=cp.ArrayMapping, CompoundFactor=cp.CompoundFactor,
+                           SdyShardingRule=cp.SdyShardingRule)
+
+
+def uses_shardy() -> bool:
+    """Whether jit partitions with Shardy (reads sharding rules) rather than GSPMD (callbacks)."""
+    return bool(jax.config.jax_use_shardy_partitioner)

@@ -1,8 +1,8 @@
 """The planner's graph: one node per equation of the flattened jaxpr, one value per array.
 
-Calls (``jit``, ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``) are
-inlined; identities (pipeline markers, optimization barriers, device_put, user sharding
-constraints) forward their operands. Loops get extra nodes so that a loop-carried value has one
+Calls (``jit``, ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``, ``custom_vmap_call``,
+``remat``) are inlined; identities (pipeline markers, optimization barriers, device_put, user
+sharding constraints) forward their operands. Loops get extra nodes so that a loop-carried value has one
 spec for all iterations:
 
 * ``carry``: the value inside the loop; its operand is the initial value (resharded once).
@@ -26,7 +26,7 @@ INLINE_CALLS = {
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
     "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr",
-    "remat": "jaxpr",
+    "remat": "jaxpr", "custom_vmap_call": "call",
 }
 IDENTITIES = {"pipeline_marker", "optimization_barrier", "device_put", "sharding_constraint",
               "mesh_cast", "reshard"}

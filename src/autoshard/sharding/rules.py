@@ -351,4 +351,5 @@ def reshape(ctx, in_avals, out_avals, params):
     return [Strategy((o,), (s,) + rest) for s, o in pairs]
 
 
-from . import rules_linalg  # noqa: E402,F401  (registers dot_general, conv, gather, scatter)
+# Registered on import: custom_partitioning, then dot_general, conv, gather, scatter.
+from . import rules_custom, rules_linalg  # noqa: E402,F401

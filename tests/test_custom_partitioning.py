@@ -230,6 +230,20 @@ def test_grad_without_backward_says_how_to_give_one():
         jax.grad(lambda x: jnp.abs(my_fft(x)).sum())(x)
 
 
+def test_grad_and_vmap_compose():
+    def partition(mesh, arg_shapes, result_shape):
+        s = arg_shapes[0].sharding
+        return mesh, lambda x: jnp.sin(x) * 2, s, (s,)
+
+    op = autoshard.custom_partitioning(lambda x: jnp.sin(x) * 2)
+    op.def_partition(partition, sharding_rule="... i -> ... i")
+    op.def_vjp(lambda x: (op(x), x), lambda x, g: (2 * jnp.cos(x) * g,))
+    x = jnp.asarray(RNG.normal(size=(4, 8, 16)), jnp.float32)
+    want = 2 * jnp.cos(x)
+    np.testing.assert_allclose(jax.vmap(jax.grad(lambda v: op(v).sum()))(x), want, rtol=1e-5)
+    np.testing.assert_allclose(jax.grad(lambda v: jax.vmap(op)(v).sum())(x), want, rtol=1e-5)
+
+
 # -- batching --------------------------------------------------------------------------------------
 def test_vmap_joins_the_batching_dims():
     my_fft = make_fft("string_rule")

@@ -63,8 +63,8 @@ class FactorRule:
             words += [d[0] if len(d) == 1 else "(" + " ".join(d) + ")" for d in dims]
             return " ".join(words)
         n = len(self.operands)
-        lhs = ", ".join(mapping(d, g) for d, g in zip(self.operands, self.batching[:n], strict=True))
-        rhs = ", ".join(mapping(d, g) for d, g in zip(self.results, self.batching[n:], strict=True))
+        lhs = ", ".join(map(mapping, self.operands, self.batching[:n]))
+        rhs = ", ".join(map(mapping, self.results, self.batching[n:]))
         return f"{lhs} -> {rhs}"
 
 
@@ -155,7 +155,7 @@ def parse_rule(text: str, *, reduction_factors=(), need_replication_factors=(),
     return rule
 
 
-# -- conversion to and from JAX's SdyShardingRule ---------------------------------------------------
+# -- conversion to and from JAX's SdyShardingRule --------------------------------------------------
 def to_sdy(rule: FactorRule):
     t = cp_rule_types()
 
@@ -192,7 +192,7 @@ def from_sdy(sdy) -> FactorRule:
                       factor_sizes=tuple(sorted(sdy.factor_sizes.items())))
 
 
-# -- a rule on concrete shapes ------------------------------------------------------------------------
+# -- a rule on concrete shapes ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class Resolved:
     """A rule on concrete shapes: ``...`` expanded into factors, every factor sized."""
@@ -233,7 +233,7 @@ def resolve(rule: FactorRule, in_shapes, out_shapes, name: str) -> Resolved:
     return Resolved(tuple(dims_out), sizes, len(rule.operands))
 
 
-# -- from and to infer_sharding_from_operands ---------------------------------------------------------
+# -- from and to infer_sharding_from_operands ------------------------------------------------------
 def _spec_entries(sharding, rank: int) -> list[tuple[str, ...]]:
     spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
     out = []

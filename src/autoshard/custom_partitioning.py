@@ -176,7 +176,8 @@ class custom_partitioning:  # noqa: N801  (the name of jax.experimental.custom_p
         self.__name__ = getattr(fun, "__name__", "custom_partitioning")
         functools.update_wrapper(self, fun)
 
-    def def_partition(self, partition: Callable, infer_sharding_from_operands: Callable | None = None,
+    def def_partition(self, partition: Callable,
+                      infer_sharding_from_operands: Callable | None = None,
                       propagate_user_sharding: Callable | None = None,
                       decode_shardings: bool = True, sharding_rule=None, **rule_kwargs):
         """Give the per-shard lowering and how the operation shards (JAX's signature)."""

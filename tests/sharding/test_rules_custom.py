@@ -68,12 +68,46 @@ def test_parallelize_plans_through_the_operation(form):
     assert_close(out, jax.jit(fft_step(jnp.fft.fft))(X, W), rtol=1e-4, atol=1e-3)
 
 
+def test_jax_custom_partitioning_is_planned_too():
+    from jax.experimental.custom_partitioning import custom_partitioning
+
+    jax_fft = custom_partitioning(lambda x: jnp.fft.fft(x))
+    jax_fft.def_partition(_fft_partition, infer_sharding_from_operands=_fft_infer,
+                          sharding_rule="... i -> ... i", need_replication_factors=("i",))
+    f = autoshard.parallelize(fft_step(jax_fft), method=autoshard.ShardParallel(),
+                              batch_argnums=(0,))
+    out = f(X, W)
+    assert "all-gather" not in f.get_last_executable().get_hlo_text()
+    assert_close(out, jax.jit(fft_step(jnp.fft.fft))(X, W), rtol=1e-4, atol=1e-3)
+
+
 def test_opaque_operation_is_gathered():
     step = fft_step(make_fft("opaque"))
     f = autoshard.parallelize(step, method=autoshard.ShardParallel(), batch_argnums=(0,))
     out = f(X, W)
     assert gathers_into_fft(f.get_last_executable().get_hlo_text())
     assert_close(out, jax.jit(fft_step(jnp.fft.fft))(X, W), rtol=1e-4, atol=1e-3)
+
+
+def test_parallelize_train_step_with_custom_backward():
+    def partition(mesh, arg_shapes, result_shape):
+        s = arg_shapes[0].sharding
+        return mesh, lambda x: jnp.sin(x) * 2, s, (s,)
+
+    op = autoshard.custom_partitioning(lambda x: jnp.sin(x) * 2)
+    op.def_partition(partition, sharding_rule="... i -> ... i")
+    op.def_vjp(lambda x: (op(x), x), lambda x, g: (2 * jnp.cos(x) * g,))
+
+    def step(w, x, layer):
+        return w - 0.1 * jax.grad(lambda w: jnp.mean(layer(x @ w) ** 2))(w)
+
+    w = jnp.asarray(RNG.normal(size=(16, 16)).astype(np.float32))
+    f = autoshard.parallelize(lambda w, x: step(w, x, op), method=autoshard.ShardParallel(),
+                              batch_argnums=(1,))
+    out = f(w, X[:, :16])
+    assert "all-gather" not in f.get_last_executable().get_hlo_text()
+    want = jax.jit(lambda w, x: step(w, x, lambda h: jnp.sin(h) * 2))(w, X[:, :16])
+    assert_close(out, want, rtol=1e-4, atol=1e-5)
 
 
 def _matmul_partition(mesh, arg_shapes, result_shape):

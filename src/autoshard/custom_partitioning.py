@@ -95,7 +95,7 @@ class BoundOp:
 
     def __call__(self, mesh, arg_shapes, result_shape):
         got = self.definition.partition(*self.static_args, mesh, arg_shapes, result_shape)
-        if not (isinstance(got, tuple) and len(got) == 4):
+        if not (isinstance(got, (tuple, list)) and len(got) == 4):
             raise ValueError(
                 f"partition of custom_partitioning {self.name!r} returned {type(got).__name__}; "
                 "it must return (mesh, lower_fn, result_shardings, arg_shardings).")

@@ -1,12 +1,28 @@
 """Gradient accumulation: k micro-batches give the same step as one full batch."""
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import autoshard
+import hlo
 from models import assert_trees_close, copy_tree, make_case, make_state, train_step
+
+METHODS = {
+    "data": autoshard.DataParallel, "zero2": autoshard.Zero2Parallel,
+    "zero3": autoshard.Zero3Parallel,
+    "manual": lambda num_micro_batches: autoshard.ShardParallel(
+        num_micro_batches=num_micro_batches,
+        manual_sharding_option=autoshard.ManualShardingOption(
+            ("d",), in_axis_resources=(None, P("d")))),
+    "auto": lambda num_micro_batches: autoshard.ShardParallel(
+        num_micro_batches=num_micro_batches,
+        auto_sharding_option=autoshard.AutoShardingOption(show_progress=False))}
 
 
 @pytest.mark.parametrize("method", ["data", "zero2", "manual", "auto"])
@@ -14,23 +30,127 @@ from models import assert_trees_close, copy_tree, make_case, make_state, train_s
 def test_accumulation_equals_full_batch(method, k):
     model, x, y = make_case("mlp", batch=32)
     state = make_state(model, x)
-    make = {"data": autoshard.DataParallel, "zero2": autoshard.Zero2Parallel,
-            "manual": lambda num_micro_batches: autoshard.ShardParallel(
-                num_micro_batches=num_micro_batches,
-                manual_sharding_option=autoshard.ManualShardingOption(("d",))),
-            "auto": lambda num_micro_batches: autoshard.ShardParallel(
-                num_micro_batches=num_micro_batches,
-                auto_sharding_option=autoshard.AutoShardingOption(show_progress=False))}[method]
-    f1 = autoshard.parallelize(train_step, method=make(num_micro_batches=1))
-    fk = autoshard.parallelize(train_step, method=make(num_micro_batches=k))
+    f1 = autoshard.parallelize(train_step, method=METHODS[method](num_micro_batches=1))
+    fk = autoshard.parallelize(train_step, method=METHODS[method](num_micro_batches=k))
     s1, sk = copy_tree(state), copy_tree(state)
-    for _ in range(2):
+    for _ in range(3):
         s1, l1 = f1(s1, (x, y))
         sk, lk = fk(sk, (x, y))
         np.testing.assert_allclose(lk, l1, rtol=1e-5)
     assert_trees_close(sk.params, s1.params, rtol=1e-4)
-    hlo = fk.get_last_executable().get_hlo_text()
-    assert "while" in hlo  # the micro-batch loop is one scan, not k copies
+    hlo_text = fk.get_last_executable().get_hlo_text()
+    assert "while" in hlo_text  # the micro-batch loop is one scan, not k copies
+
+
+@pytest.mark.parametrize("method", ["data", "zero2", "zero3", "manual", "auto"])
+def test_each_device_uses_its_own_rows_and_gradients_are_reduced_once(method):
+    batch, k, n = 64, 2, 8
+    model, x, y = make_case("mlp", batch=batch)
+    state = make_state(model, x)
+    make = METHODS[method] if method != "auto" else (
+        lambda num_micro_batches: autoshard.ShardParallel(
+            num_micro_batches=num_micro_batches, auto_sharding_option=autoshard.
+            AutoShardingOption(show_progress=False, force_batch_dim_to_mesh_dim=0)))
+    f = autoshard.parallelize(train_step, method=make(num_micro_batches=k))
+    ex = f.get_executable(state, (x, y))
+    split = ex.get_input_placement_specs()[1][0].spec
+    text = ex.get_hlo_text()
+    loops = hlo.loop_computations(text)
+    assert loops, "no micro-batch loop"
+    inside = hlo.collectives(text, inside=loops)
+    assert len(split) and split[0] is not None, split
+    parts = n if method != "auto" else math.prod(
+        ex.mesh.shape[a] for a in ((split[0],) if isinstance(split[0], str) else split[0]))
+    # No gather of the batch and no gradient reduction inside the loop body ...
+    assert inside == [], inside
+    # ... a micro-batch's first dot has B / (k * n) rows per device ...
+    assert f"f32[{batch // (k * parts)},64]" in hlo.dot_shapes(text, loops)
+    # ... and the gradients are reduced once, after the loop.
+    outside = [kind for kind, _ in hlo.collectives(text, outside=loops)]
+    assert outside.count("all-reduce") + outside.count("reduce-scatter") >= 1
+
+
+def test_low_precision_gradients_accumulate_in_float32(tmp_path):
+    w = jnp.ones((16, 8), jnp.bfloat16) / 7
+
+    def step(w, x):
+        g = autoshard.grad(lambda w: jnp.mean((x @ w).astype(jnp.float32) ** 2))(w)
+        return w - 0.1 * g
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 16)), jnp.bfloat16)
+    f = autoshard.parallelize(step, method=autoshard.DataParallel(num_micro_batches=4))
+    f.get_executable(w, x).dump_debug_info(tmp_path)  # before XLA's CPU upcasts bf16
+    text = (tmp_path / "before_partitioning.hlo").read_text()
+    carried = re.findall(r"= (\(.*?\)) while\(", text)
+    # The weights ride along as bf16[16,8]; the gradient accumulator is f32[16,8].
+    assert carried and "f32[16,8]" in carried[0], carried
+    ref = jax.jit(step)(w.astype(jnp.float32), x.astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(f(w, x), np.float32), ref, rtol=2e-2)
+
+
+def test_declared_reductions_mean_sum_and_aux_not_divided():
+    def step(w, x):
+        def loss(w):
+            err = x @ w
+            return jnp.mean(err ** 2), {"rows": jnp.float32(x.shape[0]), "total": err.sum()}
+        (l, aux), g = autoshard.value_and_grad(loss, has_aux=True)(w)
+        g_sum = autoshard.mark_gradient(jnp.sum(x, axis=0), reduction="sum")
+        return w - 0.1 * g, l, aux, g_sum
+
+    w = jnp.ones((4, 2)) / 3
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(32, 4)), jnp.float32)
+    with pytest.raises(ValueError, match="gradient markers"):
+        autoshard.parallelize(step, method=autoshard.DataParallel(num_micro_batches=4))(w, x)
+
+    def step(w, x):  # noqa: F811  one marker: reductions declared per value
+        def loss(w):
+            err = x @ w
+            return jnp.mean(err ** 2), {"rows": jnp.float32(x.shape[0]), "total": err.sum()}
+        (l, aux), g = autoshard.value_and_grad(loss, has_aux=True)(w)
+        return w - 0.1 * g, l, aux
+
+    ref_w, ref_l, ref_aux = jax.jit(step)(w, x)
+    f = autoshard.parallelize(step, method=autoshard.DataParallel(num_micro_batches=4))
+    new_w, l, aux = f(w, x)
+    np.testing.assert_allclose(new_w, ref_w, rtol=1e-5)
+    np.testing.assert_allclose(l, ref_l, rtol=1e-5)  # the loss is a mean: divided
+    assert float(aux["rows"]) == 32.0  # aux is summed: 4 micro-batches of 8 rows
+    np.testing.assert_allclose(aux["total"], ref_aux["total"], rtol=1e-4)
+    g = autoshard.parallelize(
+        lambda w, x: autoshard.grad(lambda w: jnp.sum(x @ w), reduction="sum")(w),
+        method=autoshard.DataParallel(num_micro_batches=4))
+    np.testing.assert_allclose(g(w, x), jax.grad(lambda w: jnp.sum(x @ w))(w), rtol=1e-5)
+    with pytest.raises(ValueError, match="reduction .*'max'.* must be one of"):
+        autoshard.grad(lambda w: jnp.sum(w), reduction="max")(w)
+
+
+@pytest.mark.parametrize("key_kind", ["typed", "raw", "inside"])
+def test_micro_batches_draw_different_random_numbers(key_kind):
+    k, batch, dim = 4, 32, 16
+
+    def step(w, x, key):
+        if key_kind == "inside":
+            key = jax.random.key(7)
+        def loss(w):
+            mask = jax.random.bernoulli(key, 0.5, x.shape).astype(jnp.float32)
+            return jnp.sum(mask * x * w), mask
+        _, mask = autoshard.grad(loss, has_aux=True)(w)
+        return mask
+    key = jax.random.PRNGKey(3) if key_kind == "raw" else jax.random.key(3)
+    f = autoshard.parallelize(step, method=autoshard.DataParallel(num_micro_batches=k))
+    summed = np.asarray(f(jnp.ones(dim), jnp.ones((batch, dim)), key))
+    assert summed.shape == (batch // k, dim)
+    # The same mask in every micro-batch would make every entry 0 or k.
+    assert set(np.unique(summed)) - {0.0, float(k)}, np.unique(summed)
+
+
+def test_peak_memory_falls_with_micro_batches():
+    model, x, y = make_case("mlp", batch=512)
+    state = make_state(model, x)
+    temp = {}
+    for k in (1, 8):
+        f = autoshard.parallelize(train_step, method=autoshard.DataParallel(num_micro_batches=k))
+        temp[k] = f.get_executable(state, (x, y)).compiled.memory_analysis().temp_size_in_bytes
+    assert temp[8] < temp[1], temp
 
 
 def test_batch_independent_work_is_hoisted_out_of_the_loop():

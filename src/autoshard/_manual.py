@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
 from ._methods import Compiled, leaf_plan
 from ._program import Program
+from .grad_accum import StepHooks, batch_axes
 from .sharding.plan import ShardingPlan, format_spec, spec_axes
 
 _UNSET = object()
@@ -49,7 +50,8 @@ def compile_manual(method, program: Program) -> Compiled:
         method="ShardParallel(manual)", mesh_shape=tuple(mesh.devices.shape), axis_names=names,
         inputs=tuple(leaf_plan(program, i, s) for i, s in enumerate(in_specs)),
         outputs=tuple(leaf_plan(program, i, s, output=True) for i, s in enumerate(out_specs)))
-    return Compiled(plan=plan, mesh=mesh, fn=program.step())
+    hooks = StepHooks(mesh=mesh, batch_axes=batch_axes(program.batch_invars, in_specs))
+    return Compiled(plan=plan, mesh=mesh, fn=program.step(hooks))
 
 
 def _mesh_shape(method, names, num_devices):

@@ -56,17 +56,18 @@ def compile_data_parallel(method, program: Program, *, zero_stage: int) -> Compi
         out_specs[o] = in_specs[i]
 
     notes = []
-    hooks = StepHooks()
+    local = {"mesh": mesh, "batch_axes": axes}  # micro-batches accumulate on each device
+    hooks = StepHooks(**local)
     if zero_stage >= 2:
         if program.has_grad_marker:
             hooks = StepHooks(
                 forward_inputs=_gather_params(program, mesh) if zero_stage == 3 else None,
-                gradients=_scatter_gradients(mesh, axes, n))
+                gradients=_scatter_gradients(mesh, axes, n), **local)
         else:
             notes.append("no gradient marker: gradients are not pinned to shards; compute them "
                          "with autoshard.grad/value_and_grad to get reduce-scattered gradients")
             if zero_stage == 3:
-                hooks = StepHooks(forward_inputs=_gather_params(program, mesh))
+                hooks = StepHooks(forward_inputs=_gather_params(program, mesh), **local)
     plan = ShardingPlan(
         method=name, mesh_shape=tuple(mesh.devices.shape), axis_names=axes,
         inputs=tuple(leaf_plan(program, i, s, in_notes[i]) for i, s in enumerate(in_specs)),

@@ -1,21 +1,39 @@
 """Gradient accumulation: run the part before the gradient marker per micro-batch, then the rest.
 
 The traced step is split at its gradient marker. Equations before it that depend on a batch
-argument run inside a ``lax.scan`` over micro-batches; the marked values are summed and divided
-by the number of micro-batches; the equations after the marker (the optimizer update) run once.
-Equations before the marker that do not touch the batch run once, outside the scan.
+argument (or draw random numbers) run inside a ``lax.scan`` over micro-batches; equations
+before it that touch neither run once, outside the loop; the equations after the marker (the
+optimizer update) run once, on the combined marked values.
+
+Micro-batch ``j`` is rows ``j, j + k, j + 2k, ...`` of the batch. Split over devices in blocks,
+that is rows ``j, j + k, ...`` of each device's own block: no device ever needs another
+device's rows. When the method names the mesh axes that split the batch (``batch_axes``), the
+loop runs inside a ``shard_map`` manual over them and every marked value accumulates on each
+device as a partial sum (``_local``), in float32 for narrower floats; one reduction per value
+(all-reduce, or reduce-scatter where the method pins the result split) follows the loop.
+Each marked value is combined by its declared reduction (``mean``: divided by the number of
+micro-batches; ``sum``). Random keys are folded with the micro-batch index, so micro-batches
+draw different dropout masks.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
 
-from ._compat import Var
+from ._compat import Literal, Var
 from ._jaxpr import Env, dependents, grad_marker_index, used_vars
+from ._local import LocalEval, P, R, split
+from .sharding.plan import spec_axes
+
+RANDOM = frozenset({"random_bits", "random_split", "random_fold_in", "random_wrap"})
+KEY_USERS = frozenset({"random_bits", "random_split", "random_fold_in"})
 
 
 @dataclass(frozen=True)
@@ -26,6 +44,17 @@ class StepHooks:
     """Maps input values as used before the gradient marker (e.g. gather ZeRO-3 parameters)."""
     gradients: Callable[[list], list] | None = None
     """Maps the (accumulated) marked values (e.g. reduce-scatter ZeRO-2 gradients)."""
+    mesh: object = None
+    """The mesh the step runs on; with ``batch_axes``, accumulation is local per device."""
+    batch_axes: tuple[str, ...] = field(default=())
+    """Mesh axes that split every batch argument on dim 0 (empty: no local accumulation)."""
+
+
+def batch_axes(batch_invars: Sequence[bool], in_specs) -> tuple[str, ...]:
+    """Mesh axes that split dim 0 of every batch input alike (empty if they differ or none)."""
+    found = {spec_axes(spec[0]) if len(spec) else () for spec, b in zip(
+        in_specs, batch_invars, strict=True) if b}
+    return found.pop() if len(found) == 1 else ()
 
 
 def build_step(closed, *, batch_invars: Sequence[bool], num_micro_batches: int,
@@ -49,6 +78,7 @@ def build_step(closed, *, batch_invars: Sequence[bool], num_micro_batches: int,
     batch_vars = {v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b}
     if k > 1:
         _check_split(jaxpr, pre, post, marker, batch_vars, batch_paths)
+    loop = _Loop(jaxpr, pre, marker, batch_invars, k, hooks) if k > 1 else None
 
     def step(*flat_args):
         env = Env()
@@ -57,7 +87,7 @@ def build_step(closed, *, batch_invars: Sequence[bool], num_micro_batches: int,
         fwd_args = list(flat_args)
         if hooks.forward_inputs is not None:
             fwd_args = hooks.forward_inputs(fwd_args)
-        if k == 1:
+        if loop is None:
             for v, a in zip(jaxpr.invars, fwd_args, strict=True):
                 env.write(v, a)
             env.run(pre)
@@ -65,7 +95,7 @@ def build_step(closed, *, batch_invars: Sequence[bool], num_micro_batches: int,
                 return [env.read(v) for v in jaxpr.outvars]
             marked = [env.read(v) for v in marker.invars]
         else:
-            marked = _accumulate(jaxpr, env, pre, marker, fwd_args, batch_invars, k)
+            marked = loop(env, fwd_args)
         if hooks.gradients is not None:
             marked = hooks.gradients(marked)
         marked = _rebind_marker(marker, marked)
@@ -83,32 +113,118 @@ def _rebind_marker(marker, values):
     return marker.primitive.bind(*values, **marker.params)
 
 
-def _accumulate(jaxpr, env, pre, marker, args, batch_invars, k):
-    batch_vars = [v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b]
-    for v, a, b in zip(jaxpr.invars, args, batch_invars, strict=True):
-        if not b:
-            env.write(v, a)
-    per_batch = dependents(pre, set(batch_vars))
-    hoisted = [e for e in pre if not any(o in per_batch for o in e.outvars)]
-    looped = [e for e in pre if any(o in per_batch for o in e.outvars)]
-    env.run(hoisted)
-    outer = dict(env.values)
-    micro = [a.reshape((k, a.shape[0] // k) + a.shape[1:])
-             for a, b in zip(args, batch_invars, strict=True) if b]
-    marked_in = list(marker.invars)
+def reductions_of(marker) -> tuple[str, ...]:
+    return tuple(marker.params.get("reductions") or ("mean",) * len(marker.invars))
 
-    def body(acc, xs):
-        inner = Env()
-        inner.values = dict(outer)
-        for v, x in zip(batch_vars, xs, strict=True):
-            inner.write(v, x)
-        inner.run(looped)
-        vals = [inner.read(v) for v in marked_in]
-        return [a + v.astype(a.dtype) for a, v in zip(acc, vals, strict=True)], None
 
-    init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in marked_in]
-    total, _ = jax.lax.scan(body, init, micro)
-    return [t / k for t in total]
+class _Loop:
+    """The micro-batch loop of one step: which equations loop, and how values combine."""
+
+    def __init__(self, jaxpr, pre, marker, batch_invars, k, hooks: StepHooks):
+        self.jaxpr, self.marker, self.k, self.hooks = jaxpr, marker, k, hooks
+        self.batch_invars = batch_invars
+        self.batch_vars = [v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b]
+        random_outs = {o for e in pre if _draws_random(e) for o in e.outvars}
+        per_batch = dependents(pre, set(self.batch_vars) | random_outs)
+        self.hoisted = [e for e in pre if not any(o in per_batch for o in e.outvars)]
+        self.looped = [e for e in pre if any(o in per_batch for o in e.outvars)]
+        needed = used_vars(self.looped) | {v for v in marker.invars if isinstance(v, Var)}
+        known = list(jaxpr.constvars) + list(jaxpr.invars) + [
+            o for e in self.hoisted for o in e.outvars]
+        self.outer_vars = [v for v in known if v in needed and v not in per_batch
+                           and v not in set(self.batch_vars)]
+        self.reductions = reductions_of(marker)
+        self.axes = tuple(hooks.batch_axes) if hooks.mesh is not None else ()
+        self.size = 1
+        if self.axes:
+            sizes = dict(zip(hooks.mesh.axis_names, hooks.mesh.devices.shape, strict=True))
+            self.size = math.prod(sizes[a] for a in self.axes)
+        self.gathered: set[str] = set()
+
+    def __call__(self, env: Env, args: list) -> list:
+        for v, a, b in zip(self.jaxpr.invars, args, self.batch_invars, strict=True):
+            if not b:
+                env.write(v, a)
+        env.run(self.hoisted)
+        outer = [env.read(v) for v in self.outer_vars]
+        k = self.k
+        # (B, ...) -> (B/k, k, ...): row r*k + j is micro-batch j; a device's block of rows
+        # stays on the device for every j.
+        micro = [a.reshape((a.shape[0] // k, k) + a.shape[1:])
+                 for a, b in zip(args, self.batch_invars, strict=True) if b]
+        if not self.axes:
+            sums = self._scan(outer, micro, LocalEval((), 1))
+        else:
+            sums = self._local_scan(outer, micro)
+        out = []
+        for s, v, r in zip(sums, self.marker.invars, self.reductions, strict=True):
+            s = s / k if r == "mean" else s
+            out.append(s.astype(v.aval.dtype))
+        return out
+
+    def _local_scan(self, outer, micro):
+        mesh, axes = self.hooks.mesh, self.axes
+        batch = PartitionSpec(axes if len(axes) > 1 else axes[0])
+
+        def body(outer, micro):
+            partial = self._scan(outer, micro, LocalEval(axes, self.size), partial=True)
+            return [p[None] for p in partial]  # one row per device: the partial sums
+
+        stacked = jax.shard_map(
+            body, mesh=mesh, in_specs=([PartitionSpec()] * len(outer), [batch] * len(micro)),
+            out_specs=[batch] * len(self.marker.invars), axis_names=set(axes),
+            check_vma=False)(outer, micro)
+        return [s.sum(axis=0) for s in stacked]
+
+    def _scan(self, outer, micro, local: LocalEval, partial: bool = False):
+        xs = [jnp.moveaxis(m, 1, 0) for m in micro]
+        init = [jnp.zeros(v.aval.shape, _acc_dtype(v.aval.dtype)) for v in self.marker.invars]
+
+        def body(acc, scanned):
+            j, rows = scanned
+            env = dict(zip(self.outer_vars, outer, strict=True))
+            kinds = {}
+            for v, x in zip(self.batch_vars, rows, strict=True):
+                env[v], kinds[v] = x, (split(0) if local.axes else R)
+            local.key_hook = self._fold_keys(j)
+            local.run(self.looped, env, kinds)
+            new = []
+            for a, v in zip(acc, self.marker.invars, strict=True):
+                val = v.val if isinstance(v, Literal) else env[v]
+                kind = R if isinstance(v, Literal) else kinds.get(v, R)
+                if partial:
+                    val = local.to_p(val, kind)
+                new.append(a + val.astype(a.dtype))
+            self.gathered |= local.gathered
+            return new, None
+
+        total, _ = lax.scan(body, init, (jnp.arange(self.k), xs))
+        return total
+
+    def _fold_keys(self, j):
+        """Every key a random draw uses gets the micro-batch index folded in (at any depth)."""
+        def hook(e, ins):
+            if e.primitive.name in KEY_USERS:
+                ins = [jax.random.fold_in(ins[0], j)] + list(ins[1:])
+            return ins
+        return hook
+
+
+def _draws_random(eqn) -> bool:
+    if eqn.primitive.name in RANDOM:
+        return True
+    for p in eqn.params.values():
+        for sub in p if isinstance(p, tuple | list) else (p,):
+            jaxpr = getattr(sub, "jaxpr", sub)
+            if hasattr(jaxpr, "eqns") and any(_draws_random(e) for e in jaxpr.eqns):
+                return True
+    return False
+
+
+def _acc_dtype(dtype):
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+        return jnp.float32
+    return dtype
 
 
 def _check_split(jaxpr, pre, post, marker, batch_vars, batch_paths):
@@ -117,9 +233,10 @@ def _check_split(jaxpr, pre, post, marker, batch_vars, batch_paths):
         dtype = getattr(v.aval, "dtype", None)
         if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
             raise ValueError(
-                f"Gradient accumulation averages marked values, but one has dtype {dtype}. "
-                "Only floating-point values can be marked when num_micro_batches > 1; return "
-                "integer metrics outside autoshard.value_and_grad's aux.")
+                f"Gradient accumulation combines marked values over micro-batches, but one has "
+                f"dtype {dtype}. Only floating-point values can be marked when "
+                "num_micro_batches > 1; return integer metrics outside autoshard.value_and_grad's "
+                "aux.")
     marked_out = set(marker.outvars)
     outs = {v for v in jaxpr.outvars if isinstance(v, Var)}
     leaks = [v for v in used_vars(post) | outs
@@ -136,3 +253,6 @@ def _check_split(jaxpr, pre, post, marker, batch_vars, batch_paths):
             f"The part of the step after the gradient marker uses the batch ({names}) "
             "directly; with num_micro_batches > 1 it only sees one micro-batch. Compute "
             "batch-dependent values before the marker and return them as aux.")
+
+
+__all__ = ["StepHooks", "build_step", "reductions_of", "P", "R"]

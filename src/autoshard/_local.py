@@ -1,0 +1,370 @@
+"""Evaluate a jaxpr on each device's own batch rows, keeping reductions over the batch partial.
+
+Used inside a ``shard_map`` that is manual over the batch axes (gradient accumulation). Every
+value has a kind:
+
+* ``R`` replicated: every device holds the whole value;
+* ``("S", d)`` split: every device holds its own block of rows along dim ``d``;
+* ``P`` partial: the value is the sum over devices of what each device holds.
+
+A reduction over the batch rows (``reduce_sum``, a ``dot_general`` contracting rows) yields a
+partial value without communicating; linear operations keep it partial; anything else turns
+it replicated with one ``psum``. That is what lets gradients accumulate on each device over
+micro-batches and be reduced once after the loop. An operation with no rule here gathers its
+split operands first: correct, only slower (``LocalEval.gathered`` names them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from ._compat import Literal, bind_eqn
+
+R = "R"
+P = "P"
+
+
+def split(d: int):
+    return ("S", d)
+
+
+def is_split(kind) -> bool:
+    return isinstance(kind, tuple)
+
+
+ELEMENTWISE = frozenset("""
+add add_any sub mul div max min pow neg exp exp2 log log1p expm1 tanh logistic sin cos tan abs sign
+sqrt rsqrt cbrt integer_pow square select_n convert_element_type eq ne lt le gt ge and or not
+xor erf erf_inv erfc lgamma digamma is_finite floor ceil round nextafter rem atan2 clamp
+stop_gradient copy copy_p real imag conj reduce_precision shift_left shift_right_logical
+shift_right_arithmetic asin acos atan sinh cosh asinh acosh atanh
+""".split())
+# Elementwise ops that are linear in the operands at these positions (the others replicated).
+LINEAR_IN = {"add": (0, 1), "add_any": (0, 1), "sub": (0, 1), "neg": (0,), "mul": (0, 1), "div": (0,),
+             "convert_element_type": (0,), "copy": (0,), "copy_p": (0,),
+             "reduce_precision": (0,), "real": (0,), "imag": (0,), "conj": (0,),
+             "select_n": "branches"}
+INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+          "remat": "jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr",
+          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
+DROPPED = {"sharding_constraint"}  # global specs name the manual axes; propagation decides
+IDENTITY = {"pipeline_marker", "optimization_barrier"}
+AXIS_OPS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
+            "cumlogsumexp": "axis", "sort": "dimension", "rev": "dimensions",
+            "argmax": "axes", "argmin": "axes"}
+
+
+class LocalEval:
+    """Evaluates equations on local values with kinds, over the manual ``axes`` of ``size``."""
+
+    def __init__(self, axes: tuple[str, ...], size: int, key_hook=None):
+        self.axes = axes
+        self.size = size
+        self.key_hook = key_hook
+        self.gathered: set[str] = set()
+
+    # Conversions between kinds ---------------------------------------------------------------
+    def to_r(self, x, kind):
+        if kind == R:
+            return x
+        if kind == P:
+            return lax.psum(x, self.axes)
+        return lax.all_gather(x, self.axes, axis=kind[1], tiled=True)
+
+    def to_p(self, x, kind):
+        """A replicated value as a partial one: the first device holds it, the others zero."""
+        if kind == P:
+            return x
+        x = self.to_r(x, kind)
+        first = lax.axis_index(self.axes) == 0
+        return jnp.where(first, x, jnp.zeros_like(x))
+
+    def to_split(self, x, kind, d: int):
+        if kind == split(d):
+            return x
+        x = self.to_r(x, kind)
+        rows = x.shape[d] // self.size
+        return lax.dynamic_slice_in_dim(x, lax.axis_index(self.axes) * rows, rows, axis=d)
+
+    # Walking ---------------------------------------------------------------------------------
+    def run(self, eqns, env: dict, kinds: dict):
+        for e in eqns:
+            ins = [a.val if isinstance(a, Literal) else env[a] for a in e.invars]
+            ks = [R if isinstance(a, Literal) else kinds.get(a, R) for a in e.invars]
+            if self.key_hook is not None:
+                ins = self.key_hook(e, ins)
+            outs, out_kinds = self.eqn(e, ins, ks)
+            for v, o, k in zip(e.outvars, outs, out_kinds, strict=True):
+                env[v], kinds[v] = o, k
+
+    def eqn(self, e, ins, ks):
+        name = e.primitive.name
+        if all(k == R for k in ks) and name not in INLINE:
+            return bind_eqn(e, ins), [R] * len(e.outvars)
+        if name in IDENTITY:
+            return bind_eqn(e, ins), list(ks)
+        if name in DROPPED:
+            return list(ins), list(ks)
+        if name in INLINE:
+            return self._inline(e, ins, ks)
+        rule = getattr(self, "_" + name, None)
+        if rule is None and name in ELEMENTWISE:
+            rule = self._elementwise
+        if rule is None and name in AXIS_OPS:
+            rule = self._axis_op
+        result = rule(e, ins, ks) if rule is not None else None
+        if result is None:
+            return self._fallback(e, ins, ks)
+        outs, out_kind = result
+        outs = outs if e.primitive.multiple_results else [outs]
+        kinds = out_kind if isinstance(out_kind, list) else [out_kind] * len(outs)
+        return outs, kinds
+
+    def _fallback(self, e, ins, ks):
+        if any(k != R for k in ks):
+            self.gathered.add(e.primitive.name)
+        ins = [self.to_r(x, k) for x, k in zip(ins, ks, strict=True)]
+        return bind_eqn(e, ins), [R] * len(e.outvars)
+
+    def _inline(self, e, ins, ks):
+        sub = e.params[INLINE[e.primitive.name]]
+        jaxpr, consts = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (sub, ())
+        env, kinds = dict(zip(jaxpr.constvars, consts, strict=True)), {}
+        for v, x, k in zip(jaxpr.invars, ins, ks, strict=True):
+            env[v], kinds[v] = x, k
+        self.run(jaxpr.eqns, env, kinds)
+        outs = [a.val if isinstance(a, Literal) else env[a] for a in jaxpr.outvars]
+        return outs, [R if isinstance(a, Literal) else kinds.get(a, R) for a in jaxpr.outvars]
+
+    # Rules: each returns (output(s), kind(s)) or None for "gather and run replicated" ---------
+    def _elementwise(self, e, ins, ks):
+        name = e.primitive.name
+        splits = {k for k in ks if is_split(k)}
+        if P in ks:
+            linear = LINEAR_IN.get(name)
+            positions = range(1, len(ins)) if linear == "branches" else (linear or ())
+            if splits or linear is None or any(
+                    k == P and i not in positions for i, k in enumerate(ks)):
+                return None
+            if name in ("mul",) and ks.count(P) > 1:
+                return None
+            if name in ("add", "add_any", "sub") or linear == "branches":
+                if linear == "branches" and ks[0] != R:
+                    return None
+                ins = [x if i not in positions else self.to_p(x, k)
+                       for i, (x, k) in enumerate(zip(ins, ks, strict=True))]
+            return bind_eqn(e, ins)[0], P
+        if len(splits) != 1:
+            return None
+        (kind,) = splits
+        d, shape = kind[1], e.outvars[0].aval.shape
+        # Operands of size 1 along the row dim broadcast (jax allows it); full ones are sliced.
+        ins = [self.to_split(x, k, d) if k != kind and getattr(x, "ndim", 0) == len(shape)
+               and x.shape[d] == shape[d] else x for x, k in zip(ins, ks, strict=True)]
+        return bind_eqn(e, ins)[0], kind
+
+    def _broadcast_in_dim(self, e, ins, ks):
+        if ks[0] == P:
+            return bind_eqn(e, ins)[0], P
+        if not is_split(ks[0]) or len(ins) > 1:
+            return None
+        d = e.params["broadcast_dimensions"][ks[0][1]]
+        shape = list(e.params["shape"])
+        shape[d] = ins[0].shape[ks[0][1]]
+        params = dict(e.params, shape=tuple(shape))
+        return lax.broadcast_in_dim_p.bind(ins[0], **params), split(d)
+
+    def _transpose(self, e, ins, ks):
+        if ks[0] == P:
+            return bind_eqn(e, ins)[0], P
+        return bind_eqn(e, ins)[0], split(list(e.params["permutation"]).index(ks[0][1]))
+
+    def _reshape(self, e, ins, ks):
+        if ks[0] == P:
+            return bind_eqn(e, ins)[0], P
+        if e.params.get("dimensions") is not None or len(ins) > 1:
+            return None
+        d = ks[0][1]
+        src, dst = e.invars[0].aval.shape, tuple(e.params["new_sizes"])
+        before = math.prod(src[:d])
+        for o in range(len(dst)):
+            if math.prod(dst[:o]) != before:
+                continue
+            merged = dst[o] % src[d] == 0 and any(
+                math.prod(src[d:j]) == dst[o] for j in range(d + 1, len(src) + 1))
+            splits_major = src[d] % dst[o] == 0 and dst[o] % self.size == 0
+            if merged or splits_major:
+                local = list(dst)
+                local[o] = dst[o] // self.size
+                return jnp.reshape(ins[0], local), split(o)
+        return None
+
+    def _squeeze(self, e, ins, ks):
+        if ks[0] == P:
+            return bind_eqn(e, ins)[0], P
+        d, dims = ks[0][1], e.params["dimensions"]
+        if d in dims:
+            return None
+        return bind_eqn(e, ins)[0], split(d - sum(1 for x in dims if x < d))
+
+    def _reduce_sum(self, e, ins, ks):
+        axes = tuple(e.params["axes"])
+        if ks[0] == P:
+            return bind_eqn(e, ins)[0], P
+        d = ks[0][1]
+        out = bind_eqn(e, ins)[0]
+        return (out, P) if d in axes else (out, split(d - sum(1 for a in axes if a < d)))
+
+    def _reduce_max(self, e, ins, ks, combine=lax.pmax):
+        if ks[0] == P:
+            return None
+        d, axes = ks[0][1], tuple(e.params["axes"])
+        out = bind_eqn(e, ins)[0]
+        if d in axes:
+            return combine(out, self.axes), R
+        return out, split(d - sum(1 for a in axes if a < d))
+
+    def _reduce_min(self, e, ins, ks):
+        return self._reduce_max(e, ins, ks, combine=lax.pmin)
+
+    def _axis_op(self, e, ins, ks):
+        name, param = e.primitive.name, AXIS_OPS[e.primitive.name]
+        along = e.params[param]
+        along = set(along) if isinstance(along, tuple | list) else {along}
+        if name == "cumsum" and ks[0] == P:
+            return bind_eqn(e, ins)[0], P
+        if not all(k == ks[0] for k in ks) or not is_split(ks[0]) or ks[0][1] in along:
+            return None
+        d = ks[0][1]
+        outs = bind_eqn(e, ins)
+        if name in ("argmax", "argmin"):
+            return outs[0], split(d - sum(1 for a in along if a < d))
+        return (outs if e.primitive.multiple_results else outs[0]), ks[0]
+
+    def _slice(self, e, ins, ks):
+        if ks[0] == P:
+            return bind_eqn(e, ins)[0], P
+        d = ks[0][1]
+        start, limit = e.params["start_indices"], e.params["limit_indices"]
+        strides = e.params["strides"] or (1,) * len(start)
+        if start[d] != 0 or limit[d] != e.invars[0].aval.shape[d] or strides[d] != 1:
+            return None
+        lim = list(limit)
+        lim[d] = ins[0].shape[d]
+        return lax.slice(ins[0], start, lim, e.params["strides"]), ks[0]
+
+    def _concatenate(self, e, ins, ks):
+        dim = e.params["dimension"]
+        if P in ks:
+            return lax.concatenate([self.to_p(x, k) for x, k in zip(ins, ks, strict=True)],
+                                   dim), P
+        splits = {k for k in ks if is_split(k)}
+        if len(splits) != 1 or next(iter(splits))[1] == dim:
+            return None
+        kind = next(iter(splits))
+        return lax.concatenate([self.to_split(x, k, kind[1]) for x, k in zip(
+            ins, ks, strict=True)], dim), kind
+
+    def _pad(self, e, ins, ks):
+        if not is_split(ks[0]) or ks[1] != R:
+            return None
+        d = ks[0][1]
+        if tuple(e.params["padding_config"][d]) != (0, 0, 0):
+            return None
+        return bind_eqn(e, ins)[0], ks[0]
+
+    def _dot_general(self, e, ins, ks):
+        (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+        lhs, rhs = ins
+        kl, kr = ks
+        if P in ks:
+            if P in (kl, kr) and (is_split(kl) or is_split(kr) or kl == kr):
+                return None
+            return bind_eqn(e, ins)[0], P
+        nl, nr = len(e.invars[0].aval.shape), len(e.invars[1].aval.shape)
+        free_l = [d for d in range(nl) if d not in lc and d not in lb]
+        free_r = [d for d in range(nr) if d not in rc and d not in rb]
+
+        def out_dim(side, d):
+            if d in (lb if side == 0 else rb):
+                return list(lb if side == 0 else rb).index(d)
+            free = free_l if side == 0 else free_r
+            return len(lb) + (0 if side == 0 else len(free_l)) + free.index(d)
+
+        def partner(side, d):
+            mine, other = ((lc, rc), (lb, rb)) if side == 0 else ((rc, lc), (rb, lb))
+            for a, b in zip(*mine, strict=True):
+                if a == d:
+                    return b, "contract"
+            for a, b in zip(*other, strict=True):
+                if a == d:
+                    return b, "batch"
+            return None, "free"
+
+        for side, kind, other_kind in ((0, kl, kr), (1, kr, kl)):
+            if not is_split(kind):
+                continue
+            d = kind[1]
+            match, role = partner(side, d)
+            if role == "free":
+                if other_kind != R:
+                    continue
+                return bind_eqn(e, [lhs, rhs])[0], split(out_dim(side, d))
+            other = self.to_split(rhs if side == 0 else lhs, other_kind, match)
+            new = [lhs, other] if side == 0 else [other, rhs]
+            out = bind_eqn(e, new)[0]
+            return (out, P) if role == "contract" else (out, split(out_dim(side, d)))
+        return None
+
+    def _gather(self, e, ins, ks):
+        if ks[0] == P and ks[1] == R:
+            return bind_eqn(e, ins)[0], P
+        if not is_split(ks[1]):
+            return None
+        dn, d = e.params["dimension_numbers"], ks[1][1]
+        if d == len(e.invars[1].aval.shape) - 1:
+            return None
+        if is_split(ks[0]) and not _paired(dn.operand_batching_dims, ks[0][1],
+                                           dn.start_indices_batching_dims, d):
+            return None  # rows of the operand and the indices must be the same rows
+        if ks[0] == P:
+            return None
+        batch_out = [i for i in range(len(e.outvars[0].aval.shape)) if i not in dn.offset_dims]
+        params = dict(e.params)
+        if is_split(ks[0]):
+            sizes = list(params["slice_sizes"])
+            sizes[ks[0][1]] = 1
+            params["slice_sizes"] = tuple(sizes)
+        return e.primitive.bind(*ins, **params), split(batch_out[d])
+
+    def _scatter_add(self, e, ins, ks):
+        operand, indices, updates = ins
+        ko, ki, ku = ks
+        if ki == R and ku in (R, P) and ko in (R, P):
+            return bind_eqn(e, [self.to_p(operand, ko), indices, self.to_p(updates, ku)])[0], P
+        if not (is_split(ki) and is_split(ku)):
+            return None
+        dn = e.params["dimension_numbers"]
+        nidx, nupd = len(e.invars[1].aval.shape), len(e.invars[2].aval.shape)
+        scatter_dims = [i for i in range(nupd) if i not in dn.update_window_dims]
+        if ki[1] == nidx - 1 or scatter_dims[ki[1]] != ku[1]:
+            return None
+        if _paired(dn.operand_batching_dims, ko[1] if is_split(ko) else -1,
+                   dn.scatter_indices_batching_dims, ki[1]) or (
+                ko == R and ki[1] in dn.scatter_indices_batching_dims):
+            # Row-wise scatter (the transpose of take_along_axis): each row into its own row.
+            d = dn.operand_batching_dims[list(dn.scatter_indices_batching_dims).index(ki[1])]
+            return bind_eqn(e, [self.to_split(operand, ko, d), indices, updates])[0], split(d)
+        if is_split(ko):
+            return None
+        # Each device adds its own rows' updates into its copy: a partial sum of the result.
+        return bind_eqn(e, [self.to_p(operand, ko), indices, updates])[0], P
+
+
+def _paired(operand_dims, d_operand: int, index_dims, d_index: int) -> bool:
+    """Whether operand dim ``d_operand`` and index dim ``d_index`` are one batching pair."""
+    return any(a == d_operand and b == d_index for a, b in zip(
+        operand_dims, index_dims, strict=True))

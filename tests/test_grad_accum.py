@@ -92,9 +92,9 @@ def test_declared_reductions_mean_sum_and_aux_not_divided():
         def loss(w):
             err = x @ w
             return jnp.mean(err ** 2), {"rows": jnp.float32(x.shape[0]), "total": err.sum()}
-        (l, aux), g = autoshard.value_and_grad(loss, has_aux=True)(w)
+        (loss_v, aux), g = autoshard.value_and_grad(loss, has_aux=True)(w)
         g_sum = autoshard.mark_gradient(jnp.sum(x, axis=0), reduction="sum")
-        return w - 0.1 * g, l, aux, g_sum
+        return w - 0.1 * g, loss_v, aux, g_sum
 
     w = jnp.ones((4, 2)) / 3
     x = jnp.asarray(np.random.default_rng(1).normal(size=(32, 4)), jnp.float32)
@@ -105,14 +105,14 @@ def test_declared_reductions_mean_sum_and_aux_not_divided():
         def loss(w):
             err = x @ w
             return jnp.mean(err ** 2), {"rows": jnp.float32(x.shape[0]), "total": err.sum()}
-        (l, aux), g = autoshard.value_and_grad(loss, has_aux=True)(w)
-        return w - 0.1 * g, l, aux
+        (loss_v, aux), g = autoshard.value_and_grad(loss, has_aux=True)(w)
+        return w - 0.1 * g, loss_v, aux
 
     ref_w, ref_l, ref_aux = jax.jit(step)(w, x)
     f = autoshard.parallelize(step, method=autoshard.DataParallel(num_micro_batches=4))
-    new_w, l, aux = f(w, x)
+    new_w, loss_v, aux = f(w, x)
     np.testing.assert_allclose(new_w, ref_w, rtol=1e-5)
-    np.testing.assert_allclose(l, ref_l, rtol=1e-5)  # the loss is a mean: divided
+    np.testing.assert_allclose(loss_v, ref_l, rtol=1e-5)  # the loss is a mean: divided
     assert float(aux["rows"]) == 32.0  # aux is summed: 4 micro-batches of 8 rows
     np.testing.assert_allclose(aux["total"], ref_aux["total"], rtol=1e-4)
     g = autoshard.parallelize(

@@ -41,7 +41,8 @@ bench: $(STAMP) native
 	$(MAKE) --no-print-directory bench-mpi
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache src/autoshard/mpi/_ffi.so
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache src/autoshard/mpi/_ffi.so \
+	  src/autoshard/mpi/_build.txt
 
 # MPI: system packages, mpi4py, native FFI handlers, mpirun tests and benchmark.
 include mk/mpi.mk

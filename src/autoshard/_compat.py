@@ -126,3 +126,52 @@ def cp_rule_types():
 def uses_shardy() -> bool:
     """Whether jit partitions with Shardy (reads sharding rules) rather than GSPMD (callbacks)."""
     return bool(jax.config.jax_use_shardy_partitioner)
+
+
+# -- autoshard.mpi: narrow lowering hook and token types (jax 0.10) ------------------------------
+# autoshard.mpi patches nothing at import. Its one lowering hook is JAX's lowering event listener
+# (jax._src.util.test_event_listener), set only while a module that holds an MPI call is being
+# lowered (chained to any listener already set) and restored when that module is done.
+def lowering_event_listener():
+    """The listener JAX calls with lowering events (None when unset)."""
+    from jax._src import util
+
+    return util.test_event_listener
+
+
+def set_lowering_event_listener(listener) -> None:
+    from jax._src import util
+
+    util.test_event_listener = listener
+
+
+def is_jax_token(value) -> bool:
+    """True for a JAX token: concrete (``jax.lax.create_token()`` outside jit) or traced."""
+    from jax._src import core as private_core
+
+    if isinstance(value, private_core.Token):
+        return True
+    return isinstance(getattr(value, "aval", None), private_core.AbstractToken)
+
+
+# -- Front-end dispatch (jax 0.10) -----------------------------------------------------------------
+def _array_impl():
+    from jax._src.array import ArrayImpl
+
+    return ArrayImpl
+
+
+ArrayImpl = _array_impl()
+"""The concrete class of ``jax.Array`` values; its ``is_deleted`` is a C++ method."""
+
+
+def any_deleted(leaves) -> bool:
+    """True if an array among ``leaves`` was deleted or donated (C-level loop in the common case).
+
+    Passing a deleted buffer to a multi-device executable crashes the process in jaxlib 0.10
+    (instead of raising), so callers check first.
+    """
+    try:
+        return any(map(ArrayImpl.is_deleted, leaves))
+    except TypeError:  # a numpy array, Python scalar or ShapeDtypeStruct among the leaves
+        return any(x.is_deleted() for x in leaves if isinstance(x, ArrayImpl))

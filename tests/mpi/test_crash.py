@@ -1,4 +1,5 @@
-"""A crash on one rank ends the whole job instead of leaving the others waiting."""
+"""With abort_on_uncaught_exception() (opt-in), a crash on one rank ends the whole job instead
+of leaving the others waiting."""
 
 import os
 import shutil
@@ -13,6 +14,7 @@ SCRIPT = textwrap.dedent("""
     import jax.numpy as jnp
     from mpi4py import MPI
     from autoshard import mpi
+    mpi.abort_on_uncaught_exception()
     if MPI.COMM_WORLD.Get_rank() == 1:
         raise RuntimeError("rank 1 crashed on purpose")
     mpi.allreduce(jnp.ones(2), MPI.SUM)  # would wait forever for rank 1

@@ -2,30 +2,46 @@
 
 Every operation returns ``(result, token)`` (``send`` and ``barrier`` return the token).
 Operations run in program order whether or not tokens are threaded; see _lowering.py.
-Importing this package without MPI raises an ImportError naming the missing piece.
+``token=`` accepts None, a returned Token or any JAX token.
+
+Importing this package without MPI raises an ImportError naming the missing piece
+(``python -m autoshard.mpi`` prints a diagnosis). Importing it changes nothing else in the
+process: no JAX function and no ``sys.excepthook`` is replaced. To make an uncaught
+exception on one rank abort the whole job, call ``abort_on_uncaught_exception()`` (or set
+AUTOSHARD_MPI_ABORT=1); AUTOSHARD_MPI_DEBUG=1 logs every MPI call (see _native.py).
 """
 
-from ._native import MPI as _MPI  # noqa: F401  (fails first, with a clear ImportError)
-from ._runtime import install as _install
-from ._token import Token as Token
-from .allgather import allgather as allgather
-from .allgatherv import allgatherv as allgatherv
-from .allreduce import allreduce as allreduce
-from .alltoall import alltoall as alltoall
-from .alltoallv import alltoallv as alltoallv
-from .barrier import barrier as barrier
-from .bcast import bcast as bcast
-from .gather import gather as gather
-from .recv import recv as recv
-from .reduce import reduce as reduce
-from .scan import scan as scan
-from .scatter import scatter as scatter
-from .send import send as send
-from .sendrecv import sendrecv as sendrecv
+from . import _install
 
-_install()
+if _install.diagnosing():
+    # `python -m autoshard.mpi`: __main__.py reports what is present and what is missing, so
+    # import nothing here that would fail without it.
+    __all__ = []
+else:
+    from . import _config
+    from ._native import MPI as _MPI  # noqa: F401  (fails first, with a clear ImportError)
+    from ._runtime import abort_on_uncaught_exception as abort_on_uncaught_exception
+    from ._token import Token as Token
+    from .allgather import allgather as allgather
+    from .allgatherv import allgatherv as allgatherv
+    from .allreduce import allreduce as allreduce
+    from .alltoall import alltoall as alltoall
+    from .alltoallv import alltoallv as alltoallv
+    from .barrier import barrier as barrier
+    from .bcast import bcast as bcast
+    from .gather import gather as gather
+    from .recv import recv as recv
+    from .reduce import reduce as reduce
+    from .scan import scan as scan
+    from .scatter import scatter as scatter
+    from .send import send as send
+    from .sendrecv import sendrecv as sendrecv
 
-__all__ = [
-    "Token", "allgather", "allgatherv", "allreduce", "alltoall", "alltoallv", "barrier", "bcast",
-    "gather", "recv", "reduce", "scan", "scatter", "send", "sendrecv",
-]
+    if _config.abort_on_uncaught_exception():
+        abort_on_uncaught_exception()
+
+    __all__ = [
+        "Token", "abort_on_uncaught_exception", "allgather", "allgatherv", "allreduce",
+        "alltoall", "alltoallv", "barrier", "bcast", "gather", "recv", "reduce", "scan",
+        "scatter", "send", "sendrecv",
+    ]

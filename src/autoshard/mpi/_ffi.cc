@@ -4,8 +4,14 @@
 // scalar, never read: XLA's token type would make Shardy drop the call's sharding);
 // the Python lowering chains these values so that MPI calls run in program order. The
 // communicator arrives as an integer id into a table of communicators built by
-// register_comm(): one communicator per local device, so that a computation
-// spanning several local devices runs one independent MPI stream per device.
+// register_comm(), indexed by device ordinal (see _comm.py): inside a user's shard_map
+// each device has its own communicator; elsewhere every device maps to the same one,
+// or, in a jit over several devices, only the device that makes the process's call
+// does and the others hold MPI_COMM_NULL: they skip the call and return zeros, which
+// the lowering sums with the caller's result (one MPI call per process).
+//
+// With debug logging on (set_debug, AUTOSHARD_MPI_DEBUG=1) each call prints
+// "r{rank} | {op} {bytes} B ..." to stderr on entry and on exit, with its duration.
 //
 // Data-movement operations use MPI_BYTE (any dtype works, bfloat16 included);
 // reductions use typed MPI datatypes, with user-defined operations for the
@@ -13,8 +19,11 @@
 #include <mpi.h>
 
 #include <atomic>
+#include <chrono>
+#include <cinttypes>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -32,11 +41,58 @@ namespace {
 std::mutex g_mutex;
 std::vector<std::vector<MPI_Comm>> g_comm_tables;  // id -> one comm per device
 std::atomic<int64_t> g_inflight{0};
+std::atomic<int64_t> g_num_calls{0};
+std::atomic<bool> g_debug{false};
 
-struct InflightGuard {
-  InflightGuard() { ++g_inflight; }
-  ~InflightGuard() { --g_inflight; }
+int WorldRank() {
+  static const int rank = [] {
+    int r = -1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    return r;
+  }();
+  return rank;
+}
+
+// Bookkeeping around one MPI call: the in-flight count (awaited at exit), the call count,
+// and the debug log.
+class Call {
+ public:
+  Call(const char* op, int64_t bytes, int64_t comm_id, int32_t device)
+      : op_(op), bytes_(bytes) {
+    ++g_inflight;
+    ++g_num_calls;
+    if (g_debug.load(std::memory_order_relaxed)) {
+      start_ = std::chrono::steady_clock::now();
+      std::fprintf(stderr, "r%d | %s %" PRId64 " B (comm %" PRId64 ", device %d) ...\n",
+                   WorldRank(), op_, bytes_, comm_id, static_cast<int>(device));
+      std::fflush(stderr);
+    }
+  }
+  ~Call() {
+    if (g_debug.load(std::memory_order_relaxed)) {
+      double us = std::chrono::duration<double, std::micro>(
+                      std::chrono::steady_clock::now() - start_).count();
+      std::fprintf(stderr, "r%d | %s %" PRId64 " B done in %.1f us\n", WorldRank(), op_,
+                   bytes_, us);
+      std::fflush(stderr);
+    }
+    --g_inflight;
+  }
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+
+ private:
+  const char* op_;
+  int64_t bytes_;
+  std::chrono::steady_clock::time_point start_;
 };
+
+// A device that does not make the process's call returns zeros (see the header).
+ffi::Error Skip() { return ffi::Error::Success(); }
+ffi::Error Skip(ffi::Result<ffi::AnyBuffer>& y) {
+  std::memset(y->untyped_data(), 0, y->size_bytes());
+  return ffi::Error::Success();
+}
 
 ffi::Error MpiError(int code, const char* what) {
   char msg[MPI_MAX_ERROR_STRING];
@@ -231,9 +287,10 @@ void FillStatus(int64_t status_addr, const MPI_Status& status) {
 ffi::Error AllreduceImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer>,
                          int64_t comm_id, int64_t op) {
-  InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
+  if (comm == MPI_COMM_NULL) return Skip(y);
+  Call call("allreduce", static_cast<int64_t>(x.size_bytes()), comm_id, device);
   MPI_Datatype type;
   MPI_Op mpi_op;
   if (auto e = ReductionTypes(x.element_type(), op, &type, &mpi_op); e.failure()) return e;
@@ -245,9 +302,10 @@ ffi::Error AllreduceImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x,
 // x is aliased to y: non-root ranks return their input unchanged.
 ffi::Error ReduceImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                       ffi::Result<ffi::AnyBuffer>, int64_t comm_id, int64_t op, int64_t root) {
-  InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
+  if (comm == MPI_COMM_NULL) return Skip(y);
+  Call call("reduce", static_cast<int64_t>(x.size_bytes()), comm_id, device);
   MPI_Datatype type;
   MPI_Op mpi_op;
   if (auto e = ReductionTypes(x.element_type(), op, &type, &mpi_op); e.failure()) return e;
@@ -266,9 +324,10 @@ ffi::Error ReduceImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Res
 
 ffi::Error ScanImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                     ffi::Result<ffi::AnyBuffer>, int64_t comm_id, int64_t op) {
-  InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
+  if (comm == MPI_COMM_NULL) return Skip(y);
+  Call call("scan", static_cast<int64_t>(x.size_bytes()), comm_id, device);
   MPI_Datatype type;
   MPI_Op mpi_op;
   if (auto e = ReductionTypes(x.element_type(), op, &type, &mpi_op); e.failure()) return e;
@@ -280,9 +339,10 @@ ffi::Error ScanImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Resul
 // x is aliased to y: the root's buffer already holds the data.
 ffi::Error BcastImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                      ffi::Result<ffi::AnyBuffer>, int64_t comm_id, int64_t root) {
-  InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
+  if (comm == MPI_COMM_NULL) return Skip(y);
+  Call call("bcast", static_cast<int64_t>(x.size_bytes()), comm_id, device);
   MPI_CHECK(MPI_Bcast(y->untyped_data(), Bytes(x), MPI_BYTE, static_cast<int>(root), comm),
             "MPI_Bcast");
   return ffi::Error::Success();
@@ -291,9 +351,10 @@ ffi::Error BcastImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Resu
 // Root: y has shape (size, *x.shape). Other ranks: y aliases x (unchanged).
 ffi::Error GatherImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                       ffi::Result<ffi::AnyBuffer>, int64_t comm_id, int64_t root) {
-  InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
+  if (comm == MPI_COMM_NULL) return Skip(y);
+  Call call("gather", static_cast<int64_t>(x.size_bytes()), comm_id, device);
   int rank;
   MPI_Comm_rank(comm, &rank);
   void* recv = rank == root ? y->untyped_data() : nullptr;
@@ -306,9 +367,10 @@ ffi::Error GatherImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Res
 // x has shape (size, *y.shape) on the root; other ranks pass y's shape.
 ffi::Error ScatterImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                        ffi::Result<ffi::AnyBuffer>, int64_t comm_id, int64_t root) {
-  InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
+  if (comm == MPI_COMM_NULL) return Skip(y);
+  Call call("scatter", static_cast<int64_t>(y->size_bytes()), comm_id, device);
   int rank;
   MPI_Comm_rank(comm, &rank);
   const void* send = rank == root ? x.untyped_data() : nullptr;
@@ -320,9 +382,10 @@ ffi::Error ScatterImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Re
 
 ffi::Error AllgatherImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::AnyBuffer>, int64_t comm_id) {
-  InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
+  if (comm == MPI_COMM_NULL) return Skip(y);
+  Call call("allgather", static_cast<int64_t>(x.size_bytes()), comm_id, device);
   MPI_CHECK(MPI_Allgather(x.untyped_data(), Bytes(x), MPI_BYTE, y->untyped_data(), Bytes(x),
                           MPI_BYTE, comm),
             "MPI_Allgather");
@@ -331,9 +394,10 @@ ffi::Error AllgatherImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::
 
 ffi::Error AlltoallImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                         ffi::Result<ffi::AnyBuffer>, int64_t comm_id) {
-  InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
+  if (comm == MPI_COMM_NULL) return Skip(y);
+  Call call("alltoall", static_cast<int64_t>(x.size_bytes()), comm_id, device);
   int size;
   MPI_Comm_size(comm, &size);
   int block = Bytes(x) / size;
@@ -348,9 +412,10 @@ ffi::Error AlltoallImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::R
 ffi::Error AllgathervImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer>, int64_t comm_id,
                           ffi::Span<const int64_t> counts, int64_t row_bytes) {
-  InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
+  if (comm == MPI_COMM_NULL) return Skip(y);
+  Call call("allgatherv", static_cast<int64_t>(x.size_bytes()), comm_id, device);
   int size;
   MPI_Comm_size(comm, &size);
   if (static_cast<int64_t>(counts.size()) != size)
@@ -377,9 +442,10 @@ ffi::Error AlltoallvImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x,
                          ffi::Buffer<ffi::S32> send_counts, ffi::Buffer<ffi::S32> recv_counts,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer>, int64_t comm_id,
                          int64_t row_bytes, int64_t max_rows) {
-  InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
+  if (comm == MPI_COMM_NULL) return Skip(y);
+  Call call("alltoallv", static_cast<int64_t>(x.size_bytes()), comm_id, device);
   int size;
   MPI_Comm_size(comm, &size);
   if (static_cast<int64_t>(send_counts.element_count()) != size ||
@@ -406,9 +472,10 @@ ffi::Error AlltoallvImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x,
 
 ffi::Error SendImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer>,
                     int64_t comm_id, int64_t dest, int64_t tag) {
-  InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
+  if (comm == MPI_COMM_NULL) return Skip();
+  Call call("send", static_cast<int64_t>(x.size_bytes()), comm_id, device);
   MPI_CHECK(MPI_Send(x.untyped_data(), Bytes(x), MPI_BYTE, static_cast<int>(dest),
                      static_cast<int>(tag), comm),
             "MPI_Send");
@@ -419,9 +486,10 @@ ffi::Error SendImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Resul
 ffi::Error RecvImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                     ffi::Result<ffi::AnyBuffer>, int64_t comm_id, int64_t source, int64_t tag,
                     int64_t status_addr) {
-  InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
+  if (comm == MPI_COMM_NULL) return Skip(y);
+  Call call("recv", static_cast<int64_t>(x.size_bytes()), comm_id, device);
   MPI_Status status;
   MPI_CHECK(MPI_Recv(y->untyped_data(), Bytes(x), MPI_BYTE, static_cast<int>(source),
                      static_cast<int>(tag), comm, &status),
@@ -435,9 +503,10 @@ ffi::Error SendrecvImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer sendbuf, 
                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer>, int64_t comm_id,
                         int64_t source, int64_t dest, int64_t sendtag, int64_t recvtag,
                         int64_t status_addr) {
-  InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
+  if (comm == MPI_COMM_NULL) return Skip(y);
+  Call call("sendrecv", static_cast<int64_t>(sendbuf.size_bytes()), comm_id, device);
   MPI_Status status;
   MPI_CHECK(MPI_Sendrecv(sendbuf.untyped_data(), Bytes(sendbuf), MPI_BYTE, static_cast<int>(dest),
                          static_cast<int>(sendtag), y->untyped_data(), Bytes(recvbuf), MPI_BYTE,
@@ -448,9 +517,10 @@ ffi::Error SendrecvImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer sendbuf, 
 }
 
 ffi::Error BarrierImpl(int32_t device, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>, int64_t comm_id) {
-  InflightGuard guard;
   MPI_Comm comm;
   if (auto e = GetComm(comm_id, device, &comm); e.failure()) return e;
+  if (comm == MPI_COMM_NULL) return Skip();
+  Call call("barrier", static_cast<int64_t>(0), comm_id, device);
   MPI_CHECK(MPI_Barrier(comm), "MPI_Barrier");
   return ffi::Error::Success();
 }
@@ -531,13 +601,24 @@ extern "C" {
 // returns the id passed to the handlers as the "comm" attribute.
 int64_t autoshard_mpi_register_comm(const int64_t* handles, int64_t n) {
   std::vector<MPI_Comm> table(n);
-  for (int64_t i = 0; i < n; ++i) table[i] = HandleToComm<MPI_Comm>(handles[i]);
+  // A zero handle stands for MPI_COMM_NULL: that device skips its calls.
+  for (int64_t i = 0; i < n; ++i)
+    table[i] = handles[i] == 0 ? MPI_COMM_NULL : HandleToComm<MPI_Comm>(handles[i]);
   std::lock_guard<std::mutex> lock(g_mutex);
   g_comm_tables.push_back(std::move(table));
   return static_cast<int64_t>(g_comm_tables.size()) - 1;
 }
 
+// Bumped whenever the Python side needs something new from the extension: an older build
+// is reported as stale instead of failing on a missing symbol.
+int64_t autoshard_mpi_abi_version() { return 2; }
+
 int64_t autoshard_mpi_inflight() { return g_inflight.load(); }
+
+// MPI calls made by this process so far (skipped devices do not count).
+int64_t autoshard_mpi_num_calls() { return g_num_calls.load(); }
+
+void autoshard_mpi_set_debug(int64_t on) { g_debug.store(on != 0); }
 
 int64_t autoshard_mpi_status_size() { return sizeof(MPI_Status); }
 

@@ -19,25 +19,31 @@ primitives, and ordering is established while lowering to StableHLO instead:
   ``_finish``), every call to a function that holds MPI calls is therefore inlined here and
   the chain is rebuilt over the result, so the inlined calls join the caller's chain. That
   final pass also ties in whatever came last in the program, after which no further MPI
-  call would have triggered the tying. It runs from a wrapper around JAX's
-  ``mlir.lower_jaxpr_to_module`` (installed once; a no-op for modules without MPI calls).
-  A result-less cond holding MPI calls is rebuilt there to return the chain.
-* In a jit over several devices each call runs inside a manual (shard_map) region, once per
-  device (see _per_device); the chain is threaded through such regions (and through a
-  user's shard_map) by data dependencies, as Shardy inlines them.
-* A DCE rule keeps every MPI equation even when its results are unused (send, barrier), and
-  the DCE rules of JAX's higher-order primitives (cond, while, scan, jit, ...) are wrapped
-  so that an equation holding MPI equations is kept even when its outputs are unused.
+  call would have triggered the tying. JAX reports the finished module through its lowering
+  event listener; the first MPI call lowered into a module sets that listener (chained to
+  any listener already set) and it is restored as soon as that module is finished, so the
+  lowering of every program without MPI calls is untouched (see _listen). A result-less cond
+  holding MPI calls is rebuilt there to return the chain.
+* In a jit over several devices each call runs inside a manual (shard_map) region, on its
+  first device only (one MPI call per process, see _once_per_process); the chain is
+  threaded through such regions (and through a user's shard_map) by data dependencies, as
+  Shardy inlines them.
+* A DCE rule keeps every MPI equation even when its results are unused (send, barrier). An
+  equation of a higher-order primitive (cond, while, scan, jit, ...) that holds MPI calls but
+  has no used output would still be removed by that primitive's DCE rule; those rules are
+  therefore wrapped when the first MPI operation is traced (never at import, see _keep_holders).
+  The wrapper returns exactly what the original rule returns for equations without MPI calls.
 """
 
 from __future__ import annotations
 
 import atexit
+import threading
 from collections import OrderedDict
 
 from jax.interpreters import mlir
 
-from .._compat import mpi_internals
+from .._compat import lowering_event_listener, mpi_internals, set_lowering_event_listener
 from ._native import target_name
 
 _jax = mpi_internals()
@@ -71,7 +77,45 @@ def _state(module_context) -> _ModuleState:
         entry = _states[id(module)] = (module, _ModuleState())
         while len(_states) > 8:  # lowered modules are not revisited
             _states.popitem(last=False)
+        _listen(module)
     return entry[1]
+
+
+# Modules holding MPI calls whose lowering is under way: id -> (module, lowering thread).
+_pending: dict[int, tuple[object, int]] = {}
+_previous_listener = None
+
+
+def _listen(module) -> None:
+    """Has ``_finish`` run on ``module`` once JAX has lowered it completely.
+
+    Sets JAX's lowering event listener (chained to the one already set) until every pending
+    module is finished; the lowering of a program without MPI calls never sees it.
+    """
+    global _previous_listener
+    if not _pending:
+        _previous_listener = lowering_event_listener()
+        set_lowering_event_listener(_on_lowering_event)
+    _pending[id(module)] = (module, threading.get_ident())
+
+
+def _on_lowering_event(name, *args) -> None:
+    if name == "mlir.collect_lowered_jaxprs":
+        module = args[1]
+        entry = _pending.pop(id(module), None)
+        if entry is not None and entry[0] is module:
+            with module.context, ir.Location.unknown():
+                _finish(module)
+    elif name == "lower_jaxpr_to_module":
+        # A new lowering on this thread: a module still pending here failed to lower.
+        thread = threading.get_ident()
+        for key in [k for k, (_, t) in _pending.items() if t == thread]:
+            del _pending[key]
+    previous = _previous_listener
+    if not _pending and lowering_event_listener() is _on_lowering_event:
+        set_lowering_event_listener(previous)
+    if previous is not None:
+        previous(name, *args)
 
 
 def _chain_type():
@@ -93,6 +137,12 @@ def _is_mpi_call(op) -> bool:
     if op.name != "stablehlo.custom_call":
         return False
     return ir.StringAttr(op.attributes["call_target_name"]).value.startswith(_PREFIX)
+
+
+def _is_process_region(op) -> bool:
+    """True for the manual region _once_per_process wraps a multi-device call in."""
+    return (op.name == "sdy.manual_computation"
+            and _PROCESS_AXIS in str(op.attributes["manual_axes"]))
 
 
 def _callee(op) -> str | None:
@@ -152,6 +202,11 @@ def _chain(state: _ModuleState, block, token=None):
             if token is not None:
                 op.operands[0] = token  # a call inlined by _finish joins this chain
             token = op.results[len(op.results) - 1]
+        elif _is_process_region(op):
+            # Its first operand and result are the chain itself (see _thread_manual_region).
+            if token is not None:
+                op.operands[0] = token
+            token = op.results[0]
         elif op in state.folds:
             token = state.folds[op]
         elif (op in state.containers or _callee(op) in state.funcs) and len(op.results):
@@ -266,6 +321,12 @@ def _thread_manual_region(state: _ModuleState, region_op) -> None:
     ops = [child.operation for child in block.operations]
     if not len(block.arguments) or not len(ops[-1].operands):
         return
+    if _is_process_region(region_op):
+        # _once_per_process's own region: its anchor operand and result carry the chain as
+        # plain data (barriers over constants do not survive XLA's simplifications).
+        token = _chain(state, block, block.arguments[0])
+        ops[-1].operands[0] = token
+        return
     with ir.InsertionPoint(ops[0]):
         start = hlo.OptimizationBarrierOp([_chain_start(), block.arguments[0]]).results[0]
     token = _chain(state, block, start)
@@ -278,7 +339,7 @@ def _finish(module) -> None:
     """Inlines the calls to functions holding MPI calls, then rebuilds the chain everywhere."""
     entry = _states.get(id(module))
     if entry is None or entry[0] is not module:
-        return  # no MPI call in this module
+        return  # evicted by more than 8 modules lowering at once (see _state)
     state = entry[1]
     module_op = module.operation
     _mark(state, module_op)
@@ -317,13 +378,6 @@ def _finish(module) -> None:
         _chain(state, block)
 
 
-def _lower_jaxpr_to_module(*args, **kwargs):
-    result = _lower_jaxpr_to_module_jax(*args, **kwargs)
-    with result.module.context, ir.Location.unknown():
-        _finish(result.module)
-    return result
-
-
 def _layout(aval):
     return tuple(range(len(aval.shape) - 1, -1, -1))
 
@@ -342,6 +396,7 @@ def emit(ctx: mlir.LoweringRuleContext, op: str, operands, *,
     index to the array result index it is donated to.
     """
     token = _current_token(ctx.module_context)
+    attrs = {**attrs, "comm": _comm_table(ctx, attrs["comm"])}
     result_types = [mlir.aval_to_ir_type(ctx.module_context, a) for a in ctx.avals_out]
     call = _mlir.custom_call(
         target_name(op),
@@ -358,11 +413,43 @@ def emit(ctx: mlir.LoweringRuleContext, op: str, operands, *,
     return list(call.results)[:-1]
 
 
+_PROCESS_AXIS = "autoshard_mpi"  # the mesh axis of _once_per_process's manual region
+_leaders: list[int] = []  # the leader device of the _once_per_process region being lowered
+_table_makers: dict[int, object] = {}  # device-table id -> its communicator's make_table
+_tables: dict[tuple[int, int | None], int] = {}  # (device table, leader) -> table id
+
+
+def pair_comm_tables(device_table: int, make_table) -> None:
+    """Records how to build the other tables of a communicator whose device table is given.
+
+    ``make_table(None)`` maps every device to the communicator, ``make_table(d)`` only
+    device ``d`` (the others skip their calls); both return the table's id.
+    """
+    _table_makers[device_table] = make_table
+
+
+def _comm_table(ctx: mlir.LoweringRuleContext, device_table: int) -> int:
+    """The table the call looks its communicator up in (see _comm.py, _once_per_process).
+
+    Inside a user's shard_map each device calls through its own communicator (the device
+    table); everywhere else the process makes one call, through the communicator itself.
+    """
+    axis_context = ctx.module_context.axis_context
+    if (isinstance(axis_context, SPMDAxisContext)
+            and _PROCESS_AXIS not in axis_context.mesh.axis_names):
+        return device_table
+    leader = _leaders[-1] if isinstance(axis_context, SPMDAxisContext) else None
+    key = (device_table, leader)
+    if key not in _tables:
+        _tables[key] = _table_makers[device_table](leader)
+    return _tables[key]
+
+
 def _sharding(ctx: mlir.LoweringRuleContext) -> SdyArrayList:
     """A replicated placeholder sharding for the call.
 
     Calls only reach the SPMD partitioner inside manual regions (a user's shard_map, or the
-    one _per_device wraps them in), where each device runs its own call; see _per_device.
+    one _once_per_process wraps them in); see _once_per_process.
     """
     ndims = [len(a.shape) for a in ctx.avals_out] + [0]
     return SdyArrayList(tuple(
@@ -379,17 +466,23 @@ def _keep_dce_rule(used_outputs, eqn):
 _primitives: set = set()
 
 
-def _per_device(primitive, lowering):
-    """Lowers ``primitive`` in a jit over several devices as one call per device.
+def _once_per_process(primitive, lowering):
+    """Lowers ``primitive`` so that a process makes one MPI call, however many devices it has.
 
-    XLA rejects a side-effecting custom call without a sharding there, and a replicated one
-    ("side-effect HLO cannot have a replicated sharding"); the maximal sharding that would
-    run it once, on one device, is dropped by Shardy, which keeps shardings only on the
-    custom calls it knows (its Sharding and X64Combine calls and JAX's Python callbacks;
-    XLA's SdyRoundTripImportShardyAttrsPass). So the call runs in a manual region
-    (``shard_map``) over all the jit's devices, on the whole (replicated) operands: each
-    device makes the MPI call through its own communicator (see _comm.py) with the same
-    data and gets the same result. Inside a user's shard_map the call is already per device.
+    In a jit over several local devices the operands are the process's whole arrays (the
+    local devices' shards together form the buffer each rank contributes), and every device
+    gets the whole result. XLA rejects a side-effecting custom call without a sharding
+    there, and a replicated one ("side-effect HLO cannot have a replicated sharding"); the
+    maximal sharding that would run it on one device is dropped by Shardy, which keeps
+    shardings only on the custom calls it knows. So the call runs in a manual region
+    (``shard_map``) over the jit's devices, on the replicated operands. Every device runs
+    the custom call, but only the first one (the leader) finds the communicator in its
+    table entry and calls MPI; the others find MPI_COMM_NULL and return zeros (a
+    conditional around the call would be simpler, but XLA then drops the ordering
+    barriers around it). A sum over the devices (bit-exact, see _from_first_device) then
+    hands every device the result.
+    Inside a user's shard_map, by contrast, each device makes its own call, through its own
+    communicator (see _comm.py).
     """
     def rule(ctx, *args, **params):
         axis_context = ctx.module_context.axis_context
@@ -407,26 +500,51 @@ def _per_device(primitive, lowering):
         import jax  # noqa: PLC0415
         from jax.sharding import AbstractMesh, PartitionSpec  # noqa: PLC0415
 
-        mesh = AbstractMesh((axis_context.num_devices,), ("autoshard_mpi",))
+        mesh = AbstractMesh((axis_context.num_devices,), (_PROCESS_AXIS,))
         spec = PartitionSpec()
+        assignment = axis_context.device_assignment
+        leader = assignment[0].id if assignment else 0
 
         def body(anchor, *xs):
             # The anchor gives the region an operand and a result even for send and barrier:
             # without them Shardy does not keep the call in the manual region.
             out = primitive.bind(*xs, **params)
-            return anchor, *(out if primitive.multiple_results else [out])
+            outs = out if primitive.multiple_results else [out]
+            return anchor, *(_from_first_device(o) for o in outs)
 
-        num_out = len(ctx.avals_out)
         region = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * (len(args) + 1),
-                               out_specs=(spec,) * (num_out + 1), check_vma=False)
+                               out_specs=(spec,) * (len(ctx.avals_out) + 1), check_vma=False)
 
-        def call(*xs):
+        def whole(*xs):
             outs = region(jax.numpy.zeros((), jax.numpy.int8), *xs)[1:]
             return list(outs) if primitive.multiple_results else outs[0]
 
-        return mlir.lower_fun(call, multiple_results=primitive.multiple_results)(ctx, *args)
+        _leaders.append(leader)
+        try:
+            return mlir.lower_fun(whole, multiple_results=primitive.multiple_results)(ctx, *args)
+        finally:
+            _leaders.pop()
 
     return rule
+
+
+def _from_first_device(value):
+    """The first device's ``value`` on every device of the region, the others holding zeros.
+
+    A sum over the region's devices; floats are summed as unsigned integers of their width,
+    so the result is bit-exact (-0.0 and NaN payloads included).
+    """
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    dtype = np.dtype(value.dtype)
+    if dtype == np.bool_:
+        return jax.lax.psum(value.astype(np.uint8), _PROCESS_AXIS).astype(np.bool_)
+    if dtype.kind == "f" or dtype.name in ("bfloat16",) or "float8" in dtype.name:
+        bits = np.dtype(f"uint{dtype.itemsize * 8}")
+        summed = jax.lax.psum(jax.lax.bitcast_convert_type(value, bits), _PROCESS_AXIS)
+        return jax.lax.bitcast_convert_type(summed, dtype)
+    return jax.lax.psum(value, _PROCESS_AXIS)
 
 
 def _holds_mpi(jaxpr) -> bool:
@@ -448,31 +566,33 @@ def _keep_holders(rule):
     return dce_rule
 
 
-def _install_hooks() -> None:
-    """Wraps the DCE rules of JAX's higher-order primitives and the module lowering (once)."""
-    global _lower_jaxpr_to_module_jax
-    if _lower_jaxpr_to_module_jax is not None:
+_holders_kept = False
+
+
+def keep_mpi_holders() -> None:
+    """Wraps the DCE rules of JAX's higher-order primitives (once, at the first MPI trace).
+
+    The only process-wide change the package makes, and only once MPI operations are used:
+    JAX's own DCE rule still decides for every equation that holds no MPI call.
+    """
+    global _holders_kept
+    if _holders_kept:
         return
+    _holders_kept = True
     for primitive in _jax.higher_order_primitives:
         rule = _pe.dce_rules.get(primitive)
         if not getattr(rule, "autoshard_mpi", False):
             _pe.dce_rules[primitive] = _keep_holders(rule)
-    _lower_jaxpr_to_module_jax = _mlir.lower_jaxpr_to_module
-    _mlir.lower_jaxpr_to_module = _lower_jaxpr_to_module
-
-
-_lower_jaxpr_to_module_jax = None
 
 
 def register(primitive, lowering) -> None:
     """Registers the CPU lowering and the keep-alive DCE rule of an MPI primitive."""
     # Not cacheable: a cached lowering is emitted into a scratch function, out of the block
     # whose token chain it must join.
-    mlir.register_lowering(primitive, _per_device(primitive, lowering), platform="cpu",
+    mlir.register_lowering(primitive, _once_per_process(primitive, lowering), platform="cpu",
                            cacheable=False)
     _pe.dce_rules[primitive] = _keep_dce_rule
     _primitives.add(primitive)
-    _install_hooks()
 
 
-__all__ = ["emit", "register"]
+__all__ = ["emit", "keep_mpi_holders", "register"]

@@ -1,42 +1,43 @@
 """Loads MPI (through mpi4py) and the native FFI handlers, and registers them with XLA.
 
-Importing this module fails with an ImportError that names the missing piece.
+Importing this module fails with an ImportError that names the missing piece and the fix
+(messages in _install.py). The extension is built by setup.py when autoshard is installed.
 """
 
 from __future__ import annotations
 
 import ctypes
-import pathlib
 
 import jax
+
+from . import _config, _install
 
 try:
     from mpi4py import MPI
 except ImportError as err:  # mpi4py missing, or present but libmpi is not
-    missing = "mpi4py" if getattr(err, "name", None) == "mpi4py" else "libmpi (the MPI library)"
-    raise ImportError(
-        f"autoshard.mpi needs {missing}: {err}. Install Open MPI and mpi4py with `make native` "
-        "(Debian: apt-get install libopenmpi-dev openmpi-bin; then pip install 'mpi4py>=4.0')."
-    ) from err
+    if getattr(err, "name", None) == "mpi4py":
+        raise ImportError(_install.missing_mpi4py(err)) from err
+    raise ImportError(_install.missing_libmpi(err)) from err
 
-_LIBRARY = pathlib.Path(__file__).with_name("_ffi.so")
-if not _LIBRARY.exists():
-    raise ImportError(
-        f"autoshard.mpi needs its native extension {_LIBRARY}, which is not built. "
-        "Build it with `make native` (compiles _ffi.cc with mpicxx against jax.ffi.include_dir())."
-    )
+if not _install.LIBRARY.exists():
+    raise ImportError(_install.missing_extension())
 try:
-    lib = ctypes.CDLL(str(_LIBRARY), mode=ctypes.RTLD_GLOBAL)
+    lib = ctypes.CDLL(str(_install.LIBRARY), mode=ctypes.RTLD_GLOBAL)
 except OSError as err:
-    raise ImportError(
-        f"autoshard.mpi could not load its native extension {_LIBRARY}: {err}. "
-        "Rebuild it against the installed MPI and jaxlib with `make native`."
-    ) from err
+    raise ImportError(_install.unloadable_extension(err)) from err
+_ABI_VERSION = 2  # autoshard_mpi_abi_version() in _ffi.cc
+if getattr(lib, "autoshard_mpi_abi_version", lambda: 1)() != _ABI_VERSION:
+    raise ImportError(_install.stale_extension())
+lib.autoshard_mpi_abi_version.restype = ctypes.c_int64
 
 lib.autoshard_mpi_register_comm.restype = ctypes.c_int64
 lib.autoshard_mpi_register_comm.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
 lib.autoshard_mpi_inflight.restype = ctypes.c_int64
 lib.autoshard_mpi_status_size.restype = ctypes.c_int64
+lib.autoshard_mpi_num_calls.restype = ctypes.c_int64
+lib.autoshard_mpi_set_debug.argtypes = [ctypes.c_int64]
+# AUTOSHARD_MPI_DEBUG=1: every native call logs "r{rank} | {op} {bytes} B ..." on entry and exit.
+lib.autoshard_mpi_set_debug(int(_config.debug()))
 
 TARGETS = (
     "allreduce", "reduce", "scan", "bcast", "gather", "scatter", "allgather",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import jax
 
+from .._compat import is_jax_token
+
 
 class Token:
     """Marks a point in the sequence of MPI operations; pass it on as ``token=``."""
@@ -28,13 +30,14 @@ jax.tree_util.register_pytree_node(Token, lambda _: ((), None), lambda _aux, _ch
 
 
 def check_token(token) -> None:
-    """Accepts None or a Token (mpi4jax users may pass a raw JAX token: also accepted)."""
-    if token is None or isinstance(token, Token):
-        return
-    aval = getattr(token, "aval", None)
-    if aval is not None and type(aval).__name__ == "AbstractToken":
+    """Accepts None, a Token, or any JAX token (concrete or traced), as mpi4jax does.
+
+    The value is not used: operations are ordered in program order regardless.
+    """
+    if token is None or isinstance(token, Token) or is_jax_token(token):
         return
     raise TypeError(
-        f"token must be an autoshard.mpi.Token returned by a previous operation or None, "
-        f"got {type(token).__name__}. Pass the second result of the previous call."
+        f"token must be None, an autoshard.mpi.Token returned by a previous operation, or a "
+        f"JAX token (jax.lax.create_token()), got {type(token).__name__} {token!r}. Pass the "
+        f"second result of the previous call, or omit token=."
     )

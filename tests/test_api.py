@@ -1,5 +1,9 @@
 """Front end: caching, static and donated arguments, placement, executables, bad input."""
 
+import gc
+import json
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import autoshard
 from autoshard import _api
+from autoshard._jaxpr import flatten_args as _flatten
 from models import MLP, copy_tree, make_state, train_step
 
 
@@ -265,3 +270,139 @@ def test_bad_method_and_options():
     with pytest.raises(TypeError, match="devices .* must be None"):
         autoshard.parallelize(train_step, method=autoshard.DataParallel(devices="gpu"))(
             *mlp_state())
+
+
+# Recompiles, the cache, abstract arguments, debug dumps -----------------------------------------
+def test_changing_python_scalar_warns_naming_the_argument_and_cache_is_capped():
+    calls = []
+
+    @autoshard.parallelize(method=autoshard.DataParallel(), batch_argnums=(0,), max_executables=2)
+    def scale(x, lr):
+        calls.append(lr)
+        return x * lr
+
+    x = jnp.ones(16)
+    with pytest.warns(RuntimeWarning, match=r"compiled 4 times .*static value of arg1 \(now 0.4\) changed.*jnp\.asarray"):
+        for lr in (0.1, 0.2, 0.3, 0.4):
+            np.testing.assert_allclose(scale(x, lr), x * lr, rtol=1e-6)
+    assert len(scale._cache) == 2  # least recently used executables are dropped
+    scale(x, 0.4)
+    assert calls == [0.1, 0.2, 0.3, 0.4]  # a cached value does not retrace
+    scale(x, jnp.asarray(0.5))
+    scale(x, jnp.asarray(0.6))  # traced data: one executable for every value
+    assert calls[-1] is not None and len(calls) == 5
+    with pytest.raises(ValueError, match=r"max_executables \(0\) must be a positive int"):
+        autoshard.parallelize(lambda x: x, max_executables=0)
+
+
+def test_abstract_arguments_plan_and_compile_before_data_exists():
+    f, calls = dp_step()
+    state, batch = mlp_state()
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+                            if isinstance(a, jax.Array) else a, (state, batch))
+    ex = f.get_executable(*abstract)
+    assert len(calls) == 1
+    placed_state, placed_batch = f.preshard_dynamic_args(*abstract)
+    assert placed_batch[0].sharding == ex.get_input_placement_specs()[1][0]
+    assert f.get_executable(state, batch) is ex and len(calls) == 1  # same signature
+    with pytest.raises(TypeError, match="is a jax.ShapeDtypeStruct: an executable runs on "
+                                        "arrays"):
+        f(*abstract)
+    new_state, loss = f(state, batch)
+    assert np.isfinite(float(loss))
+
+
+def test_dump_debug_info_writes_hlo_plan_and_timings(tmp_path):
+    f, _ = dp_step()
+    ex = f.get_executable(*mlp_state())
+    names = ex.dump_debug_info(tmp_path / "dbg")
+    assert {"before_partitioning.hlo", "after_partitioning.hlo", "plan.txt",
+            "timings.json", "memory.json"} <= set(names)
+    before = (tmp_path / "dbg" / "before_partitioning.hlo").read_text()
+    after = (tmp_path / "dbg" / "after_partitioning.hlo").read_text()
+    assert "f32[16,16]" in before and "f32[2,16]" in after  # the batch, whole then per device
+    assert "all-reduce" in after and "all-reduce" not in before
+    assert "DataParallel plan on mesh" in (tmp_path / "dbg" / "plan.txt").read_text()
+    assert set(json.loads((tmp_path / "dbg" / "timings.json").read_text())) == set(ex.timings)
+
+
+def test_executable_holds_no_user_arrays():
+    f, _ = dp_step()
+    state, batch = mlp_state()
+    ex = f.get_executable(state, batch)
+    refs = [weakref.ref(x) for x in jax.tree.leaves((state, batch)) if isinstance(x, jax.Array)]
+    f(state, batch)
+    del state, batch
+    gc.collect()
+    assert all(r() is None for r in refs), "the executable keeps user arrays alive"
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in ex._flat.dynamic_leaves)
+
+
+def test_fast_path_serves_repeated_calls_without_flattening_paths(monkeypatch):
+    f, _ = dp_step()
+    state, batch = f.preshard_dynamic_args(*mlp_state())
+    state, _ = f(state, batch)
+    seen = []
+    monkeypatch.setattr(_api, "flatten_args", lambda *a: seen.append(1) or _flatten(*a))
+    for _ in range(3):
+        state, _ = f(state, batch)
+    assert seen == []  # the steady state never builds path strings
+    f(state, (batch[0][:8], batch[1][:8]))  # a new signature takes the slow path once
+    assert len(seen) == 1
+
+
+# Smaller front-end checks ----------------------------------------------------------------------
+def test_ZeRO_finds_parameters_by_structure_in_a_tuple_state():
+    def step(state, x):
+        params, opt = state
+        g = autoshard.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(params)
+        opt = {"m": 0.9 * opt["m"] + g["w"]}
+        return ({"w": params["w"] - 0.1 * opt["m"]}, opt), jnp.sum(x)
+
+    state = ({"w": jnp.ones((16, 8))}, {"m": jnp.zeros((16, 8))})
+    f = autoshard.parallelize(step, method=autoshard.Zero2Parallel())
+    ex = f.get_executable(state, jnp.ones((16, 16)))
+    assert ex.program.param_invars == (True, False, False)
+    specs = ex.get_input_placement_specs()[0]
+    assert specs[0]["w"].spec == P() and specs[1]["m"].spec == P("data")  # opt state sharded
+    ref = jax.jit(step)(state, jnp.ones((16, 16)))
+    np.testing.assert_allclose(f(state, jnp.ones((16, 16)))[0][0]["w"], ref[0][0]["w"],
+                               rtol=1e-6)
+    with pytest.warns(RuntimeWarning, match="Zero3Parallel found no parameters .*autoshard.grad"):
+        autoshard.parallelize(lambda s, x: (s * 2, x.sum()), method=autoshard.Zero3Parallel())(
+            jnp.ones((8, 8)), jnp.ones((8, 2)))
+
+
+def test_static_argnums_on_an_array_names_the_argument():
+    f = autoshard.parallelize(lambda x, y: x + y, static_argnums=(1,), batch_argnums=(0,),
+                              method=autoshard.DataParallel())
+    with pytest.raises(TypeError, match=r"arg1 is an array of shape \(8,\), but static_argnums"
+                                        r"=\(1,\) marks argument 1 static"):
+        f(jnp.ones(8), jnp.ones(8))
+
+
+def test_devices_checked_at_construction():
+    with pytest.raises(TypeError, match=r"devices \('cpu'\) must be None"):
+        autoshard.DataParallel(devices="cpu")
+    d = jax.devices()
+    dup = jax.sharding.Mesh(np.array([d[0], d[0], d[1], d[2]]), ("a",))
+    with pytest.raises(ValueError, match=r"the Mesh \{'a': 4\} holds .* more than once"):
+        autoshard.ShardParallel(devices=dup)
+
+
+def test_one_argument_function_has_no_batch_by_default():
+    f = autoshard.parallelize(lambda x: x * 2, method=autoshard.DataParallel())
+    np.testing.assert_allclose(f(jnp.ones(3)), 2 * np.ones(3))
+    assert not any(f.get_last_executable().program.batch_invars)
+
+
+def test_init_distributed_without_settings_says_what_to_pass(monkeypatch):
+    monkeypatch.setattr(_api, "_state", {"cluster": None})
+
+    def fail(**kwargs):
+        raise ValueError("coordinator_address should be defined.")
+    monkeypatch.setattr(jax.distributed, "initialize", fail)
+    with pytest.raises(RuntimeError, match=r"init\(cluster='distributed'\) could not start .*"
+                                           r"coordinator_address='host:port', num_processes"):
+        autoshard.init("distributed")
+    assert _api._state["cluster"] is None

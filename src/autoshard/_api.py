@@ -90,6 +90,7 @@ def clear_executable_cache() -> None:
     for f in list(_all_funcs):
         f._cache.clear()
         f._fast.clear()
+        f._static_history.clear()
         f._last = None
 
 
@@ -171,6 +172,7 @@ class ParallelizedFunc:
         self._fast: dict = {}  # argument treedef -> the executable used last with it
         self._last: Executable | None = None
         self._warned_static: set[str] = set()
+        self._static_history: dict = {}  # array signature -> static values compiled for
         _all_funcs.add(self)
         self.__wrapped__ = fun
         self.__name__ = getattr(fun, "__name__", "parallelized")
@@ -258,23 +260,24 @@ class ParallelizedFunc:
 
     def _warn_static_recompiles(self, flat: FlatArgs):
         """Warn, naming the argument, when only static values keep changing."""
-        same = [k for k in self._cache
-                if k[0] == flat.treedef and k[1] == flat.is_dynamic and k[3] == flat.avals()]
-        if len(same) < _config.RECOMPILE_WARNING_AFTER:
+        signature = (flat.treedef, flat.is_dynamic, flat.avals())
+        seen = self._static_history.setdefault(signature, [])
+        previous = seen[-1] if seen else None
+        seen.append(flat.static_leaves)
+        if len(seen) <= _config.RECOMPILE_WARNING_AFTER:
             return
-        changed = sorted({p for k in same for p, old, new in zip(
-            flat.static_paths, k[2], flat.static_leaves, strict=True) if old != new})
-        fresh = [p for p in changed if p not in self._warned_static]
+        changed = [(p, new) for p, old, new in zip(
+            flat.static_paths, previous, flat.static_leaves, strict=True) if old != new]
+        fresh = [(p, v) for p, v in changed if p not in self._warned_static]
         if not fresh:
             return
-        self._warned_static.update(fresh)
+        self._warned_static.update(p for p, _ in fresh)
+        names = ", ".join(f"{p} (now {v!r})" for p, v in fresh)
         warnings.warn(
-            f"{self.__name__} is compiling for the {len(same) + 1}th time only because the "
-            f"static value of {', '.join(fresh)} changed (now "
-            f"{[flat.static_leaves[flat.static_paths.index(p)] for p in fresh]}). Python "
-            "numbers passed as arguments are static (static_argnums='auto'); pass "
-            "jnp.asarray(value) to make it traced data, so one executable serves every value.",
-            RuntimeWarning, stacklevel=4)
+            f"{self.__name__} has compiled {len(seen)} times for the same array shapes because "
+            f"the static value of {names} changed. Python numbers passed as arguments are "
+            "static (static_argnums='auto'); pass jnp.asarray(value) to make it traced data, so "
+            "one executable serves every value.", RuntimeWarning, stacklevel=4)
 
     def _compile(self, args, flat: FlatArgs, batch_argnums, static_argnums) -> Executable:
         t0 = time.perf_counter()

@@ -11,7 +11,7 @@ from typing import Any
 from jax.sharding import PartitionSpec as P
 
 from . import sharding
-from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
+from ._mesh import as_auto_mesh, check_devices, mesh_from_shape, resolve_devices
 from ._program import Program
 from .grad_accum import StepHooks, batch_axes
 from .sharding.options import AutoShardingOption
@@ -41,6 +41,7 @@ class ParallelMethod:
         return self.num_micro_batches or 1
 
     def _validate_common(self):
+        check_devices(self.devices)
         k = self.num_micro_batches
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ValueError(

@@ -80,8 +80,15 @@ METHODS = {
 
 def summarize(plan: autoshard.ShardingPlan) -> str:
     """The plan without optimizer-state and output rows (they repeat the parameter rows)."""
-    keep = [line for line in plan.explain().splitlines()
-            if ".opt_state" not in line and not line.strip().startswith("out[")]
+    keep = []
+    for line in plan.explain().splitlines():
+        if ".opt_state" in line or line.strip().startswith("out["):
+            continue
+        if line.strip() == "outputs:":
+            line = "  outputs: the new state keeps its input specs; the loss is replicated"
+        elif line.strip().startswith("leaf ") and keep and keep[-1].startswith("  outputs:"):
+            continue
+        keep.append(line)
     return "\n".join(keep)
 
 

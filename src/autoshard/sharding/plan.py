@@ -146,7 +146,10 @@ class ShardingPlan:
     def explain(self) -> str:
         sizes = self.mesh_sizes
         mesh = " x ".join(f"{n}={s}" for n, s in sizes.items())
-        lines = [f"{self.method} plan on mesh ({mesh})"]
+        lines = [f"{self.method} plan on mesh ({mesh})",
+                 "  legend: spec has one entry per dim: '-' keeps the dim whole, an axis name "
+                 "splits it over that mesh axis, 'x+y' over both; bytes/device is what one "
+                 "device holds of the leaf"]
         for title, leaves in (("inputs", self.inputs), ("outputs", self.outputs)):
             lines.append(f"  {title}:")
             width = max((len(leaf.path) for leaf in leaves), default=4)
@@ -161,7 +164,8 @@ class ShardingPlan:
         if self.intermediates:
             lines.append(f"  constrained intermediates: {len(self.intermediates)}")
         if self.collectives:
-            lines.append("  expected collectives:")
+            lines.append("  expected collectives (kind, mesh axes, bytes of the whole array, times "
+                         "per step, alpha-beta cost, cause):")
             for c in self.collectives:
                 times = f"x{c.count:g}" if c.count != 1 else ""
                 lines.append(f"    {c.kind:<15} over {'+'.join(c.axes) or '-':<8} "

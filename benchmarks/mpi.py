@@ -32,12 +32,15 @@ from autoshard import mpi  # noqa: E402
 
 try:
     import mpi4jax
-except ImportError:
-    mpi4jax = None
+except Exception as err:  # noqa: BLE001 -- not installed, or built against another jax/MPI
+    mpi4jax, MPI4JAX_MISSING = None, f"{type(err).__name__}: {err}".splitlines()[0]
+else:
+    MPI4JAX_MISSING = None
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
-SIZES = [8, 1024, 1 << 20, 16 << 20, 64 << 20]
+SIZES = [int(s) for s in os.environ.get("BENCH_SIZES", "").split(",") if s] or [
+    8, 1024, 1 << 20, 16 << 20, 64 << 20]
 LOOP = 200
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "7"))
 OUT = pathlib.Path(__file__).parent / "results"
@@ -70,13 +73,31 @@ def measure(competitors, repeats):
     return stats
 
 
+def _result(out):
+    """mpi4jax before 0.8 returns (result, token), later versions the result alone."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def ops():
+    """Per op: our call, its loop body over the carry (a, b), the mpi4jax body, mpi4py's call.
+
+    The loop carries a send buffer and a receive buffer, as mpi4py reuses its two buffers;
+    sendrecv receives into b in place, the others work on a in place.
+    """
     peer = (RANK + 1) % SIZE
+    m4j = mpi4jax
     return {
         "allreduce": (lambda v: mpi.allreduce(v, MPI.SUM)[0],
+                      lambda c: (mpi.allreduce(c[0], MPI.SUM)[0], c[1]),
+                      m4j and (lambda c: (_result(m4j.allreduce(c[0], MPI.SUM)), c[1])),
                       lambda a, b: COMM.Allreduce(a, b, MPI.SUM)),
-        "bcast": (lambda v: mpi.bcast(v, 0)[0], lambda a, b: COMM.Bcast(a, 0)),
+        "bcast": (lambda v: mpi.bcast(v, 0)[0],
+                  lambda c: (mpi.bcast(c[0], 0)[0], c[1]),
+                  m4j and (lambda c: (_result(m4j.bcast(c[0], 0)), c[1])),
+                  lambda a, b: COMM.Bcast(a, 0)),
         "sendrecv": (lambda v: mpi.sendrecv(v, v, peer, peer)[0],
+                     lambda c: (c[0], mpi.sendrecv(c[0], c[1], peer, peer)[0]),
+                     m4j and (lambda c: (c[0], _result(m4j.sendrecv(c[0], c[1], peer, peer)))),
                      lambda a, b: COMM.Sendrecv(a, peer, 0, b, peer, 0)),
     }
 
@@ -90,17 +111,20 @@ def main():
         a, b = np.ones(n, np.float32), np.empty(n, np.float32)
         repeats = 400 if nbytes < 1 << 20 else (20 if nbytes < 16 << 20 else 2)
         loop_n = LOOP if nbytes < 16 << 20 else 4
-        for name, (ours, ref) in ops().items():
+        for name, (ours, body, m4j_body, ref) in ops().items():
             single = jax.jit(ours)
-            # The loop carries its state across calls (donated), as a solver would; mpi4py
-            # likewise reuses its buffers.
-            loop = jax.jit(lambda v, f=ours, k=loop_n: jax.lax.fori_loop(0, k, lambda i, c: f(c), v),
-                           donate_argnums=0)
-            state = [jnp.ones(n, jnp.float32)]
 
-            def run_loop():
-                state[0] = loop(state[0])
-                state[0].block_until_ready()
+            def make_loop(body, k=loop_n):
+                # The loop carries its state across calls (donated), as a solver would; mpi4py
+                # likewise reuses its buffers.
+                loop = jax.jit(lambda c: jax.lax.fori_loop(0, k, lambda i, c: body(c), c),
+                               donate_argnums=0)
+                state = [(jnp.ones(n, jnp.float32), jnp.ones(n, jnp.float32))]
+
+                def run_loop():
+                    state[0] = jax.block_until_ready(loop(state[0]))
+
+                return run_loop
 
             def ref_loop(k=loop_n):
                 for _ in range(k):
@@ -111,11 +135,10 @@ def main():
                 "mpi4py_loop": (ref_loop, loop_n),
                 "jit_noop": (lambda: noop(x).block_until_ready(), 1),
                 "autoshard_call": (lambda: single(x).block_until_ready(), 1),
-                "autoshard_loop": (run_loop, loop_n),
+                "autoshard_loop": (make_loop(body), loop_n),
             }
-            if mpi4jax is not None and name == "allreduce":
-                m4j = jax.jit(lambda v: mpi4jax.allreduce(v, MPI.SUM)[0])
-                competitors["mpi4jax_call"] = (lambda: m4j(x).block_until_ready(), 1)
+            if m4j_body is not None:
+                competitors["mpi4jax_loop"] = (make_loop(m4j_body), loop_n)
             stats = measure(competitors, repeats)
             row = {"op": name, "bytes": nbytes, "loop_ops": loop_n, **{
                 f"{k}_{s}": v for k, st in stats.items() for s, v in st.items()}}
@@ -125,6 +148,8 @@ def main():
                                                                     row["mpi4py_loop_min"])
             row["loop_excess_us"] = row["autoshard_loop_median"] - ref_us
             row["call_ratio"] = row["autoshard_call_median"] / (row["jit_noop_median"] + ref_us)
+            if m4j_body is not None:
+                row["mpi4jax_loop_ratio"] = row["mpi4jax_loop_median"] / ref_us
             results.append(row)
             if RANK == 0:
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
@@ -136,14 +161,16 @@ def main():
 def write(results):
     OUT.mkdir(exist_ok=True)
     meta = {"ranks": SIZE, "jax": jax.__version__, "mpi": MPI.Get_library_version().split(",")[0],
-            "mpi4jax": getattr(mpi4jax, "__version__", None), "loop_ops": LOOP, "rounds": ROUNDS,
+            "mpi4jax": getattr(mpi4jax, "__version__", None), "mpi4jax_missing": MPI4JAX_MISSING,
+            "loop_ops": LOOP, "rounds": ROUNDS,
             "cpus": os.cpu_count(), "load_average": os.getloadavg()}
     (OUT / "mpi.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     lines = [
         "# autoshard.mpi benchmark", "",
         f"{SIZE} ranks on {meta['cpus']} CPUs (load average at the end "
         f"{meta['load_average'][0]:.1f}, shared machine), {meta['mpi']}, jax {meta['jax']}, "
-        f"mpi4jax: {meta['mpi4jax'] or 'not installed'}. XLA single-threaded. Times in "
+        f"mpi4jax: {meta['mpi4jax'] or 'skipped (' + str(MPI4JAX_MISSING) + ')'}. "
+        "XLA single-threaded. Times in "
         f"microseconds per op: median over {ROUNDS} interleaved rounds (each sample the max over "
         "ranks), with the minimum and the spread (max - min) / median.", "",
         "- mpi4py: the better of a single call and a Python loop of calls, on NumPy buffers.",
@@ -151,19 +178,23 @@ def write(results):
         "is donated and fed back, call after call (steady state, no input copy); target "
         "<= mpi4py + 1 us at 8 B and <= 1.05x mpi4py from 1 MiB.",
         "- call: one op per jitted call; target <= 2x (jitted no-op + mpi4py).",
-        "- sendrecv in a loop sends the carried array and receives its replacement, which XLA "
-        "copies into the carry's buffer once per op; mpi4py sends and receives two fixed "
-        "buffers. allreduce and bcast run in place (no copy) inside the loop.", "",
-        "| op | bytes | mpi4py | loop (min, spread) | loop/mpi4py | loop - mpi4py | call | "
-        "no-op jit | call/(no-op+mpi4py) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "- The loop carries a send and a receive buffer, like mpi4py's two buffers: sendrecv "
+        "receives into the second in place, allreduce and bcast work on the first in place (no "
+        "copy per op).",
+        "- mpi4jax: the same loop with mpi4jax's operations (registry version), when installed.",
+        "",
+        "| op | bytes | mpi4py | loop (min, spread) | loop/mpi4py | loop - mpi4py | "
+        "mpi4jax loop/mpi4py | call | no-op jit | call/(no-op+mpi4py) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         ref = min(r["mpi4py_median"], r["mpi4py_loop_median"])
+        m4j = f"{r['mpi4jax_loop_ratio']:.2f}" if "mpi4jax_loop_ratio" in r else "-"
         lines.append(
             f"| {r['op']} | {r['bytes']} | {ref:.1f} | {r['autoshard_loop_median']:.1f} "
             f"({r['autoshard_loop_min']:.1f}, {r['autoshard_loop_spread']:.0%}) | "
-            f"{r['loop_ratio']:.2f} | {r['loop_excess_us']:+.1f} | {r['autoshard_call_median']:.1f} | "
+            f"{r['loop_ratio']:.2f} | {r['loop_excess_us']:+.1f} | {m4j} | "
+            f"{r['autoshard_call_median']:.1f} | "
             f"{r['jit_noop_median']:.1f} | {r['call_ratio']:.2f} |")
     (OUT / "mpi.md").write_text("\n".join(lines) + "\n")
 

@@ -172,6 +172,11 @@ def test_in_place_in_loops():
         assert "f32[1024]{0} copy(" not in text, text
     text = jax.jit(lambda v: mpi.sendrecv(v, v, 0, 0)[0]).lower(x).compile().as_text()
     assert "f32[1024]{0} copy(" not in text, text
+    # A loop carrying a send and a receive buffer receives in place: no copy per iteration.
+    pair = jax.jit(lambda a, b: jax.lax.fori_loop(
+        0, 3, lambda i, c: (c[0], mpi.sendrecv(c[0], c[1], 0, 0)[0]), (a, b)), donate_argnums=(0, 1))
+    text = pair.lower(x, x).compile().as_text()
+    assert "f32[1024]{0} copy(" not in text, text
 
 
 def test_fast_dispatch():

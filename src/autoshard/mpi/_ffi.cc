@@ -498,7 +498,7 @@ ffi::Error RecvImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer x, ffi::Resul
   return ffi::Error::Success();
 }
 
-// recvbuf is a template for the shape of y (not aliased: its contents are never used).
+// recvbuf gives the shape of y and is aliased to it unless it is sendbuf; never read.
 ffi::Error SendrecvImpl(int32_t device, ffi::AnyBuffer, ffi::AnyBuffer sendbuf, ffi::AnyBuffer recvbuf,
                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer>, int64_t comm_id,
                         int64_t source, int64_t dest, int64_t sendtag, int64_t recvtag,

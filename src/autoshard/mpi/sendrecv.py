@@ -45,9 +45,11 @@ def _abstract_eval(sendbuf, recvbuf, **params):
 def _lowering_rule(ctx, sendbuf, recvbuf, *, source, dest, sendtag, recvtag, comm, status):
     attrs = {"comm": comm, "source": source, "dest": dest, "sendtag": sendtag,
              "recvtag": recvtag, "status": status}
-    # No aliasing: recvbuf only gives the shape, so a fresh result buffer avoids the copy XLA
-    # would need whenever recvbuf is still live (e.g. sendrecv(x, x, ...)).
-    return _lowering.emit(ctx, "sendrecv", [sendbuf, recvbuf], attrs=attrs)
+    # Received in place into recvbuf's buffer, as mpi4py does: in a loop that carries both
+    # buffers, nothing is copied. Not when recvbuf is sendbuf itself (sendrecv(x, x, ...)):
+    # MPI buffers must not overlap, and a fresh result then costs no copy either.
+    aliases = None if sendbuf == recvbuf else {1: 0}
+    return _lowering.emit(ctx, "sendrecv", [sendbuf, recvbuf], attrs=attrs, aliases=aliases)
 
 
 def _batching_rule(args, dims, **params):

@@ -10,12 +10,12 @@ from ._api import shutdown as shutdown
 from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
 from ._methods import DataParallel as DataParallel
-from ._program import register_state_type as register_state_type
 from ._methods import ManualShardingOption as ManualShardingOption
 from ._methods import ParallelMethod as ParallelMethod
 from ._methods import ShardParallel as ShardParallel
 from ._methods import Zero2Parallel as Zero2Parallel
 from ._methods import Zero3Parallel as Zero3Parallel
+from ._program import register_state_type as register_state_type
 from .custom_partitioning import custom_partitioning as custom_partitioning
 from .markers import mark_gradient as mark_gradient
 from .markers import mark_parameters as mark_parameters

@@ -152,26 +152,3 @@ def is_jax_token(value) -> bool:
     if isinstance(value, private_core.Token):
         return True
     return isinstance(getattr(value, "aval", None), private_core.AbstractToken)
-
-
-# -- Front-end dispatch (jax 0.10) -----------------------------------------------------------------
-def _array_impl():
-    from jax._src.array import ArrayImpl
-
-    return ArrayImpl
-
-
-ArrayImpl = _array_impl()
-"""The concrete class of ``jax.Array`` values; its ``is_deleted`` is a C++ method."""
-
-
-def any_deleted(leaves) -> bool:
-    """True if an array among ``leaves`` was deleted or donated (C-level loop in the common case).
-
-    Passing a deleted buffer to a multi-device executable crashes the process in jaxlib 0.10
-    (instead of raising), so callers check first.
-    """
-    try:
-        return any(map(ArrayImpl.is_deleted, leaves))
-    except TypeError:  # a numpy array, Python scalar or ShapeDtypeStruct among the leaves
-        return any(x.is_deleted() for x in leaves if isinstance(x, ArrayImpl))

@@ -85,7 +85,7 @@ class Graph:
                     mult, where, index)
         self.nodes.append(node)
         for aval in out_avals:
-            value = Value(len(self.values), tuple(aval.shape), np.dtype(aval.dtype), node.id)
+            value = Value(len(self.values), tuple(aval.shape), _dtype(aval.dtype), node.id)
             self.values.append(value)
             node.outputs.append(value.id)
         return node
@@ -95,6 +95,14 @@ class Graph:
             return ref.aval
         v = self.values[ref]
         return _Aval(v.shape, v.dtype)
+
+
+def _dtype(dtype):
+    """A numpy dtype, or JAX's own dtype object for extended dtypes (PRNG key arrays)."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return dtype
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,11 @@ class LeafPlan:
     """Why the spec is what it is when that is not obvious (e.g. not divisible, kept replicated)."""
 
     def bytes_per_device(self, mesh_sizes: dict[str, int]) -> int:
-        total = math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        try:
+            itemsize = np.dtype(self.dtype).itemsize
+        except TypeError:  # a PRNG key array: two uint32 words per key
+            itemsize = 8
+        total = math.prod(self.shape) * itemsize
         return total // max(1, num_shards(self.spec, mesh_sizes))
 
 

@@ -144,6 +144,26 @@ def creation(ctx, in_avals, out_avals, params):
             for s in ctx.candidates(out.shape)]
 
 
+@register("random_bits")
+def random_bits(ctx, in_avals, out_avals, params):
+    """Counter-based (partitionable threefry) bits: any split of the output, keys whole."""
+    return creation(ctx, in_avals, out_avals, params)
+
+
+@register("bitcast_convert_type")
+def bitcast(ctx, in_avals, out_avals, params):
+    """Same bit width: elementwise. A width change adds or drops a last dim: keep it whole."""
+    if len(in_avals[0].shape) == len(out_avals[0].shape):
+        return elementwise(ctx, in_avals, out_avals, params)
+    return [replicated_strategy(in_avals, out_avals)]
+
+
+@register("random_seed", "random_wrap", "random_unwrap", "random_split", "random_fold_in")
+def key_ops(ctx, in_avals, out_avals, params):
+    """Key arithmetic on a handful of keys: kept whole on every device."""
+    return [replicated_strategy(in_avals, out_avals)]
+
+
 @register("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
           "reduce_xor", "argmax", "argmin")
 def reduction(ctx, in_avals, out_avals, params, *, name=None):

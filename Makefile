@@ -38,6 +38,7 @@ lint: $(STAMP)
 bench: $(STAMP) native
 	$(CPU8) $(PY) benchmarks/suite.py
 	$(CPU8) $(PY) benchmarks/solver.py
+	$(CPU8) $(PY) benchmarks/dispatch.py
 	$(MAKE) --no-print-directory bench-mpi
 
 clean:

@@ -114,6 +114,17 @@ class Executable:
         return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                    - m.alias_size_in_bytes)
 
+    def audit(self):
+        """Predicted against compiled collectives and memory (``sharding.audit.Audit``)."""
+        from .sharding.audit import audit
+
+        return audit(self.plan, self.get_hlo_text(), self.get_total_allocation_size(),
+                     platform=self.mesh.devices.flat[0].platform)
+
+    def explain(self) -> str:
+        """The plan's explain text followed by the audit of the compiled program."""
+        return self.plan.explain() + "\n" + self.audit().explain()
+
     def get_input_placement_specs(self):
         """Pytree like the arguments: a NamedSharding per array leaf, None for static leaves."""
         it = iter(self.in_shardings)

@@ -125,7 +125,8 @@ def _compile_auto(method: ShardParallel, program: Program) -> Compiled:
     plan = sharding.plan_auto(
         closed, num_devices=len(devices), option=option, in_paths=program.in_paths,
         out_paths=program.out_paths, batch_invars=program.batch_invars,
-        aliases=program.aliases, axis_names=axis_names)
+        aliases=program.aliases, axis_names=axis_names,
+        devices_per_host=sum(d.process_index == devices[0].process_index for d in devices))
     mesh = (as_auto_mesh(user_mesh) if user_mesh is not None
             else mesh_from_shape(devices, plan.mesh_shape, plan.axis_names))
     if not accumulate:

@@ -4,7 +4,13 @@ Every constant of the model lives here. A collective over mesh axis ``a`` moving
 costs ``alpha[a] + beta[a] * f(n) * b`` with ``n`` the axis size and ``f`` the volume factor of
 the collective (as in Alpa): all-reduce ``2(n-1)/n``, all-gather and reduce-scatter
 ``(n-1)/n``, all-to-all ``(n-1)/n^2``. A collective over several axes runs axis by axis and
-costs the sum. Replace the constants with measured ones through ``AutoShardingOption``.
+costs the sum.
+
+The per-axis constants come from where the devices are: the mesh is laid over the devices in
+order (row-major), and an axis whose devices all sit in one host (process) costs the intra-host
+link; an axis that spans hosts, or straddles them, costs the inter-host link (its slowest hop).
+Devices of one host are one level: on a single host every axis costs the same. Replace the
+constants with measured ones through ``AutoShardingOption(mesh_alpha=..., mesh_beta=...)``.
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ from .options import AutoShardingOption
 from .spec import Spec, axis_place, dim_shards, shards
 
 DEFAULT_ALPHA_S = 5e-6
-"""Latency of one collective on any axis, seconds."""
+"""Latency of one collective over an axis inside one host (process), seconds."""
 DEFAULT_BETA_S_PER_BYTE = 1e-10
-"""Inverse bandwidth of the first mesh axis (10 GB/s); later axes are 10x cheaper each."""
-SECOND_AXIS_SPEEDUP = 10.0
-"""How much cheaper per byte each later mesh axis is than the one before (Alpa's default)."""
+"""Inverse bandwidth of an axis inside one host (10 GB/s), seconds per byte."""
+INTER_HOST_ALPHA_S = 2e-5
+"""Latency of one collective over an axis whose devices sit on several hosts, seconds."""
+INTER_HOST_BETA_S_PER_BYTE = 1e-9
+"""Inverse bandwidth of an axis that crosses hosts (1 GB/s, 10x slower), seconds per byte."""
 FLOP_COST_S = 1e-14
 """Seconds per floating-point operation of a device (100 TFLOP/s): the compute term."""
 BYTE_COST_S = 1e-12
@@ -46,13 +54,22 @@ class CostModel:
     beta: tuple[float, ...]
     allow_all_gather: bool = True
     allow_all_to_all: bool = True
+    devices_per_host: int | None = None
 
     @classmethod
-    def from_option(cls, mesh_shape: tuple[int, ...], option: AutoShardingOption) -> CostModel:
+    def from_option(cls, mesh_shape: tuple[int, ...], option: AutoShardingOption,
+                    devices_per_host: int | None = None) -> CostModel:
+        """Costs of ``mesh_shape``: the option's constants, else those of where axes lie.
+
+        ``devices_per_host``: devices of one host, consecutive in the mesh's device order
+        (None: every device in one host).
+        """
         rank = len(mesh_shape)
-        alpha = option.mesh_alpha or (DEFAULT_ALPHA_S,) * rank
+        crosses = tuple(axis_crosses_hosts(mesh_shape, a, devices_per_host) for a in range(rank))
+        alpha = option.mesh_alpha or tuple(
+            INTER_HOST_ALPHA_S if c else DEFAULT_ALPHA_S for c in crosses)
         beta = option.mesh_beta or tuple(
-            DEFAULT_BETA_S_PER_BYTE / SECOND_AXIS_SPEEDUP**i for i in range(rank))
+            INTER_HOST_BETA_S_PER_BYTE if c else DEFAULT_BETA_S_PER_BYTE for c in crosses)
         for name, value in (("mesh_alpha", alpha), ("mesh_beta", beta)):
             if len(value) != rank:
                 raise ValueError(
@@ -62,7 +79,8 @@ class CostModel:
         # the all-reduces of reductions over the batch.
         dp = option.force_data_parallel
         return cls(tuple(mesh_shape), tuple(alpha), tuple(beta),
-                   option.allow_all_gather and not dp, option.allow_all_to_all and not dp)
+                   option.allow_all_gather and not dp, option.allow_all_to_all and not dp,
+                   devices_per_host)
 
     @property
     def num_devices(self) -> int:
@@ -161,6 +179,16 @@ class CostModel:
         if src == dst:
             return 0.0
         return sum(step[3] for step in self.reshard_steps(src, dst, shape, itemsize))
+
+
+def axis_crosses_hosts(mesh_shape: tuple[int, ...], axis: int,
+                       devices_per_host: int | None) -> bool:
+    """Whether the devices along ``axis`` of a row-major mesh sit on more than one host."""
+    if devices_per_host is None or mesh_shape[axis] == 1:
+        return False
+    stride = math.prod(mesh_shape[axis + 1:])
+    span = stride * (mesh_shape[axis] - 1) + 1  # first to last device index along the axis
+    return span > devices_per_host or devices_per_host % (stride * mesh_shape[axis]) != 0
 
 
 def array_bytes(shape: tuple[int, ...], itemsize: int) -> int:

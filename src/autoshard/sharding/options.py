@@ -15,7 +15,8 @@ class AutoShardingOption:
     mesh_alpha: tuple[float, ...] | None = None
     """Per-axis latency in seconds; None uses the defaults of ``sharding.cost``."""
     mesh_beta: tuple[float, ...] | None = None
-    """Per-axis inverse bandwidth in seconds per byte; None: second axis 10x cheaper."""
+    """Per-axis inverse bandwidth in seconds per byte; None: from where the devices are (every
+    axis inside one host costs the same; axes crossing hosts cost more; see ``sharding.cost``)."""
     memory_budget_per_device: int | None = None
     """Upper bound on the estimated bytes per device; None means unbounded."""
     force_data_parallel: bool = False

@@ -47,8 +47,13 @@ def mesh_candidates(num_devices: int, option: AutoShardingOption,
 def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoShardingOption,
               in_paths: Sequence[str], out_paths: Sequence[str], batch_invars: Sequence[bool],
               aliases: Sequence[tuple[int, int]] = (),
-              axis_names: Sequence[str] | None = None) -> ShardingPlan:
-    """Plan every array of ``closed_jaxpr`` over ``num_devices`` devices (no devices needed)."""
+              axis_names: Sequence[str] | None = None,
+              devices_per_host: int | None = None) -> ShardingPlan:
+    """Plan every array of ``closed_jaxpr`` over ``num_devices`` devices (no devices needed).
+
+    ``devices_per_host``: how many consecutive devices share a host (None: one host); axes
+    that cross hosts cost the inter-host link.
+    """
     n_in, n_out = len(closed_jaxpr.jaxpr.invars), len(closed_jaxpr.jaxpr.outvars)
     for name, seq, n in (("in_paths", in_paths, n_in), ("batch_invars", batch_invars, n_in),
                          ("out_paths", out_paths, n_out)):
@@ -70,7 +75,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     for shape in bar:
         bar.set_postfix_str(f"mesh {shape}")
         prob = build_problem(graph, shape, option, batch_invars=batch_invars, aliases=aliases,
-                             warned=warned)
+                             warned=warned, devices_per_host=devices_per_host)
         try:
             sol = build_and_solve(prob, time_limit_s=option.solver_time_limit_s,
                                   memory_budget=option.memory_budget_per_device)

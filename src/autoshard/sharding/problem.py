@@ -90,8 +90,9 @@ class _FreeValues:
 
 
 def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardingOption, *,
-                  batch_invars, aliases, warned: set[str], tie_layers: bool = True) -> Problem:
-    cost = CostModel.from_option(mesh_shape, option)
+                  batch_invars, aliases, warned: set[str], tie_layers: bool = True,
+                  devices_per_host: int | None = None) -> Problem:
+    cost = CostModel.from_option(mesh_shape, option, devices_per_host)
     ctx = RuleContext(mesh_shape, cost, option, warned, keep_whole=conv_spatial_dims(graph))
     prob = Problem(graph, ctx, [], list(range(len(graph.nodes))))
     for node in graph.nodes:
@@ -141,7 +142,7 @@ def data_parallel_variant(prob: Problem, batch_invars) -> Problem:
     """The same problem restricted to pure data parallel (strategies and ties are reused)."""
     option = dataclasses.replace(prob.ctx.option, force_data_parallel=True,
                                  memory_budget_per_device=None)
-    cost = CostModel.from_option(prob.ctx.mesh_shape, option)
+    cost = CostModel.from_option(prob.ctx.mesh_shape, option, prob.ctx.cost.devices_per_host)
     ctx = RuleContext(prob.ctx.mesh_shape, cost, option, prob.ctx.warned,
                       keep_whole=prob.ctx.keep_whole)
     dp = Problem(prob.graph, ctx, prob.strategies, list(prob.parent), free=prob.free,

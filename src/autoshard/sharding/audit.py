@@ -1,0 +1,121 @@
+"""Audit: the plan's predicted collectives and memory against what XLA compiled.
+
+Bytes are compared per (kind, mesh axes) as bytes one device receives per step: the sum of
+``count * num_bytes`` of the plan's ``Collective`` records against the result sizes of the
+compiled collectives times their loop trip counts. On the CPU, XLA lowers a reduce-scatter to
+an all-reduce of the whole array and a local slice, so there a predicted reduce-scatter is
+counted as that all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from . import hlo
+from .plan import ShardingPlan
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuditRow:
+    """Predicted against compiled bytes of one (kind, mesh axes) pair."""
+
+    kind: str
+    """Collective kind."""
+    axes: tuple[str, ...] | None
+    """Mesh axes (None: groups that match no set of mesh axes)."""
+    predicted_bytes: int
+    """Bytes per device per step the plan expects."""
+    compiled_bytes: int
+    """Bytes per device per step in the compiled program."""
+    compiled_count: int
+    """Compiled executions per step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Audit:
+    """What was costed against what runs."""
+
+    rows: tuple[AuditRow, ...]
+    """One row per (kind, axes) seen in the prediction or the compiled program."""
+    unpredicted: tuple[hlo.CompiledCollective, ...]
+    """Compiled collectives of a (kind, axes) the plan did not predict at all."""
+    predicted_memory: int | None
+    """The planner's peak bytes per device (None for fixed-plan methods)."""
+    compiled_memory: int
+    """XLA's allocation per device: arguments + outputs + temporaries - aliased."""
+    has_prediction: bool
+    """False for methods that predict nothing (DataParallel, ZeRO, manual specs)."""
+
+    @property
+    def predicted_bytes(self) -> int:
+        return sum(r.predicted_bytes for r in self.rows)
+
+    @property
+    def compiled_bytes(self) -> int:
+        return sum(r.compiled_bytes for r in self.rows)
+
+    def bytes_ratio(self) -> float:
+        """Compiled over predicted collective bytes (1.0 when both are zero)."""
+        p, c = self.predicted_bytes, self.compiled_bytes
+        return 1.0 if p == c == 0 else (math.inf if p == 0 else c / p)
+
+    def memory_ratio(self) -> float | None:
+        if not self.predicted_memory:
+            return None
+        return self.compiled_memory / self.predicted_memory
+
+    def unpredicted_full_gathers(self, full_bytes: set[int]) -> list[hlo.CompiledCollective]:
+        """Unpredicted all-gathers whose result is a whole array of one of ``full_bytes``."""
+        return [c for c in self.unpredicted if c.kind == "all-gather" and c.num_bytes in full_bytes]
+
+    def explain(self) -> str:
+        lines = ["audit: predicted against compiled collectives (bytes one device receives per "
+                 "step)"]
+        if not self.has_prediction:
+            lines.append("  (this method makes no prediction: compiled collectives only)")
+        lines.append(f"    {'kind':<16}{'axes':<12}{'predicted':>14}{'compiled':>14}{'runs':>7}")
+        for r in self.rows:
+            axes = "?" if r.axes is None else ("+".join(r.axes) or "-")
+            lines.append(f"    {r.kind:<16}{axes:<12}{r.predicted_bytes:>14,}"
+                         f"{r.compiled_bytes:>14,}{r.compiled_count:>7}")
+        lines.append(f"    {'total':<28}{self.predicted_bytes:>14,}{self.compiled_bytes:>14,}"
+                     + (f"   ratio {self.bytes_ratio():.2f}" if self.has_prediction else ""))
+        for c in self.unpredicted:
+            where = "in a loop" if c.in_loop else "once"
+            lines.append(f"  unpredicted: {c.kind} {c.shape} over "
+                         f"{'?' if c.axes is None else '+'.join(c.axes)} x{c.count} ({where})")
+        mem = f"  memory per device: compiled {self.compiled_memory:,} B"
+        if self.predicted_memory:
+            mem += (f", estimated {self.predicted_memory:,} B (ratio "
+                    f"{self.memory_ratio():.2f})")
+        lines.append(mem)
+        return "\n".join(lines)
+
+
+def audit(plan: ShardingPlan, hlo_text: str, compiled_memory: int, *,
+          platform: str = "cpu") -> Audit:
+    sizes = plan.mesh_sizes
+    predicted: dict[tuple, int] = {}
+    for c in plan.collectives:
+        kind, num_bytes = c.kind, c.num_bytes
+        if kind == "reduce-scatter" and platform == "cpu":
+            kind, num_bytes = "all-reduce", num_bytes * math.prod(sizes[a] for a in c.axes)
+        key = (kind, tuple(a for a in c.axes if sizes[a] > 1))
+        predicted[key] = predicted.get(key, 0) + int(round(c.count * num_bytes))
+    compiled_list = hlo.collectives(hlo_text, plan.axis_names, plan.mesh_shape)
+    compiled: dict[tuple, list] = {}
+    for c in compiled_list:
+        compiled.setdefault((c.kind, c.axes), []).append(c)
+    rows = []
+    for key in sorted(set(predicted) | set(compiled), key=lambda k: (k[0], str(k[1]))):
+        found = compiled.get(key, [])
+        rows.append(AuditRow(kind=key[0], axes=key[1], predicted_bytes=predicted.get(key, 0),
+                             compiled_bytes=sum(c.num_bytes * c.count for c in found),
+                             compiled_count=sum(c.count for c in found)))
+    unpredicted = tuple(c for key, cs in compiled.items() if key not in predicted for c in cs)
+    has_prediction = plan.objective is not None
+    return Audit(rows=tuple(rows), unpredicted=unpredicted if has_prediction else (),
+                 predicted_memory=(plan.objective.peak_bytes_per_device
+                                   if has_prediction else None),
+                 compiled_memory=int(compiled_memory), has_prediction=has_prediction)

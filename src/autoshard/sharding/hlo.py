@@ -1,0 +1,168 @@
+"""Reading compiled HLO text: computations, loop trip counts, collectives and their mesh axes.
+
+XLA's optimized HLO is the ground truth of what a plan costs. This module turns its text into
+``CompiledCollective`` records: the kind, the bytes one device receives (from the result
+shapes), how many times it runs per step (trip counts of the ``while`` loops around it) and
+the mesh axes its replica groups span.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+          "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+_HEADER = re.compile(r"^(?:ENTRY )?%(?P<name>[\w.\-]+) ", re.M)
+_CALLS = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?")
+_INSTR = re.compile(
+    r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>.*?) (?P<kind>all-reduce|all-gather|"
+    r"reduce-scatter|all-to-all|collective-permute)(?P<start>-start)?\((?P<rest>.*)$", re.M)
+_SHAPE = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+
+
+@dataclass(frozen=True)
+class CompiledCollective:
+    """One collective instruction of the compiled program."""
+
+    kind: str
+    """all-reduce, all-gather, reduce-scatter, all-to-all or collective-permute."""
+    num_bytes: int
+    """Bytes of its result on one device, per execution."""
+    count: int
+    """Executions per step (product of the trip counts of enclosing while loops)."""
+    axes: tuple[str, ...] | None
+    """Mesh axes its groups span, or None when they match no set of axes."""
+    shape: str
+    """The result shape as printed in the HLO."""
+    in_loop: bool
+    """Whether it runs inside a while loop."""
+
+
+def shape_bytes(shape: str) -> int:
+    return sum(_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
+               for t, dims in _SHAPE.findall(shape))
+
+
+def computations(text: str) -> dict[str, str]:
+    """Computation name -> its text."""
+    starts = [(m.start(), m.group("name")) for m in _HEADER.finditer(text)
+              if text[m.start():text.find("\n", m.start())].rstrip().endswith("{")]
+    ends = [s for s, _ in starts[1:]] + [len(text)]
+    return {name: text[pos:end] for (pos, name), end in zip(starts, ends, strict=True)}
+
+
+def _callees(body: str) -> list[str]:
+    return [n.strip().lstrip("%") for m in _CALLS.finditer(body) for n in m.group(1).split(",")
+            if n.strip()]
+
+
+def execution_counts(text: str) -> dict[str, int]:
+    """Computation name -> how many times it runs per step (while trip counts multiply)."""
+    comps = computations(text)
+    entry = next((n for n in comps if comps[n].startswith("ENTRY")), None)
+    counts: dict[str, int] = {}
+
+    def visit(name: str, times: int):
+        if name not in comps or counts.get(name, 0) >= times:
+            return
+        counts[name] = times
+        for line in comps[name].splitlines():
+            if " while(" in line:
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                n = int(trips.group(1)) if trips else 1
+                for callee in _callees(line):
+                    visit(callee, times * n)
+            else:
+                for callee in _callees(line):
+                    visit(callee, times)
+
+    if entry is not None:
+        visit(entry, 1)
+    return counts
+
+
+def collectives(text: str, axis_names=(), mesh_shape=()) -> list[CompiledCollective]:
+    """Every collective of the compiled program, with its trips and mesh axes."""
+    counts = execution_counts(text)
+    groups_of = _axis_groups(tuple(axis_names), tuple(mesh_shape))
+    found = []
+    for name, body in computations(text).items():
+        times = counts.get(name, 0)
+        if not times:
+            continue
+        for m in _INSTR.finditer(body):
+            kind, shape, rest = m.group("kind"), m.group("shape"), m.group("rest")
+            if m.group("start") and kind in ("all-gather", "all-to-all", "collective-permute"):
+                shape = shape.split("}, ")[-1] if shape.startswith("(") else shape
+            groups = _replica_groups(rest)
+            axes = groups_of.get(groups) if groups is not None else None
+            if kind == "collective-permute":
+                axes = None
+            found.append(CompiledCollective(kind=kind, num_bytes=shape_bytes(shape), count=times,
+                                            axes=axes, shape=shape, in_loop=times > 1))
+    return found
+
+
+def _axis_groups(names: tuple[str, ...], shape: tuple[int, ...]) -> dict:
+    """Frozen set of device groups -> the mesh axes (a subset) that form exactly those groups."""
+    if not names:
+        return {}
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    out = {}
+    for r in range(1, len(names) + 1):
+        for subset in itertools.combinations(range(len(names)), r):
+            rest = [d for d in range(len(names)) if d not in subset]
+            moved = np.transpose(ids, rest + list(subset)).reshape(-1, math.prod(
+                shape[d] for d in subset))
+            key = frozenset(frozenset(int(i) for i in row) for row in moved)
+            out.setdefault(key, tuple(names[d] for d in subset if shape[d] > 1))
+    return out
+
+
+def _replica_groups(rest: str):
+    """The device groups of one instruction, from any of HLO's three spellings."""
+    m = re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", rest)
+    if m:
+        return frozenset(frozenset(int(x) for x in g.split(",") if x.strip())
+                         for g in re.findall(r"\{([\d, ]*)\}", m.group(1)))
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
+    if m:
+        groups = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = np.transpose(ids, [int(x) for x in m.group(3).split(",")])
+        rows = ids.reshape(groups[0], -1)
+        return frozenset(frozenset(int(i) for i in row) for row in rows)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=(\S+))? \{([^}]*)\}",
+                  rest)
+    if m:
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names = [a for a, _ in axes]
+        shape = [int(s) for _, s in axes]
+        used = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
+        ids = _device_ids(m.group(2), math.prod(shape)).reshape(shape)
+        rest_dims = [d for d in range(len(shape)) if d not in used]
+        rows = np.transpose(ids, rest_dims + used).reshape(-1, math.prod(shape[d] for d in used))
+        return frozenset(frozenset(int(i) for i in row) for row in rows)
+    return None
+
+
+def _device_ids(text: str | None, count: int) -> np.ndarray:
+    """The device order of a named-axes mesh: ``None`` (iota), ``([2,4]T(1,0))`` or a list."""
+    if not text:
+        return np.arange(count)
+    m = re.fullmatch(r"\(?\[([\d,]+)\](?:T\(([\d,]+)\))?\)?,?", text)
+    if m:
+        ids = np.arange(count).reshape([int(x) for x in m.group(1).split(",")])
+        if m.group(2):
+            ids = np.transpose(ids, [int(x) for x in m.group(2).split(",")])
+        return ids.reshape(-1)
+    return np.array([int(x) for x in re.findall(r"\d+", text)][:count])

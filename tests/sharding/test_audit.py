@@ -1,0 +1,64 @@
+"""Executable.audit(): the plan's predicted collectives and memory against the compiled HLO."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import autoshard
+from autoshard.sharding import hlo
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from models import make_case, make_state, train_step  # noqa: E402
+
+
+def test_replica_groups_in_every_spelling_map_to_mesh_axes():
+    names, shape = ("x", "y"), (2, 4)
+    text = "\n".join([
+        "ENTRY %main (p: f32[8]) -> f32[8] {",
+        "  %a = f32[8]{0} all-reduce(%p), replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%s",
+        "  %b = f32[16]{0} all-gather(%p), replica_groups=[2,4]<=[8], dimensions={0}",
+        "  %c = f32[8]{0} all-reduce(%p), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%s",
+        "  %d = f32[8]{0} all-reduce(%p), replica_groups=mesh['a'=1,'b'=4,'c'=2], "
+        "device_ids=([2,4]T(1,0)) {'c'}, to_apply=%s",
+        "  %e = f32[8]{0} all-reduce(%p), replica_groups=[1,8]<=[8], to_apply=%s",
+        "  ROOT %f = f32[2]{0} all-reduce(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, "
+        "to_apply=%s",
+        "}"])
+    found = hlo.collectives(text, names, shape)
+    assert [(c.kind, c.axes, c.num_bytes) for c in found] == [
+        ("all-reduce", ("x",), 32), ("all-gather", ("y",), 64), ("all-reduce", ("x",), 32),
+        ("all-reduce", ("x",), 32), ("all-reduce", ("x", "y"), 32), ("all-reduce", None, 8)]
+
+
+def test_loop_trip_counts_multiply_collectives():
+    model, x, y = make_case("mlp", batch=64)
+    f = autoshard.parallelize(train_step, method=autoshard.DataParallel(num_micro_batches=4))
+    ex = f.get_executable(make_state(model, x), (x, y))
+    a = ex.audit()
+    assert not a.has_prediction and a.unpredicted == ()
+    assert [(r.kind, r.axes) for r in a.rows] == [("all-reduce", ("data",))]
+    assert a.rows[0].compiled_count == 1  # once, after the micro-batch loop
+    counts = hlo.execution_counts(ex.get_hlo_text())
+    assert max(counts.values()) == 4  # the loop body runs once per micro-batch
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer", "cnn"])
+def test_compiled_collectives_are_the_predicted_ones_on_a_1d_mesh(kind):
+    model, x, y = make_case(kind, batch=32)
+    opt = autoshard.AutoShardingOption(show_progress=False, logical_mesh_shape=(8,))
+    f = autoshard.parallelize(train_step, method=autoshard.ShardParallel(auto_sharding_option=opt))
+    ex = f.get_executable(make_state(model, x), (x, y))
+    a = ex.audit()
+    assert a.has_prediction and a.unpredicted == (), a.explain()
+    assert a.bytes_ratio() == pytest.approx(1.0, rel=0.10), a.explain()
+    assert "audit: predicted against compiled" in ex.explain()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+def test_compiled_memory_within_the_estimate(kind):
+    model, x, y = make_case(kind, batch=32)
+    opt = autoshard.AutoShardingOption(show_progress=False)
+    f = autoshard.parallelize(train_step, method=autoshard.ShardParallel(auto_sharding_option=opt))
+    a = f.get_executable(make_state(model, x), (x, y)).audit()
+    assert a.memory_ratio() <= 1.10, a.explain()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,11 +124,47 @@ def test_time_limit_uses_an_incumbent_and_says_so():
     params = init_gpt(0, vocab=64, dim=32, heads=4, layers=2, scan=False)
     tokens = jnp.zeros((8, 16), jnp.int32)
     leaves = len(jax.tree.leaves(params))
-    closed, plan = plan_fn(sgd_step(gpt_loss(False)), (params, tokens, tokens),
-                           batch=[0] * leaves + [1, 1], logical_mesh_shape=(2, 4),
-                           solver_time_limit_s=1e-3)
-    assert plan.objective.solver_status.startswith("time limit")
-    assert "time limit" in plan.explain()
+    with pytest.warns(RuntimeWarning, match=r"stopped at solver_time_limit_s .*another plan "
+                                            "on another run.*solver_node_limit"):
+        closed, plan = plan_fn(sgd_step(gpt_loss(False)), (params, tokens, tokens),
+                               batch=[0] * leaves + [1, 1], logical_mesh_shape=(2, 4),
+                               solver_time_limit_s=1e-3)
+    assert plan.objective.solver_status.startswith(("time limit", "solver limit"))
+    assert "limit" in plan.explain()
+
+
+def _gpt_plan(**opt):
+    params = init_gpt(0, vocab=64, dim=32, heads=4, layers=2, scan=False)
+    tokens = jnp.zeros((8, 16), jnp.int32)
+    leaves = len(jax.tree.leaves(params))
+    return plan_fn(sgd_step(gpt_loss(False)), (params, tokens, tokens),
+                   batch=[0] * leaves + [1, 1], logical_mesh_shape=(2, 4), **opt)[1]
+
+
+def test_node_limit_stops_deterministically_even_under_cpu_load():
+    quiet = _gpt_plan(solver_node_limit=1)
+    assert quiet.objective.solver_status.startswith(("optimal", "node limit"))
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+    try:
+        loaded = [_gpt_plan(solver_node_limit=1) for _ in range(2)]
+        full = _gpt_plan()
+    finally:
+        for b in burners:
+            b.kill()
+    for plan in loaded:
+        assert plan == quiet  # same specs, pins, collectives and objective
+    assert full == _gpt_plan()
+    assert full.objective.total_s <= quiet.objective.total_s * (1 + 1e-9)
+
+
+def test_force_options_that_cannot_apply_fail_at_construction():
+    with pytest.raises(ValueError, match=r"force_batch_dim_to_mesh_dim \(1\) names an axis of "
+                                         r"size 1 in logical_mesh_shape \(8, 1\)"):
+        AutoShardingOption(logical_mesh_shape=(8, 1), force_batch_dim_to_mesh_dim=1)
+    with pytest.raises(ValueError, match=r"force_batch_dim_to_mesh_dim \(2\) names no axis"):
+        AutoShardingOption(logical_mesh_shape=(2, 4), force_batch_dim_to_mesh_dim=2)
+    with pytest.raises(ValueError, match=r"solver_node_limit \(0\) must be a positive int"):
+        AutoShardingOption(solver_node_limit=0)
 
 
 def test_progress_bar_can_be_turned_off(capsys):

@@ -99,6 +99,8 @@ def _eval(graph: Graph, pins: _Pins, jaxpr, consts, args, ctx):
             outs = _call(graph, pins, eqn, name, ins, key)
         elif name in IDENTITIES:
             outs = ins[: len(eqn.outvars)]
+        elif name == "sharding_constraint":  # the user's pin, kept as the plan's pin
+            outs = [pins.value(r, x) for r, x in zip(refs, ins, strict=False)]
         elif name == "scan":
             outs = _scan(graph, pins, eqn, ins, key)
         elif name == "while":

@@ -1,8 +1,8 @@
 """The planner's graph: one node per equation of the flattened jaxpr, one value per array.
 
 Calls (``jit``, ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``, ``custom_vmap_call``,
-``remat``) are inlined; identities (pipeline markers, optimization barriers, device_put, user
-sharding constraints) forward their operands. Loops get extra nodes so that a loop-carried value has one
+``remat``) are inlined; identities (pipeline markers, optimization barriers, device_put)
+forward their operands; a user's sharding constraint is a node whose spec is the user's. Loops get extra nodes so that a loop-carried value has one
 spec for all iterations:
 
 * ``carry``: the value inside the loop; its operand is the initial value (resharded once).
@@ -28,8 +28,9 @@ INLINE_CALLS = {
     "custom_vjp_call_jaxpr": "fun_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr",
     "remat": "jaxpr", "custom_vmap_call": "call",
 }
-IDENTITIES = {"pipeline_marker", "optimization_barrier", "device_put", "sharding_constraint",
-              "mesh_cast", "reshard"}
+IDENTITIES = {"pipeline_marker", "optimization_barrier", "device_put", "mesh_cast", "reshard"}
+"""Forwarded as their operands. A user's ``sharding_constraint`` is a node of its own: the
+planner keeps it as a pin (``rules.user_constraint``)."""
 WHILE_TRIPS = 1
 """Iterations assumed for a while loop (unknown statically)."""
 

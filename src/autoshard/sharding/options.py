@@ -31,8 +31,13 @@ class AutoShardingOption:
     """Allow resharding through all-to-all."""
     allow_replicated_parameters: bool = True
     """Allow parameters to stay replicated."""
-    solver_time_limit_s: float = 60.0
-    """Wall-clock limit of the ILP solver; on timeout the best incumbent is used."""
+    solver_node_limit: int = 20_000
+    """Branch-and-bound nodes the ILP solver may explore per mesh. A deterministic stop: the
+    same program, devices and options give the same plan on an idle or a loaded machine. On
+    reaching it the best plan found is used and its optimality gap is noted."""
+    solver_time_limit_s: float = 600.0
+    """Wall-clock safety stop of the ILP solver. A plan it cuts short could differ between
+    runs, so it warns with the gap; lower ``solver_node_limit`` to stop deterministically."""
     exact_resharding_columns: int = 20_000
     """ILP columns spent on exact pairwise resharding costs on meshes with several axes (the
     rest use per-axis terms); more is exact on more edges and slower to solve."""
@@ -62,6 +67,23 @@ class AutoShardingOption:
             raise ValueError(
                 f"exact_resharding_columns ({self.exact_resharding_columns}) must be a "
                 "non-negative number of ILP columns (0: per-axis resharding terms only).")
+        if not isinstance(self.solver_node_limit, int) or self.solver_node_limit < 1:
+            raise ValueError(
+                f"solver_node_limit ({self.solver_node_limit!r}) must be a positive int "
+                "(branch-and-bound nodes).")
+        a = self.force_batch_dim_to_mesh_dim
+        if a is not None:
+            rank = None if self.logical_mesh_shape is None else len(self.logical_mesh_shape)
+            if not isinstance(a, int) or a < 0 or (rank is not None and a >= rank) or a > 1:
+                raise ValueError(
+                    f"force_batch_dim_to_mesh_dim ({a!r}) names no axis of the logical mesh "
+                    f"{self.logical_mesh_shape or '(1-D or 2-D, chosen by the planner)'}. "
+                    f"Give an axis index below {rank or 2}, or None.")
+            if rank is not None and self.logical_mesh_shape[a] == 1:
+                raise ValueError(
+                    f"force_batch_dim_to_mesh_dim ({a}) names an axis of size 1 in "
+                    f"logical_mesh_shape {self.logical_mesh_shape}: splitting the batch over it "
+                    "splits nothing. Name an axis of size > 1, or None.")
         if self.solver_time_limit_s <= 0:
             raise ValueError(
                 f"solver_time_limit_s ({self.solver_time_limit_s}) must be positive seconds.")

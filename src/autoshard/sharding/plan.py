@@ -88,7 +88,8 @@ class Objective:
     peak_bytes_per_device: int | None = None
     """Estimated peak memory per device."""
     solver_status: str = "optimal"
-    """'optimal', or 'time limit: best incumbent'."""
+    """'optimal', 'node limit: best incumbent (gap g)' (a deterministic stop) or 'time limit:
+    best incumbent (gap g)' (a wall-clock stop, warned about)."""
     num_columns: int = 0
     """ILP columns (strategy choices plus edge variables) of the chosen mesh's problem."""
     num_rows: int = 0

@@ -75,10 +75,12 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     for shape in bar:
         bar.set_postfix_str(f"mesh {shape}")
         prob = build_problem(graph, shape, option, batch_invars=batch_invars, aliases=aliases,
-                             warned=warned, devices_per_host=devices_per_host)
+                             warned=warned, devices_per_host=devices_per_host,
+                             axis_names=_axis_names(axis_names, shape))
         try:
             sol = build_and_solve(prob, time_limit_s=option.solver_time_limit_s,
-                                  memory_budget=option.memory_budget_per_device)
+                                  memory_budget=option.memory_budget_per_device,
+                                  node_limit=option.solver_node_limit)
         except ValueError as err:
             errors.append(err)
             continue
@@ -89,8 +91,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     if best is None:
         raise errors[0]
     shape, prob, sol = best
-    names = tuple(axis_names) if axis_names is not None else DEFAULT_AXIS_NAMES.get(
-        len(shape), tuple(f"a{i}" for i in range(len(shape))))
+    names = _axis_names(axis_names, shape)
     dp = (best[2].objective_s if option.force_data_parallel
           else _data_parallel_objective(prob, batch_invars, option))
     plan = make_plan(prob, sol, names, dp_objective=dp)
@@ -106,6 +107,12 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     return dataclasses.replace(plan, objective=objective, notes=tuple(notes))
 
 
+def _axis_names(axis_names, shape) -> tuple[str, ...]:
+    if axis_names is not None:
+        return tuple(axis_names)
+    return DEFAULT_AXIS_NAMES.get(len(shape), tuple(f"a{i}" for i in range(len(shape))))
+
+
 def _data_parallel_objective(prob: Problem, batch_invars, option) -> float | None:
     """The objective of pure data parallel on the same mesh (batch split over every axis).
 
@@ -117,7 +124,8 @@ def _data_parallel_objective(prob: Problem, batch_invars, option) -> float | Non
         dp.no_reshard = no_reshard
         try:
             return build_and_solve(dp, time_limit_s=option.solver_time_limit_s,
-                                   memory_budget=None).objective_s
+                                   memory_budget=None,
+                                   node_limit=option.solver_node_limit).objective_s
         except (ValueError, RuntimeError):
             continue
     return None
@@ -193,6 +201,9 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
     notes = list(prob.notes)
     if prob.ctx.warned:
         notes.append("no rule (replicated): " + ", ".join(sorted(prob.ctx.warned)))
+    if prob.ctx.dropped_constraints:
+        notes.append("sharding constraints on another mesh, left to the planner: "
+                     + "; ".join(sorted(prob.ctx.dropped_constraints)))
     return ShardingPlan(method="ShardParallel", mesh_shape=tuple(ctx.mesh_shape),
                         axis_names=names, inputs=tuple(inputs), outputs=tuple(outputs),
                         intermediates=tuple(pinned), operand_specs=tuple(operand_specs),

@@ -91,9 +91,11 @@ class _FreeValues:
 
 def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardingOption, *,
                   batch_invars, aliases, warned: set[str], tie_layers: bool = True,
-                  devices_per_host: int | None = None) -> Problem:
+                  devices_per_host: int | None = None,
+                  axis_names: tuple[str, ...] = ()) -> Problem:
     cost = CostModel.from_option(mesh_shape, option, devices_per_host)
-    ctx = RuleContext(mesh_shape, cost, option, warned, keep_whole=conv_spatial_dims(graph))
+    ctx = RuleContext(mesh_shape, cost, option, warned, keep_whole=conv_spatial_dims(graph),
+                      axis_names=tuple(axis_names))
     prob = Problem(graph, ctx, [], list(range(len(graph.nodes))))
     for node in graph.nodes:
         prob.strategies.append(_node_strategies(prob, node))
@@ -144,6 +146,7 @@ def data_parallel_variant(prob: Problem, batch_invars) -> Problem:
                                  memory_budget_per_device=None)
     cost = CostModel.from_option(prob.ctx.mesh_shape, option, prob.ctx.cost.devices_per_host)
     ctx = RuleContext(prob.ctx.mesh_shape, cost, option, prob.ctx.warned,
+                      axis_names=prob.ctx.axis_names,
                       keep_whole=prob.ctx.keep_whole)
     dp = Problem(prob.graph, ctx, prob.strategies, list(prob.parent), free=prob.free,
                  no_reshard=True)

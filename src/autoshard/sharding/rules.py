@@ -18,10 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from .cost import CostModel, byte_cost
 from .options import AutoShardingOption
-from .spec import Spec, candidate_specs, dim_shards, replicated, shards
+from .spec import Spec, candidate_specs, dim_shards, from_partition_spec, replicated, shards
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class RuleContext:
     allow_recompute_heavy_op: bool = False
     keep_whole: dict = field(default_factory=dict)
     """Shape -> dims never split in values of that shape (the spatial dims of conv images)."""
+    axis_names: tuple[str, ...] = ()
+    """Names the plan will give the mesh axes (to read users' sharding constraints)."""
+    dropped_constraints: set[str] = field(default_factory=set)
+    """Users' constraints that name another mesh than the plan's (kept as free identities)."""
 
     def candidates(self, shape) -> list[Spec]:
         found = candidate_specs(tuple(shape), self.mesh_shape)
@@ -148,6 +153,28 @@ def creation(ctx, in_avals, out_avals, params):
 def random_bits(ctx, in_avals, out_avals, params):
     """Counter-based (partitionable threefry) bits: any split of the output, keys whole."""
     return creation(ctx, in_avals, out_avals, params)
+
+
+@register("sharding_constraint")
+def user_constraint(ctx, in_avals, out_avals, params):
+    """A user's ``with_sharding_constraint``: its spec is kept when it names the plan's mesh."""
+    sharding, rank = params.get("sharding"), len(out_avals[0].shape)
+    mesh = getattr(sharding, "mesh", None)
+    sizes = dict(zip(ctx.axis_names, ctx.mesh_shape, strict=False))
+    pspec = getattr(sharding, "spec", None)
+    if mesh is not None and pspec is not None and all(
+            sizes.get(n) == s for n, s in mesh.shape.items() if s > 1):
+        entries = [pspec[d] if d < len(pspec) else None for d in range(rank)]
+        free = {d for d, e in enumerate(entries) if e is PartitionSpec.UNCONSTRAINED}
+        fixed = from_partition_spec(PartitionSpec(*[
+            None if d in free else e for d, e in enumerate(entries)]), rank, ctx.axis_names)
+        found = [s for s in ctx.candidates(out_avals[0].shape)
+                 if all(s[d] == fixed[d] for d in range(rank) if d not in free)]
+        if not free and fixed not in found:
+            found = [fixed]
+        return [Strategy((s,), (s,)) for s in found]
+    ctx.dropped_constraints.add(f"{pspec} on mesh {dict(mesh.shape) if mesh else None}")
+    return [Strategy((s,), (s,)) for s in ctx.candidates(out_avals[0].shape)]
 
 
 @register("bitcast_convert_type")

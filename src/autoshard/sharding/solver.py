@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -72,7 +73,8 @@ class _Edges:
 
 
 def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
-                    extra_allowed: dict[int, set[int]] | None = None) -> Solution:
+                    extra_allowed: dict[int, set[int]] | None = None,
+                    node_limit: int | None = None) -> Solution:
     t0 = time.perf_counter()
     g = prob.graph
     roots = sorted({prob.var(n.id) for n in g.nodes})
@@ -208,9 +210,14 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
         constraints.append(LinearConstraint(M, -np.inf, float(memory_budget)))
     integrality = np.concatenate([np.ones(ncols), np.zeros(num_edge)])
     # HiGHS works in microseconds: seconds put every cost below its tolerances.
+    options = {"time_limit": float(time_limit_s), "mip_rel_gap": 1e-4,
+               "disp": bool(os.environ.get("AUTOSHARD_SOLVER_LOG"))}
+    if node_limit is not None:
+        options["node_limit"] = int(node_limit)
+    t_solve = time.perf_counter()
     res = milp(c * OBJECTIVE_SCALE, integrality=integrality, bounds=(np.zeros(total), upper),
-               constraints=constraints,
-               options={"time_limit": float(time_limit_s), "disp": bool(os.environ.get("AUTOSHARD_SOLVER_LOG")), "mip_rel_gap": 1e-4})
+               constraints=constraints, options=options)
+    hit_clock = time.perf_counter() - t_solve >= 0.95 * time_limit_s
     if res.x is None:
         if res.status == 2:
             raise ValueError(
@@ -220,17 +227,28 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
         if memory_budget is not None:
             raise RuntimeError(
                 f"HiGHS found no plan within solver_time_limit_s ({time_limit_s}) under "
-                f"memory_budget_per_device ({memory_budget}); raise the time limit.")
+                f"memory_budget_per_device ({memory_budget}); raise solver_node_limit or "
+                "solver_time_limit_s.")
+        if hit_clock:
+            _warn_clock(prob, time_limit_s, " (no plan found yet: greedy fallback)")
         # No incumbent yet: take each variable's cheapest allowed strategy on its own.
         choice = {}
         for r in roots:
             costs = np.where(upper[col0[r]:col0[r] + K[r]] > 0, unary[col0[r]:col0[r] + K[r]],
                              np.inf)
             choice[r] = int(np.argmin(costs))
-        return Solution(choice, "time limit: no incumbent, greedy fallback",
+        return Solution(choice, "solver limit: no incumbent, greedy fallback",
                         _evaluate(prob, choice, edges), time.perf_counter() - t0,
                         num_ilp_vars=total, info={"rows": nrows + nub, "edge_vars": num_edge})
-    status = "optimal" if res.status == 0 else "time limit: best incumbent"
+    gap = getattr(res, "mip_gap", None)
+    gap_text = f" (gap {gap:.2%})" if gap is not None and np.isfinite(gap) else ""
+    if res.status == 0:
+        status = "optimal"
+    elif hit_clock:
+        status = "time limit: best incumbent" + gap_text
+        _warn_clock(prob, time_limit_s, gap_text)
+    else:
+        status = "node limit: best incumbent" + gap_text
     choice = {r: int(np.argmax(res.x[col0[r]:col0[r] + K[r]])) for r in roots}
     info = {"rows": nrows + nub, "edge_vars": num_edge,
             "approximate_pairs": len(reduced) - len(exact)}
@@ -239,6 +257,14 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
                  else float(res.fun) / OBJECTIVE_SCALE)
     return Solution(choice, status, objective, time.perf_counter() - t0,
                     num_ilp_vars=total, info=info)
+
+
+def _warn_clock(prob: Problem, time_limit_s: float, found: str):
+    warnings.warn(
+        f"autoshard: the sharding ILP on mesh {prob.ctx.mesh_shape} stopped at "
+        f"solver_time_limit_s ({time_limit_s} s) with the best plan found{found}; a wall-clock "
+        "stop can give another plan on another run. Lower solver_node_limit (a deterministic "
+        "stop) or raise solver_time_limit_s.", RuntimeWarning, stacklevel=4)
 
 
 def _evaluate(prob: Problem, choice: dict[int, int], edges: _Edges) -> float:

@@ -121,3 +121,34 @@ def test_candidate_specs_and_reshape_groups():
     assert reshape_groups((4, 6), (24,)) == [([0, 1], [0])]
     assert reshape_groups((2, 3, 4), (6, 4)) == [([0, 1], [0]), ([2], [1])]
     assert reshape_groups((4, 1), (4,)) == [([0], [0]), ([1], [])]
+
+
+def test_pooling_and_its_gradients_keep_pooled_dims_whole():
+    x = jax.ShapeDtypeStruct((32, 8, 8, 16), np.float32)
+    pooled = jax.ShapeDtypeStruct((32, 4, 4, 16), np.float32)
+    params = {"window_dimensions": (1, 2, 2, 1), "window_strides": (1, 2, 2, 1),
+              "padding": ((0, 0),) * 4, "base_dilation": (1,) * 4, "window_dilation": (1,) * 4}
+    for name, ins, outs in (("reduce_window_max", [x], [pooled]),
+                            ("reduce_window_sum", [x], [pooled]),
+                            ("select_and_scatter_add", [pooled, x], [x])):
+        found = strategies_for(_ctx(), name, ins, outs, params)
+        out_specs = {s.out_specs[0] for s in found}
+        assert ((0,), (), (), ()) in out_specs and ((), (), (), (0,)) in out_specs, name
+        assert all(not s.out_specs[0][1] and not s.out_specs[0][2] for s in found), name
+        assert all(s.comm_s == 0 for s in found)
+
+
+def test_grouped_convolutions_split_whole_groups():
+    x = jax.ShapeDtypeStruct((4, 8, 8, 16), np.float32)
+    dn = jax.lax.conv_dimension_numbers(x.shape, (3, 3, 4, 32), ("NHWC", "HWIO", "NHWC"))
+    out = jax.ShapeDtypeStruct((4, 8, 8, 32), np.float32)
+    params = {"dimension_numbers": dn, "batch_group_count": 1}
+    grouped = strategies_for(_ctx((4,)), "conv_general_dilated",
+                             [x, jax.ShapeDtypeStruct((3, 3, 4, 32), np.float32)], [out],
+                             dict(params, feature_group_count=4))
+    # 4 groups over 4 devices: in features, kernel out features and out features split alike.
+    assert (((), (), (), (0,)), ((), (), (), (0,))) in {s.in_specs for s in grouped}
+    too_many = strategies_for(_ctx((8,)), "conv_general_dilated",
+                              [x, jax.ShapeDtypeStruct((3, 3, 4, 32), np.float32)], [out],
+                              dict(params, feature_group_count=4))
+    assert all(not s.in_specs[0][3] for s in too_many)  # 8 pieces do not divide 4 groups

@@ -155,6 +155,33 @@ def random_bits(ctx, in_avals, out_avals, params):
     return creation(ctx, in_avals, out_avals, params)
 
 
+@register("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
+          "select_and_scatter_add", "select_and_gather_add", "select_and_scatter")
+def windowed(ctx, in_avals, out_avals, params):
+    """Pooling and its gradients: dims the window does not touch split like elementwise ops.
+
+    A dim with window 1, stride 1, no padding and no dilation maps element to element between
+    every operand and the output; the pooled (spatial) dims stay whole.
+    """
+    window = params["window_dimensions"]
+    strides = params.get("window_strides") or (1,) * len(window)
+    padding = params.get("padding") or ((0, 0),) * len(window)
+    dilations = [params.get(k) or (1,) * len(window) for k in ("base_dilation", "window_dilation")]
+    whole = {d for d in range(len(window)) if window[d] != 1 or strides[d] != 1 or tuple(
+        padding[d]) != (0, 0) or any(dl[d] != 1 for dl in dilations)}
+    out = out_avals[0]
+    arrays = [a for a in in_avals if len(a.shape) == len(window)]
+    result = []
+    for s in ctx.candidates(out.shape):
+        if any(s[d] for d in whole):
+            continue
+        ins = tuple(s if len(a.shape) == len(window) else replicated(len(a.shape))
+                    for a in in_avals)
+        result.append(Strategy((s,) * len(out_avals), ins, compute_s=byte_cost(
+            sum(nbytes(a) for a in arrays), shards(s, ctx.mesh_shape))))
+    return result
+
+
 @register("sharding_constraint")
 def user_constraint(ctx, in_avals, out_avals, params):
     """A user's ``with_sharding_constraint``: its spec is kept when it names the plan's mesh."""

@@ -104,6 +104,8 @@ def conv(ctx: RuleContext, in_avals, out_avals, params):
     roles = ["batch"] if batch_groups == 1 else []
     if groups == 1 and batch_groups == 1:
         roles += ["out_feature", "in_feature"]
+    elif groups > 1 and batch_groups == 1:
+        roles += ["group"]  # grouped/depthwise: whole groups of in and out features per device
     kernel = math.prod(rhs.shape[d] for d in rspec[2:])
     flops = 2.0 * math.prod(out.shape) * (lhs.shape[lspec[1]] // groups) * kernel
     found = []
@@ -117,8 +119,11 @@ def conv(ctx: RuleContext, in_avals, out_avals, params):
             elif role == "in_feature":
                 la[axis], ra[axis] = lspec[1], rspec[1]
                 contract.append(axis)
+            elif role == "group":
+                la[axis], ra[axis], oa[axis] = lspec[1], rspec[0], ospec[1]
         specs = _valid_specs(ctx, (lhs, rhs, out), (la, ra, oa))
-        if specs is None:
+        grouped = math.prod(ctx.mesh_shape[a] for a, r in assign.items() if r == "group")
+        if specs is None or groups % grouped:
             continue
         ls, rs, os_ = specs
         used = sum(1 for r in assign.values() if r is not None)

@@ -286,6 +286,10 @@ class ParallelizedFunc:
             donate_argnums=self.donate_argnums,
             num_micro_batches=self.method.micro_batches, name=self.__name__)
         t1 = time.perf_counter()
+        build = getattr(self.method, "build_executable", None)
+        if build is not None:  # methods that run more than one jit (pipelines)
+            return build(program, flat=flat, out_tree=out_tree, static_argnums=static_argnums,
+                         name=self.__name__, trace_s=t1 - t0)
         compiled = self.method.compile(program)
         t2 = time.perf_counter()
         mesh, plan = compiled.mesh, compiled.plan

@@ -254,3 +254,26 @@ def test_exact_2d_resharding_is_never_worse_than_per_axis_terms():
     with pytest.raises(ValueError, match="exact_resharding_columns"):
         from autoshard.sharding import AutoShardingOption
         AutoShardingOption(exact_resharding_columns=-1)
+
+
+def test_tied_layers_can_alternate_column_and_row_splits():
+    """A stack of square layers: tying repeats must not remove the alternating Megatron plan."""
+    layers, hidden, batch = 10, 1024, 8
+
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x ** 2)
+
+    rng = np.random.default_rng(0)
+    ws = [jnp.asarray(rng.normal(size=(hidden, hidden)) / 32, jnp.float32)
+          for _ in range(layers)]
+    x = jnp.asarray(rng.normal(size=(batch, hidden)), jnp.float32)
+    step = sgd_step(loss)
+    closed, plan = plan_fn(step, (ws, x), batch=[0] * layers + [1], logical_mesh_shape=(8,),
+                           aliases=[(i, i) for i in range(layers)])
+    specs = plan.in_specs[:layers]
+    assert specs == tuple(P(None, "x") if i % 2 == 0 else P("x") for i in range(layers))
+    found = collectives(hlo_of(closed, plan, (ws, x)))
+    assert {kind for kind, _ in found} == {"all-reduce"} and len(found) <= layers, found
+    assert any("tied" in n and not n.startswith("0 ") for n in plan.notes)  # still tied

@@ -5,11 +5,13 @@ labelled by Weisfeiler-Lehman refinement (primitive, shapes, params, then the la
 operands and consumers, for a few rounds); variable roots with equal labels share their ILP
 variable. Layers at the ends of the stack see different neighbours within the refinement
 radius and keep their own variables, so the embedding and head boundaries stay free. Tying
-only restricts the ILP, so every tied plan is a valid plan; it is what a ``lax.scan`` over
-the layers gets by construction.
+only restricts the ILP, so every tied plan is a valid plan. Even and odd layers are tied
+separately, so a plan that alternates between neighbouring layers stays available.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from .problem import Problem
 
@@ -38,17 +40,41 @@ def tie_repeated(prob: Problem, batch_invars, rounds: int = ROUNDS) -> int:
     label = g.memo.get(("wl", rounds, masks))
     if label is None:  # the same for every mesh with the same input masks
         label = g.memo[("wl", rounds, masks)] = _refine(prob, batch_invars, rounds)
-    first: dict[int, int] = {}
+    roots = [n.id for n in g.nodes if prob.var(n.id) == n.id]
+    phase = _layer_phase(roots, label)
+    first: dict[tuple[int, int], int] = {}
     merged = 0
-    for r in [n.id for n in g.nodes if prob.var(n.id) == n.id]:
+    for r in roots:
         if prob.var(r) != r:
             continue
-        other = first.setdefault(label[r], r)
+        other = first.setdefault((label[r], phase[r]), r)
         if other != r and len(prob.strategies[other]) == len(prob.strategies[r]) and (
                 prob.var(other) != prob.var(r)):
             prob.union(other, r)
             merged += 1
     return merged
+
+
+def _layer_phase(roots: list[int], label: list[int]) -> dict[int, int]:
+    """Parity of the repeat (layer) each node belongs to, within its label class.
+
+    Tying even and odd layers separately keeps alternating plans (column split, then row
+    split, as Megatron does for a stack of square layers) available to the ILP; tying every
+    layer to one variable would force each layer into the same split. The number of repeats is
+    the most common class size; a class with ``k`` members per repeat counts its layers as
+    ``index // k``.
+    """
+    classes: dict[int, list[int]] = {}
+    for r in roots:
+        classes.setdefault(label[r], []).append(r)
+    sizes = Counter(len(m) for m in classes.values() if len(m) > 1)
+    repeats = max(sizes, key=lambda n: (sizes[n], n)) if sizes else 1
+    phase = {}
+    for members in classes.values():
+        per_layer = len(members) // repeats if len(members) % repeats == 0 else 1
+        for i, r in enumerate(members):
+            phase[r] = (i // max(per_layer, 1)) % 2
+    return phase
 
 
 def _refine(prob: Problem, batch_invars, rounds: int) -> list[int]:

@@ -277,3 +277,19 @@ def test_tied_layers_can_alternate_column_and_row_splits():
     found = collectives(hlo_of(closed, plan, (ws, x)))
     assert {kind for kind, _ in found} == {"all-reduce"} and len(found) <= layers, found
     assert any("tied" in n and not n.startswith("0 ") for n in plan.notes)  # still tied
+
+
+def test_prefer_reduce_scatter_scatters_gradients_and_gathers_after_the_update():
+    closed, plan, args = _plan_mlp(2048, 128)
+    assert {c.kind for c in plan.collectives} == {"all-reduce"}  # plain data parallel
+    closed, plan, args = _plan_mlp(2048, 128, prefer_reduce_scatter=True)
+    kinds = [(c.kind, c.where.split("[")[0]) for c in plan.collectives]
+    scattered = [c for c in plan.collectives if c.kind == "reduce-scatter"]
+    assert len(scattered) == 2 and all(c.num_bytes == 128 * 512 * 4 // 8 for c in scattered)
+    assert not any(k == "all-reduce" and w == "dot_general" for k, w in kinds), kinds
+    gathered = [c for c in plan.collectives if c.kind == "all-gather"]
+    assert len(gathered) == 2  # each updated weight is gathered once, where it is used whole
+    found = collectives(hlo_of(closed, plan, args))
+    # On the CPU a reduce-scatter compiles to an all-reduce of the whole array and a slice.
+    assert sorted(kind for kind, _ in found) == ["all-gather", "all-gather", "all-reduce"]
+    assert_close(run_plan(closed, plan, args), [jax.jit(MLP_STEP)(*args)])

@@ -64,7 +64,7 @@ class Collective:
     axes: tuple[str, ...]
     """Mesh axes it runs over."""
     num_bytes: int
-    """Bytes of the full (unsplit) array it moves, per occurrence."""
+    """Bytes of its result on one device, per occurrence (for a reduce-scatter, the shard)."""
     cost_s: float
     """Alpha-beta cost in seconds of all ``count`` occurrences together."""
     where: str = ""

@@ -39,10 +39,14 @@ def _heavy_filter(ctx: RuleContext, found: list[tuple[int, Strategy]]) -> list[S
 
 
 def _contracting(ctx, out_spec: Spec, out_aval, axes, found, used, ins, compute):
-    """Append the strategies of a contracting split over ``axes``: all-reduce, or reduce-scatter."""
+    """Append the strategies of a contracting split over ``axes``: all-reduce, or reduce-scatter.
+
+    With ``prefer_reduce_scatter`` a split whose result can be scattered over its axis offers
+    only reduce-scatters (as Alpa): the consumer (the optimizer update) then runs on shards and
+    the updated values are all-gathered where they are needed whole (ZeRO-2-like).
+    """
     group_bytes = nbytes(out_aval) / shards(out_spec, ctx.mesh_shape)
-    comm, coll = ctx.all_reduce(axes, group_bytes)
-    found.append((used, Strategy((out_spec,), ins, comm, compute, coll)))
+    scattered = []
     if ctx.option.prefer_reduce_scatter and len(axes) == 1:
         a = axes[0]
         for d in range(len(out_spec)):
@@ -51,8 +55,14 @@ def _contracting(ctx, out_spec: Spec, out_aval, axes, found, used, ins, compute)
             spec = tuple(spec)
             if is_valid(spec, tuple(out_aval.shape), ctx.mesh_shape):
                 cost = ctx.cost.collective("reduce-scatter", (a,), group_bytes)
-                found.append((used, Strategy((spec,), ins, cost, compute,
-                                             (("reduce-scatter", (a,), int(group_bytes)),))))
+                result_bytes = int(group_bytes) // ctx.mesh_shape[a]  # what one device keeps
+                scattered.append((used, Strategy((spec,), ins, cost, compute,
+                                                 (("reduce-scatter", (a,), result_bytes),))))
+    if scattered:
+        found.extend(scattered)
+        return
+    comm, coll = ctx.all_reduce(axes, group_bytes)
+    found.append((used, Strategy((out_spec,), ins, comm, compute, coll)))
 
 
 @register("dot_general")

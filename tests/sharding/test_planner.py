@@ -209,3 +209,10 @@ def test_memory_budget_rows_cover_the_peak():
     args = _mlp_args(batch=8, hidden=256)
     plan = _plan(args, logical_mesh_shape=(8,), memory_budget_per_device=3_000_000)
     assert plan.objective.peak_bytes_per_device <= 3_000_000
+
+
+def test_memory_budget_that_nothing_fits_names_budget_estimate_and_largest_arrays():
+    with pytest.raises(ValueError, match=r"No plan fits memory_budget_per_device \(1,000 B\): "
+                                         r"the smallest estimate found is [\d,]+ B per device "
+                                         r"\(mesh .*\). The largest arrays: in\d+ \("):
+        _plan(memory_budget_per_device=1000)

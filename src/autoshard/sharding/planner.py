@@ -82,14 +82,14 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                                   memory_budget=option.memory_budget_per_device,
                                   node_limit=option.solver_node_limit)
         except ValueError as err:
-            errors.append(err)
+            errors.append((prob, err))
             continue
         tried.append((shape, sol.objective_s))
         if best is None or sol.objective_s < best[2].objective_s * (1 - 1e-9) - 1e-15:
             best = (shape, prob, sol)
     bar.close()
     if best is None:
-        raise errors[0]
+        raise _no_plan_error(errors, option, graph)
     shape, prob, sol = best
     names = _axis_names(axis_names, shape)
     dp = (best[2].objective_s if option.force_data_parallel
@@ -105,6 +105,33 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     # No wall-clock time here: the same program and options must give an identical plan.
     notes.append(f"ILP: {sol.num_ilp_vars} columns, {sol.info.get('rows', 0)} rows")
     return dataclasses.replace(plan, objective=objective, notes=tuple(notes))
+
+
+def _no_plan_error(errors, option, graph) -> Exception:
+    """Why no mesh gave a plan: the budget, the smallest estimate found, the largest arrays."""
+    budget = option.memory_budget_per_device
+    if budget is None:
+        return errors[0][1]
+    smallest = None
+    for prob, _ in errors:  # the same problem without the budget: its peak estimate
+        try:
+            sol = build_and_solve(prob, time_limit_s=option.solver_time_limit_s,
+                                  memory_budget=None, node_limit=option.solver_node_limit)
+        except (ValueError, RuntimeError):
+            continue
+        peak = peak_bytes(prob, sol)
+        if smallest is None or peak < smallest[0]:
+            smallest = (peak, prob.ctx.mesh_shape)
+    inputs = sorted(((itemsize(graph.values[graph.nodes[n].outputs[0]].dtype) * int(np.prod(
+        graph.values[graph.nodes[n].outputs[0]].shape)), graph.nodes[n].where)
+        for n in graph.inputs), reverse=True)[:3]
+    largest = ", ".join(f"{where} ({size:,} B)" for size, where in inputs)
+    found = (f"the smallest estimate found is {smallest[0]:,} B per device (mesh {smallest[1]}, "
+             "planned without the budget)" if smallest else "no plan was found even without it")
+    return ValueError(
+        f"No plan fits memory_budget_per_device ({budget:,} B): {found}. The largest arrays: "
+        f"{largest}. Raise the budget, use more devices, or shrink the model or batch "
+        "(gradient accumulation: num_micro_batches).")
 
 
 def _axis_names(axis_names, shape) -> tuple[str, ...]:

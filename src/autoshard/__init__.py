@@ -17,6 +17,8 @@ from ._methods import Zero2Parallel as Zero2Parallel
 from ._methods import Zero3Parallel as Zero3Parallel
 from ._program import register_state_type as register_state_type
 from .custom_partitioning import custom_partitioning as custom_partitioning
+from .distributed import WorkerError as WorkerError
+from .distributed import launch as launch
 from .markers import mark_gradient as mark_gradient
 from .markers import mark_parameters as mark_parameters
 from .markers import mark_pipeline_boundary as mark_pipeline_boundary
@@ -34,12 +36,14 @@ __all__ = [
     "ParallelizedFunc",
     "ShardParallel",
     "ShardingPlan",
+    "WorkerError",
     "Zero2Parallel",
     "Zero3Parallel",
     "clear_executable_cache",
     "custom_partitioning",
     "grad",
     "init",
+    "launch",
     "mark_gradient",
     "mark_parameters",
     "mark_pipeline_boundary",

@@ -27,8 +27,10 @@ _all_funcs: weakref.WeakSet = weakref.WeakSet()
 def init(cluster: Cluster = "local", **kwargs) -> None:
     """Join a cluster. Idempotent; ``local`` needs no call (it happens implicitly).
 
-    ``distributed`` calls ``jax.distributed.initialize(**kwargs)`` (coordinator address, process
-    count and id from kwargs or the environment); ``ray`` connects to a Ray cluster first.
+    ``distributed`` joins JAX's distributed runtime: ``coordinator_address``, ``num_processes``
+    and ``process_id`` from kwargs, else from the variables ``autoshard.launch``, Slurm or
+    Open MPI set; CPU collectives use gloo. ``ray``: in a process Ray started, the same; in
+    the driver, connects to Ray (kwargs as for ``ray.init``). Call it before any other JAX use.
     """
     if cluster not in CLUSTERS:
         raise ValueError(f"cluster ({cluster!r}) must be one of {CLUSTERS}.")
@@ -38,38 +40,22 @@ def init(cluster: Cluster = "local", **kwargs) -> None:
     if current is not None and current != "local":
         raise RuntimeError(
             f"autoshard is already initialized with cluster={current!r}; call "
-            "autoshard.shutdown() before init(cluster={cluster!r}).")
-    if cluster == "distributed":
-        _initialize_distributed(kwargs)
-    elif cluster == "ray":
-        try:
-            import ray
-        except ImportError:
-            raise ImportError(
-                "init(cluster='ray') needs Ray: pip install 'ray[default]'.") from None
-        if not ray.is_initialized():
-            ray.init(**kwargs)
-        jax.distributed.initialize()
+            f"autoshard.shutdown() before init(cluster={cluster!r}).")
+    from . import distributed
+
+    distributed.initialize(cluster, kwargs)
     _state["cluster"] = cluster
 
 
-def _initialize_distributed(kwargs):
-    try:
-        jax.distributed.initialize(**kwargs)
-    except (ValueError, RuntimeError, TypeError) as e:
-        raise RuntimeError(
-            f"init(cluster='distributed') could not start JAX's distributed runtime with "
-            f"{kwargs or 'no settings'}: {e}. Pass coordinator_address='host:port', "
-            "num_processes and process_id (or launch the processes with Slurm, mpirun or "
-            "autoshard.launch, which set them).") from e
-
-
 def shutdown() -> None:
-    """Leave the cluster and drop compiled executables."""
-    cluster = _state["cluster"]
+    """Leave the cluster and drop compiled executables; ``init`` may be called again after.
+
+    Leaving a multi-process job also drops JAX's backends: arrays made before are unusable.
+    """
+    from . import distributed
+
     clear_executable_cache()
-    if cluster in ("distributed", "ray"):
-        jax.distributed.shutdown()
+    distributed.shutdown()
     _state["cluster"] = None
 
 

@@ -152,3 +152,28 @@ def is_jax_token(value) -> bool:
     if isinstance(value, private_core.Token):
         return True
     return isinstance(getattr(value, "aval", None), private_core.AbstractToken)
+
+
+# -- Multi-process runtime (autoshard.distributed, jax 0.10) --------------------------------------
+# JAX's distributed runtime keeps its client (key-value store, barriers) in a private module, and
+# only a private call drops the backends so that jax.distributed.initialize can run again after
+# shutdown. Both are reached here and nowhere else.
+def distributed_client():
+    """The distributed runtime client of this process (key-value store, barriers), or None."""
+    from jax._src.distributed import global_state
+
+    return global_state.client
+
+
+def backends_are_initialized() -> bool:
+    """Whether a JAX computation or device query has already created the backends."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def clear_backends() -> None:
+    """Drop JAX's backend clients and caches (arrays made before are unusable afterwards)."""
+    from jax._src import api
+
+    api.clear_backends()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Literal
 
 Cluster = Literal["local", "distributed", "ray"]
@@ -37,3 +38,81 @@ def max_executables() -> int:
             f"The environment variable AUTOSHARD_MAX_EXECUTABLES ({value!r}) must be a positive "
             "integer (executables kept per parallelized function).")
     return size
+
+
+# -- Multi-process settings (autoshard.distributed) ------------------------------------------------
+# Variables that autoshard.launch sets in every process it starts; init(cluster="distributed")
+# reads them, then Slurm's and Open MPI's.
+LAUNCH_VARS = ("AUTOSHARD_COORDINATOR_ADDRESS", "AUTOSHARD_NUM_PROCESSES", "AUTOSHARD_PROCESS_ID")
+
+
+def _int_var(name: str, value: str, what: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise ValueError(
+            f"The environment variable {name} ({value!r}) must be a non-negative integer ({what}).")
+    return number
+
+
+def detected_processes() -> tuple[str, dict] | None:
+    """Where this process's place in a multi-process job comes from, and the settings.
+
+    Returns ``(source, settings)`` with source ``"autoshard.launch"``, ``"slurm"`` or
+    ``"openmpi"`` and settings among ``coordinator_address``, ``num_processes``,
+    ``process_id``; ``None`` when no launcher's variables are set.
+    """
+    env = os.environ
+    if all(name in env for name in LAUNCH_VARS):
+        return "autoshard.launch", {
+            "coordinator_address": env["AUTOSHARD_COORDINATOR_ADDRESS"],
+            "num_processes": _int_var("AUTOSHARD_NUM_PROCESSES", env["AUTOSHARD_NUM_PROCESSES"],
+                                      "processes in the job"),
+            "process_id": _int_var("AUTOSHARD_PROCESS_ID", env["AUTOSHARD_PROCESS_ID"],
+                                   "this process's rank")}
+    coordinator = env.get("AUTOSHARD_COORDINATOR_ADDRESS") or env.get("JAX_COORDINATOR_ADDRESS")
+    if all(name in env for name in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")):
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if coordinator is None and nodes:
+            port = _int_var("SLURM_JOB_ID", env["SLURM_JOB_ID"], "the job id") % 4096 + 61440
+            coordinator = f"{first_slurm_host(nodes)}:{port}"
+        return "slurm", {
+            "coordinator_address": coordinator,
+            "num_processes": _int_var("SLURM_NTASKS", env["SLURM_NTASKS"], "tasks in the step"),
+            "process_id": _int_var("SLURM_PROCID", env["SLURM_PROCID"], "this task's rank")}
+    if "OMPI_COMM_WORLD_SIZE" in env and "OMPI_COMM_WORLD_RANK" in env:
+        if coordinator is None and "OMPI_MCA_orte_hnp_uri" in env:
+            coordinator = _openmpi_coordinator(env["OMPI_MCA_orte_hnp_uri"])
+        return "openmpi", {
+            "coordinator_address": coordinator,
+            "num_processes": _int_var("OMPI_COMM_WORLD_SIZE", env["OMPI_COMM_WORLD_SIZE"],
+                                      "ranks in MPI_COMM_WORLD"),
+            "process_id": _int_var("OMPI_COMM_WORLD_RANK", env["OMPI_COMM_WORLD_RANK"],
+                                   "this process's rank")}
+    return None
+
+
+def first_slurm_host(nodes: str) -> str:
+    """The first host of a Slurm node list: 'node[001-004],gpu7' -> 'node001' (as JAX parses it)."""
+    head = re.split(r"[,\[]", nodes, maxsplit=1)[0]
+    if len(head) < len(nodes) and nodes[len(head)] == "[":
+        return head + re.split(r"[,\-\]]", nodes[len(head) + 1:], maxsplit=1)[0]
+    return head
+
+
+def _openmpi_coordinator(uri: str) -> str | None:
+    """Open MPI 4's launcher address plus a port derived from its job id (as JAX derives it)."""
+    match = re.search(r"tcp://(.+?)[,:]|tcp6://\[(.+?)[,\]]", uri)
+    if match is None:
+        return None
+    job_id = int(uri.split(".", maxsplit=1)[0]) // 4096 if uri.split(".")[0].isdigit() else 0
+    return f"{next(g for g in match.groups() if g is not None)}:{job_id % 4096 + 61440}"
+
+
+def launch_parent_pid() -> int | None:
+    """The process that ``autoshard.launch`` runs in (AUTOSHARD_PARENT_PID): a worker whose
+    parent is gone exits instead of lingering as an orphan."""
+    value = os.environ.get("AUTOSHARD_PARENT_PID")
+    return None if value is None else _int_var("AUTOSHARD_PARENT_PID", value, "a process id")

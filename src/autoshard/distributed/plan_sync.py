@@ -1,0 +1,130 @@
+"""One plan for every process: planned once on process 0, shared through JAX's key-value store.
+
+Multi-controller SPMD needs every process to compile the same program with the same shardings,
+or the collectives of one process wait for a peer that runs something else. Before a function
+runs, every process publishes a fingerprint of the program it traced; process 0 publishes the
+plan. A process whose program differs raises an error naming itself and process 0 (and process
+0 names the first process that differs); the others receive process 0's plan instead of planning.
+With one process this module does nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from .. import _compat
+
+_TIMEOUT_MS = 300_000
+_counter = {"next": 0}
+
+
+class PlanMismatchError(RuntimeError):
+    """Two processes traced different programs (or planned differently) for the same call."""
+
+
+def program_fingerprint(program) -> str:
+    """A digest of a traced program, equal in every process that traced the same step.
+
+    Covers the jaxpr text (object addresses removed), the abstract inputs and outputs with their
+    paths, and the batch, donation and micro-batch roles.
+    """
+    return hashlib.sha256(_program_text(program).encode()).hexdigest()[:16]
+
+
+def program_summary(program) -> str:
+    """A short readable description to print next to a fingerprint."""
+    ins = ", ".join(f"{p}:{_aval(a)}" for p, a in zip(program.in_paths, program.in_avals,
+                                                      strict=True))
+    if len(ins) > 300:
+        ins = ins[:300] + "..."
+    num_eqns = len(program.closed.jaxpr.eqns)
+    return (f"{len(program.in_avals)} inputs ({ins}), {num_eqns} equations, "
+            f"num_micro_batches={program.num_micro_batches}")
+
+
+def agree_on_plan(name: str, program, plan: Any | Callable[[], Any]) -> Any:
+    """The plan every process runs: process 0's, after checking that all traced ``program``.
+
+    ``plan``: the plan this process computed, or a function computing it (then only process 0
+    calls it: planned once). With one process, returns ``plan`` (called if a function). Raises
+    ``PlanMismatchError`` when this process's program fingerprint differs from process 0's, or
+    when a plan computed here differs from process 0's. Every process must call this for the same
+    functions in the same order (as it compiles them).
+    """
+    client = _compat.distributed_client()
+    if client is None or jax.process_count() == 1:
+        return plan() if callable(plan) else plan
+    rank, n = jax.process_index(), jax.process_count()
+    seq = _counter["next"]
+    _counter["next"] += 1
+    key = f"autoshard/plan/{seq}"
+    fingerprint = program_fingerprint(program)
+    mine = f"{fingerprint} {name}: {program_summary(program)}"
+    client.key_value_set(f"{key}/program/{rank}", mine)
+    if rank == 0:
+        chosen = plan() if callable(plan) else plan
+        client.key_value_set_bytes(f"{key}/plan", pickle.dumps(chosen))
+        for other in range(1, n):
+            theirs = client.blocking_key_value_get(f"{key}/program/{other}", _TIMEOUT_MS)
+            if theirs.split(" ", 1)[0] != fingerprint:
+                raise _mismatch(name, 0, mine, other, theirs)
+        return chosen
+    first = client.blocking_key_value_get(f"{key}/program/0", _TIMEOUT_MS)
+    if first.split(" ", 1)[0] != fingerprint:
+        raise _mismatch(name, rank, mine, 0, first)
+    chosen = pickle.loads(client.blocking_key_value_get_bytes(f"{key}/plan", _TIMEOUT_MS))
+    if not callable(plan) and plan != chosen:
+        raise PlanMismatchError(
+            f"{name}: process {rank} planned differently from process 0 for the same program "
+            f"(fingerprint {fingerprint}): {_first_difference(plan, chosen)}. Planning is "
+            "deterministic for the same program, devices and options, so the processes differ "
+            "in devices, method options or AUTOSHARD_* settings; give them the same, or let "
+            "process 0 plan alone (pass a function as plan).")
+    return chosen
+
+
+def reset() -> None:
+    """Restart the call sequence (after ``shutdown``: a new job numbers its plans from 0)."""
+    _counter["next"] = 0
+
+
+def _mismatch(name, rank, mine, other, theirs) -> PlanMismatchError:
+    return PlanMismatchError(
+        f"{name}: process {rank} and process {other} traced different programs, so they would "
+        f"run different collectives and hang.\n  process {rank}: {mine}\n  process {other}: "
+        f"{theirs}\nEvery process must call the parallelized function with arguments of the "
+        "same shapes, dtypes and static values (a global batch is split by the DataLoader; "
+        "pass each process's local rows to autoshard.DataLoader, not to the step).")
+
+
+def _first_difference(a, b) -> str:
+    for field in ("mesh_shape", "axis_names"):
+        if getattr(a, field, None) != getattr(b, field, None):
+            return f"{field} {getattr(a, field, None)} here, {getattr(b, field, None)} on process 0"
+    for kind in ("inputs", "outputs"):
+        for x, y in zip(getattr(a, kind, ()), getattr(b, kind, ()), strict=False):
+            if x != y:
+                return f"{kind[:-1]} {getattr(x, 'path', '?')}: {x} here, {y} on process 0"
+    return "the plans differ"
+
+
+def _aval(a) -> str:
+    return f"{jax.numpy.dtype(a.dtype).name}[{','.join(map(str, a.shape))}]"
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _program_text(program) -> str:
+    parts = [_ADDRESS.sub("", str(program.closed.jaxpr)),
+             repr([_aval(a) for a in program.in_avals]),
+             repr([_aval(a) for a in program.out_avals]),
+             repr(program.in_paths), repr(program.out_paths), repr(program.batch_invars),
+             repr(program.donated_invars), repr(program.num_micro_batches)]
+    return "\n".join(parts)

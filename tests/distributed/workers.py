@@ -1,0 +1,117 @@
+"""Functions the multi-process tests run in every launched process (importable by the workers)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+STEPS = 2
+METHODS = ("data", "shard")
+
+
+def train(methods=METHODS, steps: int = STEPS, devices=None):
+    """A few train steps of a tiny MLP per method; losses and final params as numpy.
+
+    ``devices=None`` uses every device of the job (the launched case); the single-process
+    reference passes the first 4 devices.
+    """
+    import jax
+    from jax.experimental import multihost_utils
+
+    import autoshard
+    from models import make_case, make_state, train_step
+
+    classes = {"data": autoshard.DataParallel, "shard": autoshard.ShardParallel,
+               "zero2": autoshard.Zero2Parallel, "zero3": autoshard.Zero3Parallel}
+    out = {}
+    for name in methods:
+        model, x, y = make_case("mlp", batch=16)
+        state = make_state(model, x)
+        step = autoshard.parallelize(train_step, method=classes[name](devices=devices))
+        losses = []
+        for _ in range(steps):
+            state, loss = step(state, (x, y))
+            losses.append(float(loss))  # block between steps (CPU rendezvous on 2 cores)
+        if jax.process_count() > 1:
+            params = jax.tree.map(
+                lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)),
+                state.params)
+        else:
+            params = jax.tree.map(np.asarray, state.params)
+        out[name] = {"losses": losses, "params": params}
+    out["num_devices"] = jax.device_count()
+    out["process"] = jax.process_index()
+    return out
+
+
+def fail_on(rank: int, message: str):
+    import jax
+
+    if jax.process_index() == rank:
+        raise ValueError(message)
+    return jax.process_index()
+
+
+def record_pid(pid_dir: str):
+    import jax
+
+    with open(os.path.join(pid_dir, f"{jax.process_index()}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def die_mid_step(pid_dir: str):
+    """Rank 1 kills itself with SIGKILL while rank 0 waits for it in a collective."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    record_pid(pid_dir)
+    if jax.process_index() == 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), 9)
+    return float(multihost_utils.process_allgather(jnp.ones(()), tiled=False).sum())
+
+
+def hang(pid_dir: str):
+    record_pid(pid_dir)
+    time.sleep(600)
+
+
+def reinit_round_trip():
+    """shutdown() then init() again in the same processes: a second job works."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    import autoshard
+
+    first = float(multihost_utils.process_allgather(jnp.ones(()) * (jax.process_index() + 1)).sum())
+    autoshard.shutdown()
+    assert not jax.distributed.is_initialized()
+    autoshard.init("distributed")
+    second = float(multihost_utils.process_allgather(jnp.ones(()) * 10).sum())
+    return first, second, jax.process_count(), jax.device_count()
+
+
+def plans(batch_rows_by_rank=None):
+    """The plan each process agrees on, and the program fingerprint (ranks may trace different
+    batch sizes to provoke a mismatch)."""
+    import jax
+
+    import autoshard
+    from autoshard import distributed
+    from models import make_case, make_state, train_step
+
+    rows = 16 if batch_rows_by_rank is None else batch_rows_by_rank[jax.process_index()]
+    model, x, y = make_case("mlp", batch=rows)
+    state = make_state(model, x)
+    f = autoshard.parallelize(train_step, method=autoshard.ShardParallel())
+    ex = f.get_executable(state, (x, y))
+    agreed = distributed.agree_on_plan("train_step", ex.program, ex.plan)
+    planned_once = distributed.agree_on_plan(
+        "train_step", ex.program, lambda: (_ for _ in ()).throw(AssertionError("not rank 0"))
+        if jax.process_index() else ex.plan)
+    return (distributed.program_fingerprint(ex.program), agreed == ex.plan,
+            planned_once == ex.plan)

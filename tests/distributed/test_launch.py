@@ -6,11 +6,10 @@ import os
 import time
 
 import jax
-import numpy as np
 import pytest
+import workers
 
 import autoshard
-import workers
 
 TIMEOUT_S = 150
 
@@ -20,12 +19,6 @@ def launch(fn, *args, timeout_s=TIMEOUT_S):
                             timeout_s=timeout_s)
 
 
-def _assert_same_run(got, want):
-    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(want["params"]), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-
-
 def test_data_and_shard_parallel_across_two_processes_equal_one_process_run():
     results = launch(workers.train)
     reference = workers.train(devices=jax.devices()[:4])
@@ -33,7 +26,7 @@ def test_data_and_shard_parallel_across_two_processes_equal_one_process_run():
     assert all(r["num_devices"] == 4 for r in results)
     for method in workers.METHODS:
         for r in results:
-            _assert_same_run(r[method], reference[method])
+            workers.assert_same_run(r[method], reference[method])
 
 
 def test_worker_exception_is_reraised_with_rank_and_traceback():

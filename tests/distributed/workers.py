@@ -46,6 +46,15 @@ def train(methods=METHODS, steps: int = STEPS, devices=None):
     return out
 
 
+def assert_same_run(got, want):
+    """Losses and parameters of two runs of ``train`` agree (up to summation order)."""
+    import jax
+
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(want["params"]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def fail_on(rank: int, message: str):
     import jax
 

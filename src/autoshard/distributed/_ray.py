@@ -79,11 +79,12 @@ def launch(payload: bytes, *, num_processes: int, devices_per_process: int | Non
     actors = []
     try:
         gpus = ray.cluster_resources().get("GPU", 0)
+        local = _on_this_machine(ray)
         for rank in range(num_processes):
             env = {k: v for k, v in worker_env(rank, num_processes, "", devices_per_process,
                                                base={}).items()
                    if k == "XLA_FLAGS"}
-            if started and ray_address is None:  # same machine: fn pickled by reference imports
+            if local:  # the actors can import what this process imports (fn by reference)
                 env["PYTHONPATH"] = os.pathsep.join(
                     os.path.abspath(p or os.getcwd()) for p in sys.path)
             options = {"num_cpus": 1, "runtime_env": {"env_vars": env}}
@@ -131,6 +132,11 @@ def _supervise(ray, refs: dict, n: int, deadline, timeout_s, fn_name) -> list:
             raise_worker_error(outcome, rank, n, fn_name)
         results[rank] = outcome[1]
     return [results[r] for r in range(n)]
+
+
+def _on_this_machine(ray) -> bool:
+    here = ray.util.get_node_ip_address()
+    return all(node["NodeManagerAddress"] == here for node in ray.nodes() if node["Alive"])
 
 
 def _remaining(deadline) -> float | None:

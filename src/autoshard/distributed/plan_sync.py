@@ -38,14 +38,11 @@ def program_fingerprint(program) -> str:
 
 
 def program_summary(program) -> str:
-    """A short readable description to print next to a fingerprint."""
-    ins = ", ".join(f"{p}:{_aval(a)}" for p, a in zip(program.in_paths, program.in_avals,
-                                                      strict=True))
-    if len(ins) > 300:
-        ins = ins[:300] + "..."
-    num_eqns = len(program.closed.jaxpr.eqns)
-    return (f"{len(program.in_avals)} inputs ({ins}), {num_eqns} equations, "
-            f"num_micro_batches={program.num_micro_batches}")
+    """A readable description to publish next to a fingerprint: one ``path:aval`` per input."""
+    ins = ";".join(f"{p}:{_aval(a)}" for p, a in zip(program.in_paths, program.in_avals,
+                                                     strict=True))
+    return (f"{len(program.closed.jaxpr.eqns)} equations, num_micro_batches="
+            f"{program.num_micro_batches}|{ins}")
 
 
 def agree_on_plan(name: str, program, plan: Any | Callable[[], Any]) -> Any:
@@ -97,10 +94,23 @@ def reset() -> None:
 def _mismatch(name, rank, mine, other, theirs) -> PlanMismatchError:
     return PlanMismatchError(
         f"{name}: process {rank} and process {other} traced different programs, so they would "
-        f"run different collectives and hang.\n  process {rank}: {mine}\n  process {other}: "
-        f"{theirs}\nEvery process must call the parallelized function with arguments of the "
-        "same shapes, dtypes and static values (a global batch is split by the DataLoader; "
-        "pass each process's local rows to autoshard.DataLoader, not to the step).")
+        f"run different collectives and hang: {_describe_difference(mine, rank, theirs, other)}. "
+        "Every process must call the parallelized function with arguments of the same shapes, "
+        "dtypes and static values, and the same code (a global batch is assembled by "
+        "autoshard.DataLoader from each process's local rows).")
+
+
+def _describe_difference(mine: str, rank: int, theirs: str, other: int) -> str:
+    head_a, _, ins_a = mine.partition("|")
+    head_b, _, ins_b = theirs.partition("|")
+    a, b = ins_a.split(";"), ins_b.split(";")
+    if len(a) != len(b):
+        return f"process {rank} has {len(a)} inputs, process {other} has {len(b)}"
+    for x, y in zip(a, b, strict=True):
+        if x != y:
+            return f"input {x} on process {rank}, {y.rpartition(':')[2]} on process {other}"
+    return (f"the inputs agree but the computations differ (process {rank}: {head_a.split(' ', 1)[1]}; "
+            f"process {other}: {head_b.split(' ', 1)[1]})")
 
 
 def _first_difference(a, b) -> str:

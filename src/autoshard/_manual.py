@@ -8,7 +8,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
-from ._methods import Compiled, leaf_plan
+from ._method_base import Compiled, leaf_plan
 from ._program import Program
 from .grad_accum import StepHooks, batch_axes
 from .sharding.plan import ShardingPlan, format_spec, spec_axes

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
-from ._methods import Compiled, batch_spec, leaf_plan
+from ._method_base import Compiled, batch_spec, leaf_plan
 from ._program import Program
 from .grad_accum import StepHooks
 from .sharding.plan import ShardingPlan

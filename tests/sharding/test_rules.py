@@ -13,8 +13,9 @@ from jax import lax
 
 from autoshard.sharding.cost import CostModel
 from autoshard.sharding.options import AutoShardingOption
-from autoshard.sharding.rules import RuleContext, reshape_groups, strategies_for
+from autoshard.sharding.rules import reshape_groups
 from autoshard.sharding.spec import candidate_specs
+from autoshard.sharding.strategy import RuleContext, strategies_for
 
 RNG = np.random.default_rng(0)
 X = jnp.asarray(RNG.normal(size=(16, 8, 24)).astype(np.float32))

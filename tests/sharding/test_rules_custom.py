@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import autoshard
 from autoshard.sharding.cost import CostModel
 from autoshard.sharding.options import AutoShardingOption
-from autoshard.sharding.rules import RuleContext, strategies_for
+from autoshard.sharding.strategy import RuleContext, strategies_for
 
 RNG = np.random.default_rng(0)
 X = jnp.asarray(RNG.normal(size=(64, 32)).astype(np.float32))

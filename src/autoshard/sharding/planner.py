@@ -17,9 +17,10 @@ from .graph import Graph, build_graph
 from .options import AutoShardingOption
 from .plan import Collective, LeafPlan, Objective, ShardingPlan
 from .problem import Problem, build_problem, data_parallel_variant
-from .rules import itemsize
+from .repeats import tie_repeated
 from .solver import Solution, build_and_solve, peak_bytes
 from .spec import to_partition_spec
+from .strategy import itemsize
 
 DEFAULT_AXIS_NAMES = {1: ("x",), 2: ("x", "y")}
 PINNED_KINDS_EXCLUDED = {"input", "output", "const", "carry_back"}
@@ -77,6 +78,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
         prob = build_problem(graph, shape, option, batch_invars=batch_invars, aliases=aliases,
                              warned=warned, devices_per_host=devices_per_host,
                              axis_names=_axis_names(axis_names, shape))
+        prob.notes.append(f"{tie_repeated(prob, batch_invars)} variables tied to identical ones")
         try:
             sol = build_and_solve(prob, time_limit_s=option.solver_time_limit_s,
                                   memory_budget=option.memory_budget_per_device,

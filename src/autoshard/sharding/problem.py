@@ -22,20 +22,13 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from . import rules_custom, rules_linalg  # noqa: F401  (register their rules)
 from .cost import CostModel, byte_cost
 from .graph import Graph
 from .options import AutoShardingOption
-from .rules import (
-    ELEMENTWISE,
-    RuleContext,
-    Strategy,
-    itemsize,
-    map_reshape,
-    nbytes,
-    reshape_groups,
-    strategies_for,
-)
+from .rules import ELEMENTWISE, map_reshape, reshape_groups
 from .spec import Spec, replicated, shards
+from .strategy import RuleContext, Strategy, itemsize, nbytes, strategies_for
 
 
 @dataclass
@@ -90,7 +83,7 @@ class _FreeValues:
 
 
 def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardingOption, *,
-                  batch_invars, aliases, warned: set[str], tie_layers: bool = True,
+                  batch_invars, aliases, warned: set[str],
                   devices_per_host: int | None = None,
                   axis_names: tuple[str, ...] = ()) -> Problem:
     cost = CostModel.from_option(mesh_shape, option, devices_per_host)
@@ -111,9 +104,6 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
                 f"{vo.shape}; a donated input can only be replaced by an output of its shape.")
         prob.union(ni, no)
     _input_masks(prob, batch_invars)
-    if tie_layers:
-        from .repeats import tie_repeated
-        prob.notes.append(f"{tie_repeated(prob, batch_invars)} variables tied to identical ones")
     return prob
 
 

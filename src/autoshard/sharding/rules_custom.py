@@ -22,8 +22,8 @@ from .._compat import cp_rule_types
 from .._cp_rules import FactorRule, from_sdy, probe_rule, resolve
 from ..custom_partitioning import BoundOp
 from .cost import byte_cost
-from .rules import RuleContext, Strategy, nbytes, register
 from .spec import from_partition_spec, is_valid, shards, to_partition_spec
+from .strategy import RuleContext, Strategy, nbytes, register
 
 
 def _abstract_mesh(mesh_shape) -> AbstractMesh:

@@ -14,8 +14,8 @@ import itertools
 import math
 
 from .cost import byte_cost, flop_cost
-from .rules import RuleContext, Strategy, nbytes, register
 from .spec import Spec, from_assignment, is_valid, shards
+from .strategy import RuleContext, Strategy, nbytes, register
 
 
 def _live_axes(ctx: RuleContext) -> list[int]:

@@ -20,8 +20,8 @@ import scipy.sparse as sp
 from scipy.optimize import LinearConstraint, milp
 
 from .problem import Problem, value_bytes
-from .rules import itemsize
 from .spec import axis_place
+from .strategy import itemsize
 
 OBJECTIVE_SCALE = 1e6
 MOVED = ("elsewhere",)

@@ -16,7 +16,10 @@ from ._methods import ShardParallel as ShardParallel
 from ._methods import Zero2Parallel as Zero2Parallel
 from ._methods import Zero3Parallel as Zero3Parallel
 from ._program import register_state_type as register_state_type
+from .checkpoint import restore_checkpoint as restore_checkpoint
+from .checkpoint import save_checkpoint as save_checkpoint
 from .custom_partitioning import custom_partitioning as custom_partitioning
+from .data import DataLoader as DataLoader
 from .distributed import WorkerError as WorkerError
 from .distributed import launch as launch
 from .markers import mark_gradient as mark_gradient
@@ -29,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutoShardingOption",
+    "DataLoader",
     "DataParallel",
     "Executable",
     "ManualShardingOption",
@@ -50,6 +54,8 @@ __all__ = [
     "markers",
     "parallelize",
     "register_state_type",
+    "restore_checkpoint",
+    "save_checkpoint",
     "shutdown",
     "value_and_grad",
 ]

@@ -124,3 +124,30 @@ def plans(batch_rows_by_rank=None):
         if jax.process_index() else ex.plan)
     return (distributed.program_fingerprint(ex.program), agreed == ex.plan,
             planned_once == ex.plan)
+
+
+def loader_and_checkpoints(ckpt_dir: str):
+    """Restore step 1 (saved by one process on 8 devices) onto this job's DataParallel plan,
+    feed two steps from each process's own rows through DataLoader, save step 2."""
+    import jax
+
+    import autoshard
+    from models import make_case, make_state, train_step
+
+    rank, n = jax.process_index(), jax.process_count()
+    model, x, y = make_case("mlp", batch=16)
+    step = autoshard.parallelize(train_step, method=autoshard.DataParallel())
+    global_batch = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype))
+    state_specs, batch_specs = step.get_executable(
+        make_state(model, x), global_batch).get_input_placement_specs()
+    state = autoshard.restore_checkpoint(ckpt_dir, 1, state_specs)
+    rows = slice(rank * 16 // n, (rank + 1) * 16 // n)
+    local = [(np.asarray(x)[rows], np.asarray(y)[rows])] * 2
+    specs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         global_batch, batch_specs)
+    losses = []
+    for batch in autoshard.DataLoader(local, specs, prefetch_size=1):
+        state, loss = step(state, batch)
+        losses.append(float(loss))
+    autoshard.save_checkpoint(ckpt_dir, state, step=2)
+    return losses

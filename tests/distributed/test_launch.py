@@ -29,6 +29,14 @@ def test_data_and_shard_parallel_across_two_processes_equal_one_process_run():
             workers.assert_same_run(r[method], reference[method])
 
 
+def test_zero_and_gradient_accumulation_across_two_processes_equal_one_process_run():
+    results = launch(workers.train, workers.MORE_METHODS)
+    reference = workers.train(workers.MORE_METHODS, devices=jax.devices()[:4])
+    for method in workers.MORE_METHODS:
+        for r in results:
+            workers.assert_same_run(r[method], reference[method])
+
+
 def test_worker_exception_is_reraised_with_rank_and_traceback():
     with pytest.raises(ValueError, match="bad shard 7") as info:
         launch(workers.fail_on, 1, "bad shard 7", timeout_s=60)

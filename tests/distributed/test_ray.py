@@ -11,6 +11,13 @@ import autoshard
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'autoshard[ray]')")
 
 
+def test_ray_launch_starts_and_stops_its_own_local_cluster():
+    assert not ray.is_initialized()
+    assert autoshard.launch(workers.fail_on, -1, "never", num_processes=2,
+                            devices_per_process=1, backend="ray", timeout_s=180) == [0, 1]
+    assert not ray.is_initialized()
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True,

@@ -9,6 +9,7 @@ import numpy as np
 
 STEPS = 2
 METHODS = ("data", "shard")
+MORE_METHODS = ("zero2", "zero3", "accumulate")
 
 
 def train(methods=METHODS, steps: int = STEPS, devices=None):
@@ -24,7 +25,9 @@ def train(methods=METHODS, steps: int = STEPS, devices=None):
     from models import make_case, make_state, train_step
 
     classes = {"data": autoshard.DataParallel, "shard": autoshard.ShardParallel,
-               "zero2": autoshard.Zero2Parallel, "zero3": autoshard.Zero3Parallel}
+               "zero2": autoshard.Zero2Parallel, "zero3": autoshard.Zero3Parallel,
+               "accumulate": lambda devices: autoshard.DataParallel(devices=devices,
+                                                                    num_micro_batches=2)}
     out = {}
     for name in methods:
         model, x, y = make_case("mlp", batch=16)

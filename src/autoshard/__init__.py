@@ -25,21 +25,33 @@ from .distributed import launch as launch
 from .markers import mark_gradient as mark_gradient
 from .markers import mark_parameters as mark_parameters
 from .markers import mark_pipeline_boundary as mark_pipeline_boundary
+from .pipeline import AutoLayerOption as AutoLayerOption
+from .pipeline import AutoStageOption as AutoStageOption
+from .pipeline import ManualLayerOption as ManualLayerOption
+from .pipeline import ManualStageOption as ManualStageOption
+from .pipeline import PipeshardParallel as PipeshardParallel
+from .pipeline import UniformStageOption as UniformStageOption
 from .sharding.options import AutoShardingOption as AutoShardingOption
 from .sharding.plan import ShardingPlan as ShardingPlan
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoLayerOption",
     "AutoShardingOption",
     "DataLoader",
+    "AutoStageOption",
     "DataParallel",
     "Executable",
+    "ManualLayerOption",
     "ManualShardingOption",
+    "ManualStageOption",
     "ParallelMethod",
     "ParallelizedFunc",
+    "PipeshardParallel",
     "ShardParallel",
     "ShardingPlan",
+    "UniformStageOption",
     "WorkerError",
     "Zero2Parallel",
     "Zero3Parallel",

@@ -177,3 +177,14 @@ def clear_backends() -> None:
     from jax._src import api
 
     api.clear_backends()
+
+
+# -- autoshard.pipeline: device_put's resharding paths (jax 0.10) ---------------------------------
+# jax.device_put between sub-meshes copies device to device only when every destination shard
+# exists as a source shard (same indices); otherwise jax._src.array reshards through these
+# functions, which read shards back to the host and block. The pipeline tests spy on them.
+def device_put_host_paths():
+    """The module and function names ``jax.device_put`` uses when it reshards via the host."""
+    from jax._src import array
+
+    return array, ("shard_sharded_device_array_slow_path", "shard_device_array")

@@ -1,0 +1,205 @@
+"""From a traced Program to a pipeline plan: layers, stages, sub-meshes and tasks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .._compat import Var
+from .._mesh import resolve_devices
+from ..markers import pipeline_p
+from .layers import AutoLayerOption, auto_layers, check_no_nested_markers, manual_layers
+from .partition import Partition, boundary_positions, build_partition, forward_end, split_pre_post
+from .stages import AutoStageOption, ManualStageOption, UniformStageOption, stage_dp
+from .stages import logical_choices, submesh_choices
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelinePlan:
+    """Where every part of the step runs: layers per stage, sub-meshes, schedule."""
+
+    num_layers: int
+    """Layers the forward was cut into."""
+    stage_layer_ids: tuple[tuple[int, ...], ...]
+    """Per stage, the layers it holds."""
+    submesh_shapes: tuple[tuple[int, ...], ...]
+    """Per stage, the logical shape of its sub-mesh."""
+    stage_devices: tuple[tuple[int, ...], ...]
+    """Per stage, the ids of its devices."""
+    schedule: str
+    """Schedule name."""
+    num_micro_batches: int
+    """Micro-batches per step."""
+    method: str = "PipeshardParallel"
+    """The method that produced the plan."""
+
+    def explain(self) -> str:
+        lines = [f"{self.method}: {len(self.stage_layer_ids)} stages, {self.num_layers} layers, "
+                 f"schedule {self.schedule}, {self.num_micro_batches} micro-batches"]
+        for s, (ids, shape, devs) in enumerate(zip(self.stage_layer_ids, self.submesh_shapes,
+                                                   self.stage_devices, strict=True)):
+            lines.append(f"  stage {s}: layers {list(ids)} on sub-mesh {shape} devices "
+                         f"{list(devs)}")
+        return "\n".join(lines)
+
+
+def inline_identity_markers(closed):
+    """The step with parameter/layer markers removed (their outputs renamed to their inputs)."""
+    jaxpr = closed.jaxpr
+    rename: dict = {}
+    eqns = []
+    for e in jaxpr.eqns:
+        invars = [rename.get(v, v) if isinstance(v, Var) else v for v in e.invars]
+        if e.primitive is pipeline_p and e.params["mark_type"] in (
+                "params", "start", "end", "jvp_start", "jvp_end", "hook"):
+            rename.update(zip(e.outvars, invars, strict=True))
+            continue
+        eqns.append(e.replace(invars=invars) if invars != list(e.invars) else e)
+    outvars = [rename.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars]
+    return closed.replace(jaxpr=jaxpr.replace(eqns=eqns, outvars=outvars))
+
+
+def choose_layers(pre, fwd_end: int, layer_option) -> tuple[dict, int]:
+    if isinstance(layer_option, AutoLayerOption):
+        return auto_layers(pre, fwd_end, layer_option.layer_num, layer_option.eps)
+    return manual_layers(pre, fwd_end)
+
+
+def choose_stages(stage_option, num_layers: int, num_devices: int, k: int, layer_cost=None):
+    """(stage of each layer, devices per stage, logical shape per stage, option dict per stage)."""
+    if isinstance(stage_option, ManualStageOption):
+        ids = [list(x) for x in stage_option.forward_stage_layer_ids]
+        if sum(len(x) for x in ids) != num_layers:
+            raise ValueError(
+                f"ManualStageOption.forward_stage_layer_ids covers "
+                f"{sum(len(x) for x in ids)} layers but the step has {num_layers}. List every "
+                f"layer id in range({num_layers}) once.")
+        sizes = [math.prod(s) for s in stage_option.submesh_physical_shapes]
+        logical = [tuple(s) for s in stage_option.submesh_logical_shapes]
+        dicts = [dict(d or {}) for d in stage_option.submesh_autosharding_option_dicts]
+        check_cover(sizes, num_devices, "ManualStageOption.submesh_physical_shapes")
+        return [s for s, x in enumerate(ids) for _ in x], sizes, logical, dicts
+    if isinstance(stage_option, AutoStageOption):
+        return _auto_stages(stage_option, num_layers, num_devices, k, layer_cost)
+    opt = stage_option or UniformStageOption()
+    n = opt.num_stages or num_layers
+    if num_layers < n:
+        raise ValueError(
+            f"The step has {num_layers} layer(s) but UniformStageOption(num_stages={n}) asks "
+            f"for {n} stages; a stage needs at least one layer. Add "
+            "autoshard.mark_pipeline_boundary() calls, use layer_option=AutoLayerOption("
+            f"layer_num={n}), or fewer stages.")
+    if num_devices % n:
+        raise ValueError(
+            f"{num_devices} devices cannot be split evenly into {n} stages "
+            "(UniformStageOption). Choose a num_stages that divides the device count, or "
+            "pass devices=.")
+    per = num_devices // n
+    if opt.submesh_physical_shape is not None:
+        per = math.prod(opt.submesh_physical_shape)
+        check_cover([per] * n, num_devices, "UniformStageOption.submesh_physical_shape")
+    logical = tuple(opt.submesh_logical_shape or (per,))
+    if math.prod(logical) != per:
+        raise ValueError(f"UniformStageOption.submesh_logical_shape {logical} has "
+                         f"{math.prod(logical)} devices but each sub-mesh has {per}.")
+    stage_of_layer = [l * n // num_layers for l in range(num_layers)]
+    dicts = [dict(opt.submesh_autosharding_option or {}) for _ in range(n)]
+    return stage_of_layer, [per] * n, [logical] * n, dicts
+
+
+def check_cover(sizes, num_devices: int, what: str):
+    if sum(sizes) != num_devices:
+        raise ValueError(
+            f"{what} uses {sum(sizes)} devices in all but the method has {num_devices}: the "
+            "sub-meshes must cover the devices exactly, without overlap. Choose shapes whose "
+            f"device counts add up to {num_devices}, or pass devices= with that many devices.")
+
+
+def _auto_stages(option: AutoStageOption, num_layers, num_devices, k, layer_cost):
+    shapes = submesh_choices(option, num_devices)
+    sizes = [math.prod(s) for s in shapes]
+    flops, mem = layer_cost
+
+    def cost(i, j, c):
+        n = sizes[c]
+        if option.memory_budget_per_device is not None and (
+                sum(mem[i:j]) / n > option.memory_budget_per_device):
+            return math.inf
+        return sum(flops[i:j]) / n * (1 + 0.05 * (n - 1)) + 1.0
+    obj, stages = stage_dp(num_layers, num_devices, sizes, cost, k)
+    if not stages:
+        raise ValueError(
+            f"AutoStageOption found no stage layout: every candidate stage needs more than "
+            f"memory_budget_per_device ({option.memory_budget_per_device} bytes) on "
+            f"sub-meshes of {sizes} devices. Raise the budget, use more devices, or "
+            "enable remat (layer_option remat).")
+    stage_of_layer = [s for s, (i, j, _) in enumerate(stages) for _ in range(i, j)]
+    per = [sizes[c] for _, _, c in stages]
+    logical = [logical_choices(option, n)[0] for n in per]
+    return stage_of_layer, per, [(n,) if shape[0] in (1, n) else shape for n, shape in zip(
+        per, logical, strict=True)], [{} for _ in per]
+
+
+def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, list, list]:
+    closed = inline_identity_markers(program.closed)
+    check_no_nested_markers(closed.jaxpr)
+    pre, marker, post = split_pre_post(closed.jaxpr)
+    inference = method.pipeline_schedule == "inference"
+    fwd_end = forward_end(pre, inference)
+    layer_of, num_layers = choose_layers(pre, fwd_end, method.layer_option)
+    if not isinstance(method.layer_option, AutoLayerOption) and not boundary_positions(
+            pre[:fwd_end]) and _num_requested_stages(method.stage_option) > 1:
+        raise ValueError(
+            "layer_option='manual' found no autoshard.mark_pipeline_boundary() call in the "
+            "forward, so there is one layer and not enough for "
+            f"{_num_requested_stages(method.stage_option)} stages. Add boundary markers "
+            "between layers at the top level of the step (a marker inside a lax.scan or "
+            "fori_loop body is dropped when JAX differentiates the loop), or use "
+            "layer_option=AutoLayerOption(layer_num=...).")
+    layer_cost = _layer_costs(pre, layer_of, num_layers)
+    stage_of_layer, sizes, logical, dicts = choose_stages(
+        method.stage_option, num_layers, len(devices), program.num_micro_batches, layer_cost)
+    part = build_partition(closed, layer_of_fwd=layer_of, fwd_end=fwd_end,
+                           stage_of_layer=stage_of_layer, batch_invars=program.batch_invars,
+                           remat=method.layer_option.remat)
+    ids, start, devs = [], 0, []
+    for s in range(len(sizes)):
+        ids.append(tuple(l for l, x in enumerate(stage_of_layer) if x == s))
+        devs.append(tuple(d.id for d in devices[start:start + sizes[s]]))
+        start += sizes[s]
+    plan = PipelinePlan(num_layers=num_layers, stage_layer_ids=tuple(ids),
+                        submesh_shapes=tuple(tuple(x) for x in logical),
+                        stage_devices=tuple(devs),
+                        schedule=method.pipeline_schedule if part.has_backward else "inference",
+                        num_micro_batches=program.num_micro_batches)
+    return part, plan, sizes, dicts
+
+
+def _num_requested_stages(option) -> int:
+    if isinstance(option, UniformStageOption):
+        return option.num_stages or 1
+    if isinstance(option, ManualStageOption):
+        return len(option.forward_stage_layer_ids)
+    return 1
+
+
+def _layer_costs(pre, layer_of, num_layers):
+    from .layers import eqn_flops
+
+    flops, mem = [0.0] * num_layers, [0.0] * num_layers
+    for i, l in layer_of.items():
+        flops[l] += eqn_flops(pre[i])
+        for v in pre[i].outvars:
+            aval = v.aval
+            mem[l] += math.prod(getattr(aval, "shape", ())) * getattr(
+                getattr(aval, "dtype", None), "itemsize", 4)
+    return flops, mem
+
+
+def method_devices(method):
+    devices, mesh = resolve_devices(method.devices)
+    return list(devices)
+
+
+__all__ = ["PipelinePlan", "choose_stages", "inline_identity_markers", "method_devices",
+           "plan_partition"]

@@ -1,0 +1,183 @@
+"""Layers: the forward cut at ``mark_pipeline_boundary`` calls, or clustered automatically.
+
+``ManualLayerOption``: a layer is the span between two boundary markers. ``AutoLayerOption``:
+a dynamic program over the forward equations in program order picks ``layer_num - 1`` cuts;
+every layer's FLOPs stay within ``(1 + eps) * total / layer_num`` and the bytes of the values
+crossing the cuts are minimal (ties: the most balanced). Either may recompute each stage's
+forward in its backward (``remat_layer=True``, ``remat_mode="coarse_grained_remat"``), the
+effect of ``jax.checkpoint`` around it: only the stage inputs are kept between F and B.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from .._compat import Var
+from ..markers import pipeline_p
+
+
+@dataclass(frozen=True)
+class ManualLayerOption:
+    """Layers from ``autoshard.mark_pipeline_boundary()`` calls in the forward."""
+
+    remat_layer: bool = False
+    """Recompute each stage's forward during its backward instead of keeping activations."""
+
+    def __post_init__(self):
+        if not isinstance(self.remat_layer, bool):
+            raise TypeError(f"ManualLayerOption.remat_layer ({self.remat_layer!r}) must be a bool.")
+
+    @property
+    def remat(self) -> bool:
+        return self.remat_layer
+
+
+@dataclass(frozen=True)
+class AutoLayerOption:
+    """Layers from clustering the traced forward: balanced FLOPs, few bytes across cuts."""
+
+    layer_num: int
+    """Number of layers to cut the forward into."""
+    remat_mode: Literal["none", "coarse_grained_remat"] = "none"
+    """``coarse_grained_remat``: recompute each stage's forward during its backward."""
+    eps: float = 0.5
+    """A layer may hold at most ``(1 + eps) / layer_num`` of the forward FLOPs."""
+
+    def __post_init__(self):
+        n = self.layer_num
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"AutoLayerOption.layer_num ({n!r}) must be a positive int.")
+        if self.remat_mode not in ("none", "coarse_grained_remat"):
+            raise ValueError(f"AutoLayerOption.remat_mode ({self.remat_mode!r}) must be 'none' "
+                             "or 'coarse_grained_remat'.")
+        if not isinstance(self.eps, int | float) or self.eps < 0:
+            raise ValueError(f"AutoLayerOption.eps ({self.eps!r}) must be a number >= 0.")
+
+    @property
+    def remat(self) -> bool:
+        return self.remat_mode == "coarse_grained_remat"
+
+
+def check_no_nested_markers(jaxpr) -> None:
+    """Boundary markers must be at the top level of the step, not inside a loop or cond."""
+    for e in jaxpr.eqns:
+        for p in e.params.values():
+            for sub in p if isinstance(p, tuple | list) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if not hasattr(inner, "eqns"):
+                    continue
+                for x in inner.eqns:
+                    if x.primitive is pipeline_p and x.params["mark_type"] == "boundary":
+                        raise ValueError(
+                            f"mark_pipeline_boundary() was called inside the body of "
+                            f"{e.primitive.name} (e.g. lax.scan); a pipeline layer cannot start "
+                            "in the middle of a loop or branch. Move the marker out of the "
+                            "loop body (unroll the loop over layers), or use "
+                            "layer_option=AutoLayerOption(layer_num=...).")
+                check_no_nested_markers(inner)
+
+
+def manual_layers(pre, fwd_end: int) -> tuple[dict, int]:
+    """Forward equation index -> layer, from boundary markers; and the number of layers."""
+    layer, count, out = 0, 0, {}
+    for i in range(fwd_end):
+        e = pre[i]
+        if e.primitive is pipeline_p and e.params["mark_type"] == "boundary":
+            if count:
+                layer, count = layer + 1, 0
+            continue
+        out[i] = layer
+        count += 1
+    return out, layer + (1 if count or layer == 0 else 0)
+
+
+def eqn_flops(e) -> float:
+    """A rough FLOP count: 2*M*N*K for dot_general, one per output element otherwise."""
+    out = sum(math.prod(getattr(v.aval, "shape", ())) for v in e.outvars)
+    if e.primitive.name == "dot_general":
+        (lhs_c, _), _ = e.params["dimension_numbers"]
+        shape = e.invars[0].aval.shape
+        return 2.0 * out * math.prod(shape[d] for d in lhs_c)
+    if e.primitive.name == "conv_general_dilated":
+        rhs = e.invars[1].aval.shape
+        return 2.0 * out * math.prod(rhs) / max(rhs[0], 1)
+    inner = [getattr(p, "jaxpr", p) for p in e.params.values()]
+    sub = sum(eqn_flops(x) for j in inner if hasattr(j, "eqns") for x in j.eqns)
+    return float(max(out, sub))
+
+
+def _nbytes(v) -> int:
+    aval = v.aval
+    return math.prod(getattr(aval, "shape", ())) * getattr(getattr(aval, "dtype", None),
+                                                           "itemsize", 1)
+
+
+def auto_layers(pre, fwd_end: int, layer_num: int, eps: float) -> tuple[dict, int]:
+    """Cluster the forward into ``layer_num`` layers (see the module docstring)."""
+    idx = [i for i in range(fwd_end) if not (pre[i].primitive is pipeline_p and
+                                             pre[i].params["mark_type"] == "boundary")]
+    n = len(idx)
+    if n == 0:
+        return {}, 1
+    layer_num = min(layer_num, n)
+    flops = [eqn_flops(pre[i]) for i in idx]
+    prefix = [0.0]
+    for f in flops:
+        prefix.append(prefix[-1] + f)
+    total = prefix[-1] or 1.0
+    limit = (1 + eps) * total / layer_num
+    cut_bytes = _cut_bytes(pre, idx)
+    inf = (math.inf, math.inf)
+    # best[l][j]: (bytes, max layer flops) for the first j equations in l layers.
+    best = [[inf] * (n + 1) for _ in range(layer_num + 1)]
+    back = [[0] * (n + 1) for _ in range(layer_num + 1)]
+    best[0][0] = (0.0, 0.0)
+    for layer in range(1, layer_num + 1):
+        for j in range(1, n + 1):
+            i = j - 1
+            while i >= layer - 1:
+                f = prefix[j] - prefix[i]
+                if f > limit and i < j - 1:
+                    break
+                prev = best[layer - 1][i]
+                if prev != inf:
+                    cost = (prev[0] + (cut_bytes[i - 1] if i > 0 else 0), max(prev[1], f))
+                    if cost < best[layer][j]:
+                        best[layer][j], back[layer][j] = cost, i
+                i -= 1
+    out, j = {}, n
+    for layer in range(layer_num, 0, -1):
+        i = back[layer][j]
+        for k in range(i, j):
+            out[idx[k]] = layer - 1
+        j = i
+    return out, layer_num
+
+
+def _cut_bytes(pre, idx) -> list[int]:
+    """Bytes of forward values produced at or before position p and read after it."""
+    made = {}
+    last = {}
+    for p, i in enumerate(idx):
+        for v in pre[i].outvars:
+            made[v] = p
+        for v in pre[i].invars:
+            if isinstance(v, Var) and v in made:
+                last[v] = max(last.get(v, -1), p)
+    delta = [0] * (len(idx) + 1)
+    for v, p in made.items():
+        q = last.get(v)
+        if q is not None and q > p:
+            delta[p] += _nbytes(v)
+            delta[q] -= _nbytes(v)
+    out, run = [], 0
+    for p in range(len(idx)):
+        run += delta[p]
+        out.append(run)
+    return out
+
+
+__all__ = ["AutoLayerOption", "ManualLayerOption", "auto_layers", "check_no_nested_markers",
+           "eqn_flops", "manual_layers"]

@@ -1,0 +1,86 @@
+"""``PipeshardParallel``: stages on disjoint sub-meshes, micro-batches streamed through them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .._methods import ParallelMethod
+from .build import method_devices, plan_partition
+from .layers import AutoLayerOption, ManualLayerOption
+from .runtime import PipelineExecutable
+from .schedules import SCHEDULES
+from .stages import AutoStageOption, ManualStageOption, UniformStageOption
+
+
+@dataclass(frozen=True, eq=False)
+class PipeshardParallel(ParallelMethod):
+    """Inter-operator (pipeline) parallelism with a plan per stage, as Alpa's.
+
+    ``PipeshardParallel()`` is ``AutoLayerOption(layer_num=2)`` with ``UniformStageOption()``:
+    two layers, one stage each, devices split evenly.
+    """
+
+    devices: Any = None
+    """None (all devices), a list of devices, or a Mesh (its devices in order)."""
+    num_micro_batches: int = 1
+    """Micro-batches streamed through the stages per step."""
+    default_auto_sharding_option: Any = None
+    """Planner options for every stage (an ``AutoShardingOption``)."""
+    pipeline_schedule: str = "1f1b"
+    """``gpipe``, ``1f1b``, ``inference``, ``interleaved_1f1b`` or ``zero_bubble``."""
+    layer_option: Any = None
+    """``ManualLayerOption``, ``AutoLayerOption``, ``"manual"``; None: AutoLayerOption(2)."""
+    stage_option: Any = None
+    """``UniformStageOption``, ``ManualStageOption``, ``AutoStageOption`` or ``"uniform"``."""
+    stage_input_shardings: Any = None
+    """Per stage, input specs to reproduce (``executable.stage_input_shard_specs``)."""
+    manual_sharding_option: Any = None
+    """User-given specs (``ManualShardingOption``)."""
+    blocking: bool = False
+    """Wait for every action before dispatching the next (debugging; XLA:CPU collectives)."""
+
+    def __post_init__(self):
+        self._validate_common()
+        if self.num_micro_batches is None:
+            object.__setattr__(self, "num_micro_batches", 1)
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ValueError(f"pipeline_schedule ({self.pipeline_schedule!r}) must be one of "
+                             f"{SCHEDULES}.")
+        layer = self.layer_option
+        if layer is None:
+            layer = AutoLayerOption(layer_num=2)
+        elif layer == "manual":
+            layer = ManualLayerOption()
+        elif not isinstance(layer, ManualLayerOption | AutoLayerOption):
+            raise TypeError(f"layer_option ({layer!r}) must be 'manual', ManualLayerOption() "
+                            "or AutoLayerOption(layer_num=...).")
+        stage = self.stage_option
+        if stage is None or stage == "uniform":
+            stage = UniformStageOption()
+        elif stage == "auto":
+            stage = AutoStageOption()
+        elif not isinstance(stage, UniformStageOption | ManualStageOption | AutoStageOption):
+            raise TypeError(f"stage_option ({stage!r}) must be 'uniform', 'auto', "
+                            "UniformStageOption, ManualStageOption or AutoStageOption.")
+        object.__setattr__(self, "layer_option", layer)
+        object.__setattr__(self, "stage_option", stage)
+
+    def compile(self, program):
+        raise NotImplementedError("PipeshardParallel builds its own executable "
+                                  "(build_executable).")
+
+    def build_executable(self, program, *, flat, out_tree, static_argnums, name, trace_s):
+        t0 = time.perf_counter()
+        devices = method_devices(self)
+        part, plan, sizes, _ = plan_partition(program, self, devices)
+        t1 = time.perf_counter()
+        return PipelineExecutable(
+            part=part, plan=plan, program=program, flat=flat, out_tree=out_tree,
+            static_argnums=static_argnums, devices=devices, sizes=sizes,
+            blocking=self.blocking, name=name,
+            timings={"trace_s": trace_s, "planning_s": t1 - t0})
+
+
+__all__ = ["PipeshardParallel"]

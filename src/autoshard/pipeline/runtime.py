@@ -1,0 +1,318 @@
+"""The pipeline runtime: one controller walks one global action list.
+
+Per step: batch arguments go to every stage that reads them, split on dim 0 over its sub-mesh,
+and are cut into micro-batches there by a jit (micro-batch j is rows j, j + k, ... of every
+device's own block: no gather). Then every F, B (or Ba/Bw) action of the schedule is dispatched
+in the order a replay of the schedule gives, asynchronously; the values a task reads from
+another stage move with one batched ``jax.device_put`` of matching layouts (device i to device
+i). Gradient-marker inputs accumulate per stage in donated buffers; each value is dropped
+after its last use. Then the accumulators are finalised, the apply-grad tasks run on the
+stages that hold the parameters, and outputs are assembled as the caller's pytree.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from itertools import compress
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .. import _compat
+from .._compat import Literal, Var
+from .._executable import MISS, deleted_error
+from .._jaxpr import flatten_args
+from .compile import CompiledTask, Specs, acc_dtype, finalize_fn, make_submeshes
+from .schedules import get_schedule
+from .simulate import simulate
+
+
+class PipelineExecutable:
+    """A compiled pipeline: per-stage jits on disjoint sub-meshes and the action list."""
+
+    def __init__(self, *, part, plan, program, flat, out_tree, static_argnums, devices, sizes,
+                 blocking: bool, name: str, timings: dict, virtual: int = 1):
+        t0 = time.perf_counter()
+        self.part, self.plan, self.program, self.name = part, plan, program, name
+        self.static_argnums, self.blocking = static_argnums, blocking
+        self._flat, self._out_tree = flat.abstract(), out_tree
+        statics = not all(flat.is_dynamic)
+        self._dynamic_sel = flat.is_dynamic if statics else None
+        self._static_sel = tuple(not d for d in flat.is_dynamic) if statics else None
+        self._static_leaves, self._num_dynamic = flat.static_leaves, len(flat.dynamic_leaves)
+        self.k = k = program.num_micro_batches
+        self.meshes = make_submeshes(devices, sizes, plan.submesh_shapes)
+        jaxpr = part.jaxpr
+        self.batch_vars = {v for v, b in zip(jaxpr.invars, program.batch_invars, strict=True)
+                           if b}
+        mb_rows = next((v.aval.shape[0] for v in self.batch_vars if v.aval.shape), None)
+        self.specs = Specs(part, self.meshes, mb_rows)
+        split = plan.schedule == "zero_bubble"
+        self.schedule = get_schedule(plan.schedule, num_stages=part.num_stages,
+                                     num_micro_batches=k)
+        self.order = simulate(self.schedule).order()
+        self.tasks: dict = {}
+        for s in range(part.num_stages):
+            self.tasks[("F", s)] = CompiledTask(part.forward[s], part, self.specs,
+                                                with_index=True)
+            if part.has_backward:
+                pairs = ([("Ba", part.split_backward[s][0]), ("Bw", part.split_backward[s][1])]
+                         if split else [("B", part.backward[s])])
+                for kind, t in pairs:
+                    self.tasks[(kind, s)] = CompiledTask(t, part, self.specs, with_index=True)
+        self.apply = [CompiledTask(t, part, self.specs, with_index=False) for t in part.apply]
+        self.finalize = []
+        for s in range(part.num_stages):
+            fn, pairs = finalize_fn(part, s, k)
+            if pairs:
+                rep = NamedSharding(self.meshes[s], P())
+                self.finalize.append((s, jax.jit(fn, in_shardings=rep, out_shardings=rep,
+                                                 donate_argnums=tuple(range(len(pairs)))), pairs))
+        self._split_fns: dict = {}
+        self._zeros_fns: dict = {}
+        self._indices: dict = {}
+        self._last_use = self._last_uses()
+        self.in_shardings = tuple(self._input_sharding(v) for v in jaxpr.invars)
+        self.timings = dict(timings, compile_s=time.perf_counter() - t0)
+        self.trace: list = []
+
+    # Calling -----------------------------------------------------------------------------------
+    def __call__(self, *args):
+        out = self.call_leaves(jax.tree.leaves(args))
+        return self.call_args(args) if out is MISS else out
+
+    def call_leaves(self, leaves: list):
+        if self._static_sel is not None:
+            if tuple(compress(leaves, self._static_sel)) != self._static_leaves:
+                return MISS
+            leaves = list(compress(leaves, self._dynamic_sel))
+        if len(leaves) != self._num_dynamic:
+            return MISS
+        for x, a in zip(leaves, self._flat.dynamic_leaves, strict=True):
+            if tuple(getattr(x, "shape", ())) != tuple(a.shape):
+                return MISS
+        if _compat.any_deleted(leaves):
+            raise deleted_error(leaves, self._flat.paths, self.name)
+        return self._out_tree.unflatten(self.run(leaves))
+
+    def call_args(self, args: tuple):
+        flat = flatten_args(args, self.static_argnums)
+        if flat.key()[:3] != self._flat.key()[:3]:
+            raise TypeError(f"These arguments do not match the pipeline executable of "
+                            f"{self.name}; call the parallelized function instead.")
+        return self._out_tree.unflatten(self.run(list(flat.dynamic_leaves)))
+
+    # One step ----------------------------------------------------------------------------------
+    def run(self, leaves: list, record: bool = False) -> list:
+        part, k = self.part, self.k
+        jaxpr = part.jaxpr
+        self._mb: dict = {}     # (var, micro-batch) -> {stage: array}
+        self._step: dict = {}   # var -> {stage: array}
+        args = dict(zip(jaxpr.invars, leaves, strict=True))
+        for v, x in args.items():
+            if v in self.batch_vars:
+                self._split_batch(v, x)
+            else:
+                self._step[v] = {"host": x}
+        accs = {s: self._zeros(s) for s in range(part.num_stages)}
+        t_start = time.perf_counter()
+        for n, a in enumerate(self.order):
+            task = self.tasks.get((a.kind, a.stage))
+            if task is None:
+                continue
+            t0 = time.perf_counter()
+            ins = self._gather(task, a.micro_batch)
+            acc = accs[a.stage]
+            extra = [acc[v] for v in task.accumulated] + (
+                [self._index(a.stage, a.micro_batch)] if task.random else [])
+            outs = task(ins + extra)
+            n_out = len(task.outvars)
+            for v, o in zip(task.outvars, outs[:n_out], strict=True):
+                self._mb.setdefault((v, a.micro_batch), {})[a.stage] = o
+            for v, o in zip(task.accumulated, outs[n_out:], strict=True):
+                acc[v] = o
+            if self.blocking or record:
+                jax.block_until_ready(outs)
+            if record:
+                self.trace.append((str(a), a.stage, t0 - t_start, time.perf_counter() - t0))
+            for key in self._last_use.get(n, ()):
+                self._mb.pop(key, None)
+        for s, fn, pairs in self.finalize:
+            vals = fn(*[accs[s][v] for v, _, _ in pairs])
+            for (_, o, _), x in zip(pairs, vals, strict=True):
+                self._step[o] = {s: x}
+        for t in self.apply:
+            outs = t(self._gather(t, None))
+            for v, o in zip(t.outvars, outs, strict=True):
+                self._step[v] = {t.stage: o}
+            if self.blocking:
+                jax.block_until_ready(outs)
+        out = [self._output(v, args) for v in jaxpr.outvars]
+        self._mb, self._step = {}, {}
+        return out
+
+    def _gather(self, task, mb) -> list:
+        """The task's inputs on its stage; the missing ones moved with one device_put."""
+        s = task.stage
+        vals, missing = [], []
+        for i, v in enumerate(task.invars):
+            copies = self._step.get(v) if mb is None or (v, mb) not in self._mb else (
+                self._mb[(v, mb)])
+            if copies is None:
+                copies = self._mb[(v, mb)]
+            if s in copies:
+                vals.append(copies[s])
+            else:
+                src = next(iter(copies.values()))
+                vals.append(None)
+                missing.append((i, v, copies, src))
+        if missing:
+            moved = jax.device_put([m[3] for m in missing],
+                                   [task.in_shardings[m[0]] for m in missing])
+            for (i, v, copies, _), x in zip(missing, moved, strict=True):
+                copies[s] = x
+                vals[i] = x
+        return vals
+
+    def _split_batch(self, v, x):
+        stages = {t.stage for t in self._all_tasks() if v in t.invars}
+        for s in stages:
+            mesh = self.meshes[s]
+            spec = self.specs.spec.get(v, P())
+            fn = self._split_fns.get((v, s))
+            if fn is None:
+                k = self.k
+                full = NamedSharding(mesh, spec)
+
+                def split(a, k=k):
+                    a = a.reshape((a.shape[0] // k, k) + a.shape[1:])
+                    return [a[:, j] for j in range(k)]
+                fn = jax.jit(split, in_shardings=full, out_shardings=[full] * k)
+                self._split_fns[(v, s)] = fn
+            placed = jax.device_put(x, NamedSharding(mesh, spec))
+            for j, piece in enumerate(fn(placed)):
+                self._mb.setdefault((v, j), {})[s] = piece
+
+    def _zeros(self, s) -> dict:
+        """Fresh accumulators of stage ``s``, made on its devices by a jit (no host copy)."""
+        fn = self._zeros_fns.get(s)
+        if fn is None:
+            acc = list(dict.fromkeys(v for t in self._all_tasks() if t.stage == s
+                                     for v in t.accumulated))
+            rep = NamedSharding(self.meshes[s], P())
+            make = jax.jit(lambda: [jnp.zeros(v.aval.shape, acc_dtype(v.aval.dtype))
+                                    for v in acc], out_shardings=[rep] * len(acc))
+            fn = self._zeros_fns[s] = (acc, make)
+        acc, make = fn
+        return dict(zip(acc, make(), strict=True)) if acc else {}
+
+    def _index(self, s, j):
+        """Micro-batch index ``j`` as a replicated array on stage ``s`` (made once)."""
+        x = self._indices.get((s, j))
+        if x is None:
+            rep = NamedSharding(self.meshes[s], P())
+            x = self._indices[(s, j)] = jax.jit(lambda: jnp.int32(j), out_shardings=rep)()
+        return x
+
+    def _output(self, v, args):
+        if isinstance(v, Literal):
+            return jnp.asarray(v.val, v.aval.dtype)
+        if v in args and v not in self.batch_vars:
+            return args[v]
+        if v in self._step:
+            return next(iter(self._step[v].values()))
+        pieces = [next(iter(self._mb[(v, j)].values())) for j in range(self.k)]
+        if self.k == 1:
+            return pieces[0]
+        if v not in self.part.batch_dependent:
+            return pieces[0]
+        # Forward values with the micro-batch's rows are joined back; everything else (a
+        # scalar loss, gradients returned without a marker) is the mean over micro-batches.
+        forward = any(v in t.outvars for t in self.part.forward)
+        rows = forward and bool(v.aval.shape) and v.aval.shape[0] == self._mb_rows()
+        if rows:
+            stacked = jnp.stack(pieces, axis=1)
+            return stacked.reshape((-1,) + stacked.shape[2:])
+        return jnp.mean(jnp.stack(pieces), axis=0).astype(v.aval.dtype)
+
+    def _mb_rows(self):
+        return next((v.aval.shape[0] for v in self.batch_vars if v.aval.shape), None)
+
+    def _all_tasks(self):
+        return list(self.tasks.values()) + self.apply
+
+    def _last_uses(self) -> dict:
+        last = {}
+        outs = {v for v in self.part.jaxpr.outvars if isinstance(v, Var)}
+        for n, a in enumerate(self.order):
+            task = self.tasks.get((a.kind, a.stage))
+            if task is None:
+                continue
+            for v in task.invars:
+                if not isinstance(v, Var) or v in outs:
+                    continue
+                if v in self.batch_vars or v in self.part.per_micro_batch:
+                    last[(v, a.micro_batch)] = n
+        by_action: dict = {}
+        for key, n in last.items():
+            by_action.setdefault(n, []).append(key)
+        return by_action
+
+    def _input_sharding(self, v):
+        for t in sorted(self._all_tasks(), key=lambda t: t.stage):
+            if v in t.invars:
+                i = t.invars.index(v)
+                return t.in_shardings[i]
+        return NamedSharding(self.meshes[0], P())
+
+    # Inspection --------------------------------------------------------------------------------
+    def _ordered_tasks(self):
+        s = self.part.num_stages
+        fwd = [self.tasks[("F", i)] for i in range(s)]
+        bwd = [t for i in reversed(range(s)) for kind in ("B", "Ba", "Bw")
+               if (t := self.tasks.get((kind, i))) is not None]
+        return fwd + bwd + self.apply
+
+    def get_hlo_text(self) -> list[str]:
+        """One optimized HLO text per task: forward stages, backward stages in reverse, apply."""
+        return [t.compiled.as_text() for t in self._ordered_tasks()]
+
+    def get_total_allocation_size(self) -> int:
+        """The largest per-device allocation (arguments + outputs + temporaries) of any task."""
+        best = 0
+        for t in self._ordered_tasks():
+            m = t.compiled.memory_analysis()
+            best = max(best, int(m.argument_size_in_bytes + m.output_size_in_bytes +
+                                 m.temp_size_in_bytes - m.alias_size_in_bytes))
+        return best
+
+    @property
+    def stage_input_shard_specs(self) -> list[list]:
+        """Per forward stage, the PartitionSpec of each of its inputs."""
+        return [[s.spec for s in self.tasks[("F", i)].in_shardings]
+                for i in range(self.part.num_stages)]
+
+    def get_input_placement_specs(self):
+        it = iter(self.in_shardings)
+        leaves = [next(it) if d else None for d in self._flat.is_dynamic]
+        return jax.tree.unflatten(self._flat.treedef, leaves)
+
+    def get_output_placement_specs(self):
+        return jax.tree.unflatten(self._out_tree, [None] * self._out_tree.num_leaves)
+
+    def dump_stage_execution_trace(self, path: str, *args) -> str:
+        """Run one step (blocking per action) and write its Chrome/Perfetto trace JSON."""
+        if args:
+            self.trace = []
+            self.run(list(flatten_args(args, self.static_argnums).dynamic_leaves), record=True)
+        events = [{"name": name, "ph": "X", "pid": 0, "tid": stage, "ts": start * 1e6,
+                   "dur": dur * 1e6} for name, stage, start, dur in self.trace]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events}, f)
+        return path
+
+
+__all__ = ["PipelineExecutable"]

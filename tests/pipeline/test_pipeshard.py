@@ -165,3 +165,24 @@ def test_bad_inputs_name_the_option():
             layer_option="manual", pipeline_schedule="inference"))(params, *batch)
     with pytest.raises(ValueError, match="pipeline_schedule"):
         PipeshardParallel(pipeline_schedule="2f2b")
+
+
+def test_executable_inspection_trace_and_devices_list(tmp_path):
+    import json
+
+    method = PipeshardParallel(devices=jax.devices()[:4], num_micro_batches=2,
+                               layer_option="manual", blocking=True,
+                               stage_option=UniformStageOption(num_stages=2))
+    f = autoshard.parallelize(sgd_step(mlp_loss), method=method)
+    g = autoshard.parallelize(sgd_step(mlp_loss), method=method)
+    params, batch = mlp_params(), mlp_batch()
+    out = f(params, batch)
+    ex = f.get_last_executable()
+    g(params, batch)
+    assert g.get_last_executable() is not ex
+    assert ex.plan.stage_devices == ((0, 1), (2, 3))
+    assert len(ex.stage_input_shard_specs) == 2
+    ex.dump_stage_execution_trace(str(tmp_path / "trace.json"), out, batch)
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["name"] for e in events} >= {"F0.0", "F1.1", "B1.0", "B0.1"}
+    assert "stage 1: layers" in ex.plan.explain()

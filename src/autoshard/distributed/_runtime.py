@@ -9,6 +9,9 @@ well, so the process can join again (a new job, or a purely local run).
 
 from __future__ import annotations
 
+import socket
+import time
+
 import jax
 
 from .. import _compat, _config
@@ -71,6 +74,7 @@ def join(kwargs: dict, *, cluster: str = "distributed") -> None:
             "coordinator_address and num_processes, distinct process_id values, and that "
             "process 0 can listen on the coordinator port.") from e
     _state["joined"] = True
+    _state["settings"] = settings
 
 
 def resolve_settings(kwargs: dict, *, cluster: str = "distributed") -> tuple[dict, str]:
@@ -120,12 +124,34 @@ def shutdown() -> None:
         jax.distributed.shutdown()
         # The backends were built for the job just left; drop them so init can run again.
         _compat.clear_backends()
+        settings = _state.get("settings") or {}
+        if settings.get("process_id"):
+            _wait_until_closed(settings["coordinator_address"])
     _state["joined"] = False
     if _state["ray_started"]:
         from . import _ray
 
         _ray.disconnect()
         _state["ray_started"] = False
+
+
+def _wait_until_closed(address: str, limit_s: float = 2.0) -> None:
+    """Wait (briefly) until process 0's coordinator of the job just left stops listening.
+
+    Process 0 stops its coordinator service a moment after the others leave the shutdown
+    barrier; a process that joins again at once could otherwise reach the old service on the
+    same address and fail when it goes. Once the port refuses, or after ``limit_s`` (a new
+    service is already up), joining again is safe.
+    """
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=0.2):
+                pass
+        except OSError:
+            return
+        time.sleep(0.01)
 
 
 def _describe(settings: dict) -> str:

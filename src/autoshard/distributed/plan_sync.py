@@ -76,7 +76,7 @@ def agree_on_plan(name: str, program, plan: Any | Callable[[], Any]) -> Any:
     if first.split(" ", 1)[0] != fingerprint:
         raise _mismatch(name, rank, mine, 0, first)
     chosen = pickle.loads(client.blocking_key_value_get_bytes(f"{key}/plan", _TIMEOUT_MS))
-    if not callable(plan) and plan != chosen:
+    if not callable(plan) and _what_runs(plan) != _what_runs(chosen):
         raise PlanMismatchError(
             f"{name}: process {rank} planned differently from process 0 for the same program "
             f"(fingerprint {fingerprint}): {_first_difference(plan, chosen)}. Planning is "
@@ -84,6 +84,15 @@ def agree_on_plan(name: str, program, plan: Any | Callable[[], Any]) -> Any:
             "in devices, method options or AUTOSHARD_* settings; give them the same, or let "
             "process 0 plan alone (pass a function as plan).")
     return chosen
+
+
+def _what_runs(plan):
+    """The parts of a plan that decide the compiled program (not its costs or solver notes)."""
+    fields = ("mesh_shape", "axis_names", "in_specs", "out_specs", "intermediates",
+              "operand_specs")
+    if not all(hasattr(plan, f) for f in fields):
+        return plan
+    return tuple(getattr(plan, f) for f in fields)
 
 
 def reset() -> None:

@@ -32,9 +32,10 @@ def compile_auto(method, program: Program) -> Compiled:
             f"{math.prod(option.logical_mesh_shape)} devices but the method uses {len(devices)}. "
             "Choose a shape whose product is the device count.")
     accumulate = program.num_micro_batches > 1
-    # With micro-batches the planner costs one micro-batch step: the loop then runs each
-    # device on its own rows and reduces the gradients once, as in that step.
-    closed = program.closed if accumulate else program.full_jaxpr()
+    # The traced step itself is planned (no re-trace). With micro-batches it is one
+    # micro-batch's step: the loop then runs each device on its own rows and reduces the
+    # gradients once, as in that step.
+    closed = program.closed
     plan = sharding.plan_auto(
         closed, num_devices=len(devices), option=option, in_paths=program.in_paths,
         out_paths=program.out_paths, batch_invars=program.batch_invars,

@@ -5,11 +5,12 @@ shardings. It walks the jaxpr like the planner's graph builder (same ids), binds
 primitive, inlines calls, rebuilds loops with ``lax.scan`` / ``lax.while_loop`` /
 ``lax.switch`` so constraints can sit inside their bodies, and pins:
 
-* the output of every node whose strategy the solver chose (dots, convs, gathers, reshapes...),
+* the output of every node, followers included (dots, convs, gathers, reshapes, elementwise
+  ops...),
 * every loop carry at the start and the end of an iteration, and scanned slices,
 * an operand whose required spec differs from its producer's (the planned resharding).
 
-Elementwise followers are left to XLA's propagation.
+Values computed from constants only (iota, masks) are left to XLA, which slices them locally.
 """
 
 from __future__ import annotations

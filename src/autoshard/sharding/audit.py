@@ -65,6 +65,16 @@ class Audit:
             return None
         return self.compiled_memory / self.predicted_memory
 
+    def within(self, tolerance: float = 0.10) -> bool:
+        """Compiled bytes at most ``1 + tolerance`` times the predicted ones, memory likewise.
+
+        Fewer compiled bytes than predicted pass: XLA found a cheaper collective (it gathers
+        a small operand instead of reducing a large result, or reshards a value once for
+        several consumers the plan prices one by one).
+        """
+        mem = self.memory_ratio()
+        return self.bytes_ratio() <= 1 + tolerance and (mem is None or mem <= 1 + tolerance)
+
     def unpredicted_full_gathers(self, full_bytes: set[int]) -> list[hlo.CompiledCollective]:
         """Unpredicted all-gathers whose result is a whole array of one of ``full_bytes``."""
         return [c for c in self.unpredicted if c.kind == "all-gather" and c.num_bytes in full_bytes]
@@ -113,7 +123,14 @@ def audit(plan: ShardingPlan, hlo_text: str, compiled_memory: int, *,
         rows.append(AuditRow(kind=key[0], axes=key[1], predicted_bytes=predicted.get(key, 0),
                              compiled_bytes=sum(c.num_bytes * c.count for c in found),
                              compiled_count=sum(c.count for c in found)))
-    unpredicted = tuple(c for key, cs in compiled.items() if key not in predicted for c in cs)
+    # XLA may run a predicted pair of per-axis steps (x, then y) as one step over x+y, or the
+    # reverse: a compiled collective is predicted when every axis it spans has a predicted
+    # collective of its kind.
+    covered: dict[str, set] = {}
+    for kind, axes in predicted:
+        covered.setdefault(kind, set()).update(axes)
+    unpredicted = tuple(c for c in compiled_list if c.axes is None
+                        or not set(c.axes) <= covered.get(c.kind, set()))
     has_prediction = plan.objective is not None
     return Audit(rows=tuple(rows), unpredicted=unpredicted if has_prediction else (),
                  predicted_memory=(plan.objective.peak_bytes_per_device

@@ -199,7 +199,10 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
         for kind, axes, num_bytes in s.collectives:
             add(kind, axes, num_bytes, ctx.cost.collective(kind, axes, num_bytes) * node.mult,
                 node.where, node.mult)
-        if (prob.var(node.id) == node.id and node.kind not in PINNED_KINDS_EXCLUDED
+        # Every node is pinned, followers included: a value XLA may place by itself is a
+        # value whose collectives the audit finds unpredicted (elementwise chains around
+        # normalisations were re-placed by XLA's propagation when left free).
+        if (node.kind not in PINNED_KINDS_EXCLUDED
                 and node.id not in prob.free):
             for vid, spec in zip(node.outputs, s.out_specs, strict=False):
                 pinned.append((vid, pspec(spec)))

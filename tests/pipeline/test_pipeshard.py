@@ -12,13 +12,17 @@ import numpy as np
 import optax
 import pytest
 from flax.training.train_state import TrainState
+from pipeline_models import GPT, assert_trees_close, mlp_batch, mlp_loss, mlp_params, sgd_step
 
 import autoshard
 from autoshard import _compat
-from autoshard.pipeline import (AutoLayerOption, ManualLayerOption, ManualStageOption,
-                                PipeshardParallel, UniformStageOption)
-
-from pipeline_models import GPT, assert_trees_close, mlp_batch, mlp_loss, mlp_params, sgd_step
+from autoshard.pipeline import (
+    AutoLayerOption,
+    ManualLayerOption,
+    ManualStageOption,
+    PipeshardParallel,
+    UniformStageOption,
+)
 
 
 def run_steps(step, method, state, batch, num_steps=3):

@@ -5,8 +5,14 @@ import random
 
 import pytest
 
-from autoshard.pipeline.stages import (AutoStageOption, ManualStageOption, UniformStageOption,
-                                       stage_dp, stage_exhaustive, submesh_choices)
+from autoshard.pipeline.stages import (
+    AutoStageOption,
+    ManualStageOption,
+    UniformStageOption,
+    stage_dp,
+    stage_exhaustive,
+    submesh_choices,
+)
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -10,8 +10,14 @@ from .._mesh import resolve_devices
 from ..markers import pipeline_p
 from .layers import AutoLayerOption, auto_layers, check_no_nested_markers, manual_layers
 from .partition import Partition, boundary_positions, build_partition, forward_end, split_pre_post
-from .stages import AutoStageOption, ManualStageOption, UniformStageOption, stage_dp
-from .stages import logical_choices, submesh_choices
+from .stages import (
+    AutoStageOption,
+    ManualStageOption,
+    UniformStageOption,
+    logical_choices,
+    stage_dp,
+    submesh_choices,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +108,7 @@ def choose_stages(stage_option, num_layers: int, num_devices: int, k: int, layer
     if math.prod(logical) != per:
         raise ValueError(f"UniformStageOption.submesh_logical_shape {logical} has "
                          f"{math.prod(logical)} devices but each sub-mesh has {per}.")
-    stage_of_layer = [l * n // num_layers for l in range(num_layers)]
+    stage_of_layer = [layer * n // num_layers for layer in range(num_layers)]
     dicts = [dict(opt.submesh_autosharding_option or {}) for _ in range(n)]
     return stage_of_layer, [per] * n, [logical] * n, dicts
 
@@ -164,7 +170,7 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
                            remat=method.layer_option.remat)
     ids, start, devs = [], 0, []
     for s in range(len(sizes)):
-        ids.append(tuple(l for l, x in enumerate(stage_of_layer) if x == s))
+        ids.append(tuple(layer for layer, x in enumerate(stage_of_layer) if x == s))
         devs.append(tuple(d.id for d in devices[start:start + sizes[s]]))
         start += sizes[s]
     plan = PipelinePlan(num_layers=num_layers, stage_layer_ids=tuple(ids),
@@ -187,11 +193,11 @@ def _layer_costs(pre, layer_of, num_layers):
     from .layers import eqn_flops
 
     flops, mem = [0.0] * num_layers, [0.0] * num_layers
-    for i, l in layer_of.items():
-        flops[l] += eqn_flops(pre[i])
+    for i, layer in layer_of.items():
+        flops[layer] += eqn_flops(pre[i])
         for v in pre[i].outvars:
             aval = v.aval
-            mem[l] += math.prod(getattr(aval, "shape", ())) * getattr(
+            mem[layer] += math.prod(getattr(aval, "shape", ())) * getattr(
                 getattr(aval, "dtype", None), "itemsize", 4)
     return flops, mem
 

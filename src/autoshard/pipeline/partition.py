@@ -188,7 +188,7 @@ def build_partition(closed, *, layer_of_fwd: dict, fwd_end: int, stage_of_layer:
         for s in range(num_stages):
             groups[("B", s)] = _recompute(groups.get(("F", s), []), groups.get(("B", s), []))
     home: dict = {}
-    for (kind, s), eqns in groups.items():
+    for (_kind, s), eqns in groups.items():
         for e in eqns:
             for v in e.outvars:
                 home[v] = s
@@ -306,7 +306,7 @@ def _split_backward(b: Task, needed_by: dict, producer, free) -> tuple[Task, Tas
 
 def _first_use_stage(groups, invars) -> dict:
     out: dict = {}
-    for (kind, s), eqns in sorted(groups.items(), key=lambda kv: (kv[0][0] != "F", kv[0][1])):
+    for (_kind, s), eqns in sorted(groups.items(), key=lambda kv: (kv[0][0] != "F", kv[0][1])):
         for e in eqns:
             for v in e.invars:
                 if isinstance(v, Var):

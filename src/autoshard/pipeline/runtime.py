@@ -107,7 +107,7 @@ class PipelineExecutable:
 
     # One step ----------------------------------------------------------------------------------
     def run(self, leaves: list, record: bool = False) -> list:
-        part, k = self.part, self.k
+        part = self.part
         jaxpr = part.jaxpr
         self._mb: dict = {}     # (var, micro-batch) -> {stage: array}
         self._step: dict = {}   # var -> {stage: array}
@@ -172,7 +172,7 @@ class PipelineExecutable:
         if missing:
             moved = jax.device_put([m[3] for m in missing],
                                    [task.in_shardings[m[0]] for m in missing])
-            for (i, v, copies, _), x in zip(missing, moved, strict=True):
+            for (i, _v, copies, _), x in zip(missing, moved, strict=True):
                 copies[s] = x
                 vals[i] = x
         return vals

@@ -22,24 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .actions import Action, _deps, dependencies
+from .simulate import simulate
+
 ScheduleName = Literal["gpipe", "1f1b", "inference", "interleaved_1f1b", "zero_bubble"]
 SCHEDULES = ("gpipe", "1f1b", "inference", "interleaved_1f1b", "zero_bubble")
-Kind = Literal["F", "B", "Ba", "Bw"]
-
-
-@dataclass(frozen=True, order=True)
-class Action:
-    """One unit of work: ``kind`` of model stage ``stage`` on micro-batch ``micro_batch``."""
-
-    kind: str
-    """``F``, ``B``, ``Ba`` (input-gradient part of B) or ``Bw`` (weight-gradient part)."""
-    stage: int
-    """Model stage (0 is the first forward stage)."""
-    micro_batch: int
-    """Micro-batch index."""
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.stage}.{self.micro_batch}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,8 +63,6 @@ class Schedule:
 
     def render(self, costs=None) -> str:
         """The schedule as a text table: one row per rank, one column per time step."""
-        from .simulate import simulate
-
         return simulate(self, costs).render()
 
 
@@ -204,25 +189,6 @@ def zero_bubble(num_stages: int, num_micro_batches: int) -> Schedule:
             done[act] = t + 1
         t += 1
     return _schedule("zero_bubble", s, m, ranks)
-
-
-def _deps(a: Action, num_stages: int, backward_kind: str) -> list[Action]:
-    """Actions that must finish before ``a``; ``backward_kind`` is the next stage's B or Ba."""
-    j = a.micro_batch
-    if a.kind == "F":
-        return [Action("F", a.stage - 1, j)] if a.stage > 0 else []
-    if a.kind == "Bw":
-        return [Action("Ba", a.stage, j)]
-    deps = [Action("F", a.stage, j)]
-    if a.stage < num_stages - 1:
-        deps.append(Action(backward_kind, a.stage + 1, j))
-    return deps
-
-
-def dependencies(a: Action, schedule: Schedule) -> list[Action]:
-    """What ``a`` waits for: the previous forward stage, the next backward stage, its own F/Ba."""
-    split = any(x.kind == "Ba" for r in schedule.ranks for x in r)
-    return _deps(a, schedule.num_stages, "Ba" if split else "B")
 
 
 __all__ = ["Action", "Schedule", "SCHEDULES", "get_schedule", "dependencies", "gpipe",

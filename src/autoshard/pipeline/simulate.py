@@ -1,7 +1,7 @@
 """Replay a schedule with per-action costs: check it, time it, and draw it.
 
 ``simulate`` runs every rank's actions in order, each starting when its rank is free and the
-actions it depends on (``schedules.dependencies``) have finished. It raises when a schedule
+actions it depends on (``actions.dependencies``) have finished. It raises when a schedule
 misses an action, repeats one, or can never make progress (a dependency cycle), and reports
 the makespan, the bubble (idle time of all ranks) and the peak number of micro-batches in
 flight per stage (forward started, last backward part not finished).
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from .schedules import Action, Schedule, dependencies
+from .actions import Action, ScheduleLike, dependencies
 
 Costs = Mapping | Callable[[Action], float] | None
 """Per-action costs: None (every action 1), ``{kind: cost}``, ``{(kind, stage): cost}``, or a
@@ -23,7 +23,7 @@ function of the action."""
 class Simulation:
     """The replay of a schedule: when each action ran, idle time and memory in flight."""
 
-    schedule: Schedule
+    schedule: ScheduleLike
     """The replayed schedule."""
     start: dict
     """Action -> start time."""
@@ -84,7 +84,7 @@ def cost_of(costs: Costs, a: Action) -> float:
                      "a cost per kind or per (kind, stage).")
 
 
-def check_complete(schedule: Schedule) -> None:
+def check_complete(schedule: ScheduleLike) -> None:
     """Every stage runs F (and B, or Ba and Bw) once per micro-batch, on the right rank."""
     seen: set[Action] = set()
     for r, acts in enumerate(schedule.ranks):
@@ -104,7 +104,7 @@ def check_complete(schedule: Schedule) -> None:
                     raise ValueError(f"schedule {schedule.name!r} never runs {Action(k, s, j)}.")
 
 
-def simulate(schedule: Schedule, costs: Costs = None) -> Simulation:
+def simulate(schedule: ScheduleLike, costs: Costs = None) -> Simulation:
     """Replay ``schedule``; raises ValueError if it is incomplete or deadlocks."""
     check_complete(schedule)
     start: dict[Action, float] = {}
@@ -139,7 +139,7 @@ def simulate(schedule: Schedule, costs: Costs = None) -> Simulation:
                       busy=tuple(busy), peak_in_flight=_peak_in_flight(schedule, start, end))
 
 
-def _peak_in_flight(schedule: Schedule, start, end) -> tuple[int, ...]:
+def _peak_in_flight(schedule: ScheduleLike, start, end) -> tuple[int, ...]:
     peaks = []
     last = "F" if not schedule.has_backward else None
     for s in range(schedule.num_stages):

@@ -18,6 +18,7 @@ from ._executable import MISS, Executable, abstract_leaf, deleted_error
 from ._jaxpr import FlatArgs, flatten_args
 from ._methods import ParallelMethod, ShardParallel
 from ._program import trace_program
+from .distributed.plan_sync import agree_on_plan
 
 _state: dict[str, Any] = {"cluster": None}
 _all_funcs: weakref.WeakSet = weakref.WeakSet()
@@ -277,6 +278,8 @@ class ParallelizedFunc:
             return build(program, flat=flat, out_tree=out_tree, static_argnums=static_argnums,
                          name=self.__name__, trace_s=t1 - t0)
         compiled = self.method.compile(program)
+        if compiled.plan.objective is None:  # fixed plans: every process checks it traced the
+            agree_on_plan(self.__name__, program, compiled.plan)  # same program as process 0
         t2 = time.perf_counter()
         mesh, plan = compiled.mesh, compiled.plan
         in_shardings = tuple(NamedSharding(mesh, leaf.spec) for leaf in plan.inputs)

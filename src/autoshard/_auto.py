@@ -9,6 +9,7 @@ from . import sharding
 from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
 from ._method_base import Compiled
 from ._program import Program
+from .distributed.plan_sync import agree_on_plan
 from .grad_accum import StepHooks, batch_axes
 from .sharding.options import AutoShardingOption
 
@@ -36,11 +37,13 @@ def compile_auto(method, program: Program) -> Compiled:
     # micro-batch's step: the loop then runs each device on its own rows and reduces the
     # gradients once, as in that step.
     closed = program.closed
-    plan = sharding.plan_auto(
+    # Across processes, process 0 plans and the others receive its plan (after checking that
+    # they traced the same program); with one process this just plans.
+    plan = agree_on_plan("ShardParallel", program, lambda: sharding.plan_auto(
         closed, num_devices=len(devices), option=option, in_paths=program.in_paths,
         out_paths=program.out_paths, batch_invars=program.batch_invars,
         aliases=program.aliases, axis_names=axis_names,
-        devices_per_host=sum(d.process_index == devices[0].process_index for d in devices))
+        devices_per_host=sum(d.process_index == devices[0].process_index for d in devices)))
     mesh = (as_auto_mesh(user_mesh) if user_mesh is not None
             else mesh_from_shape(devices, plan.mesh_shape, plan.axis_names))
     if not accumulate:

@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -242,7 +243,8 @@ def autoshard_methods(num_devices: int, solver_time_limit_s: float) -> dict[str,
     # Hook: PipeshardParallel joins the suite as soon as autoshard exports it.
     pipeshard = getattr(autoshard, "PipeshardParallel", None)
     methods["autoshard:PipeshardParallel"] = (
-        (lambda d: pipeshard(devices=d)) if pipeshard is not None else None)
+        (lambda d: pipeshard(devices=d, num_micro_batches=2, blocking=True))
+        if pipeshard is not None else None)
     return methods
 
 
@@ -258,8 +260,8 @@ def ilp_stats(plan) -> dict:
     adds later show up without a change here); ``ilp_columns`` and ``ilp_rows`` come from
     ``num_columns`` / ``num_rows`` when the objective has them (non-zero), else from the notes.
     """
-    extra = {"plan_notes": list(plan.notes)}
-    objective = plan.objective
+    extra = {"plan_notes": list(getattr(plan, "notes", ()))}
+    objective = getattr(plan, "objective", None)
     if objective is not None:
         extra["ilp_objective_s"] = objective.total_s
         extra["ilp_solver_status"] = objective.solver_status
@@ -274,7 +276,7 @@ def ilp_stats(plan) -> dict:
             value = getattr(objective, name, None)
             if value:            # 0: not filled in by this planner
                 extra[key] = int(value)
-    for note in plan.notes:
+    for note in getattr(plan, "notes", ()):
         match = _NOTE_ILP.search(note)
         if match:
             extra.setdefault("ilp_columns", int(match.group(1)))
@@ -285,6 +287,22 @@ def ilp_stats(plan) -> dict:
             extra.setdefault("planner_reported_s", float(match.group(1)))
             extra.setdefault("ilp_columns", int(match.group(2)))
     return extra
+
+
+class _Stages:
+    """A pipeline executable seen as one compiled step: every stage's HLO, the largest task's
+    memory (collectives inside a stage count once per task, not once per micro-batch)."""
+
+    def __init__(self, executable):
+        self.executable = executable
+
+    def as_text(self) -> str:
+        return "\n".join(self.executable.get_hlo_text())
+
+    def memory_analysis(self):
+        total = self.executable.get_total_allocation_size()
+        return SimpleNamespace(argument_size_in_bytes=0, output_size_in_bytes=0,
+                               temp_size_in_bytes=total, alias_size_in_bytes=0)
 
 
 def prepare_autoshard(case: ModelCase, make_method: Callable, devices) -> Prepared:
@@ -305,7 +323,15 @@ def prepare_autoshard(case: ModelCase, make_method: Callable, devices) -> Prepar
         extra["planner_reported_s"] = timings["planning_s"]
     extra["autoshard_timings_s"] = timings
     extra["get_executable_s"] = total
+    if hasattr(executable, "audit") and getattr(plan, "objective", None) is not None:
+        audit = executable.audit()  # what the planner predicted next to what XLA compiled
+        extra["predicted_collective_bytes"] = audit.predicted_bytes
+        extra["audit_compiled_collective_bytes"] = audit.compiled_bytes
+        extra["audit_bytes_ratio"] = audit.bytes_ratio()
+        extra["audit_memory_ratio"] = audit.memory_ratio()
+        extra["audit_unpredicted"] = len(audit.unpredicted)
     state, batch = f.preshard_dynamic_args(state, batch)   # the cached executable: no recompile
-    return Prepared(step=f, state=state, batch=batch, compiled=executable.compiled,
+    compiled = getattr(executable, "compiled", None) or _Stages(executable)
+    return Prepared(step=f, state=state, batch=batch, compiled=compiled,
                     mesh_shape=tuple(plan.mesh_shape), compile_time_s=compile_s,
                     planning_time_s=total - compile_s, extra=extra)

@@ -174,16 +174,16 @@ def write_markdown(result: dict, path: str) -> None:
     for model, info in result["models"].items():
         out += [f"## {model}", "", f"{info['num_params']:,} parameters, {info['config']}", "",
                 "| plan | mesh | step ms (median) | IQR ms | ratio to best manual | plan s | "
-                "compile s | collective MiB (AR/AG/RS/A2A/CP) | peak MiB/device | ILP obj ms "
-                "| loss = single |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "compile s | collective MiB (AR/AG/RS/A2A/CP) | predicted MiB | peak MiB/device "
+                "| memory / estimate | ILP obj ms | loss = single |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["records"]:
             if r["model"] != model:
                 continue
             mesh = "x".join(map(str, r["mesh_shape"])) if r["mesh_shape"] else "-"
             if r["status"] != "ok":
                 out.append(f"| {r['plan']} | {mesh} | **{r['status']}**: "
-                           f"{_first_line(r['error']).replace('|', '/')} | | | | | | | | |")
+                           f"{_first_line(r['error']).replace('|', '/')} | | | | | | | | | | |")
                 continue
             coll = r["collective_bytes"]
             by_kind = "/".join(_mb(coll[k]) if coll[k] else "0" for k in SHORT)
@@ -193,7 +193,9 @@ def write_markdown(result: dict, path: str) -> None:
                 f"| {_ratio(r.get('step_time_ratio_to_best_manual'))} "
                 f"| {_s(r.get('planning_time_s'))} | {_s(r['compile_time_s'])} "
                 f"| {_mb(r['total_collective_bytes'])} ({by_kind}) "
-                f"| {_mb(r['peak_bytes_per_device'])} | {_ms(r.get('ilp_objective_s'))} | {ok} |")
+                f"| {_mb(r['predicted_collective_bytes']) if 'predicted_collective_bytes' in r else '-'} "
+                f"| {_mb(r['peak_bytes_per_device'])} | {_ratio(r.get('audit_memory_ratio'))} "
+                f"| {_ms(r.get('ilp_objective_s'))} | {ok} |")
         out.append("")
     if result.get("planning_sweep"):
         out += ["## Planning time vs GPT depth", "",

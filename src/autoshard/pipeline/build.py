@@ -38,6 +38,15 @@ class PipelinePlan:
     """Micro-batches per step."""
     method: str = "PipeshardParallel"
     """The method that produced the plan."""
+    notes: tuple[str, ...] = ()
+    """Free-form remarks, as on a ShardingPlan."""
+    objective: None = None
+    """No ILP objective for the pipeline as a whole (readers of ShardingPlan check it)."""
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """(stages, devices of the largest sub-mesh): the pipeline's shape at a glance."""
+        return (len(self.stage_devices), max(len(d) for d in self.stage_devices))
 
     def explain(self) -> str:
         lines = [f"{self.method}: {len(self.stage_layer_ids)} stages, {self.num_layers} layers, "

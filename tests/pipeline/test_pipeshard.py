@@ -126,7 +126,9 @@ def test_stage_boundaries_copy_device_to_device(monkeypatch):
         monkeypatch.setattr(module, n, lambda *a, _o=orig, _n=n, **k: (calls.append(_n),
                                                                        _o(*a, **k))[1])
     method = PipeshardParallel(num_micro_batches=4, layer_option="manual",
-                               stage_option=UniformStageOption(num_stages=4), blocking=True)
+                               stage_option=UniformStageOption(num_stages=4), blocking=True,
+                               default_auto_sharding_option=autoshard.AutoShardingOption(
+                                   force_batch_dim_to_mesh_dim=0))
     f = autoshard.parallelize(sgd_step(mlp_loss), method=method)
     params, batch = f.preshard_dynamic_args(mlp_params(), mlp_batch())
     x_spec = f.get_executable(params, batch).in_shardings[len(params)]

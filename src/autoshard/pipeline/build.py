@@ -55,6 +55,7 @@ class PipelinePlan:
                                                    self.stage_devices, strict=True)):
             lines.append(f"  stage {s}: layers {list(ids)} on sub-mesh {shape} devices "
                          f"{list(devs)}")
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -172,22 +173,48 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
             "fori_loop body is dropped when JAX differentiates the loop), or use "
             "layer_option=AutoLayerOption(layer_num=...).")
     layer_cost = _layer_costs(pre, layer_of, num_layers)
+    virtual = _virtual(method)
     stage_of_layer, sizes, logical, dicts = choose_stages(
-        method.stage_option, num_layers, len(devices), program.num_micro_batches, layer_cost)
+        method.stage_option, num_layers, len(devices) * virtual, program.num_micro_batches,
+        layer_cost)
+    num_stages = len(sizes)
+    if num_stages % virtual:
+        raise ValueError(
+            f"interleaved_1f1b with virtual_stages={virtual} needs a stage count divisible by "
+            f"{virtual}, but there are {num_stages} stages. Choose UniformStageOption("
+            f"num_stages=...) as a multiple of {virtual}.")
+    # Interleaved: model stage s runs on sub-mesh s % num_ranks.
+    num_ranks = num_stages // virtual
+    sizes, logical, dicts = sizes[:num_ranks], logical[:num_ranks], dicts[:num_ranks]
     part = build_partition(closed, layer_of_fwd=layer_of, fwd_end=fwd_end,
                            stage_of_layer=stage_of_layer, batch_invars=program.batch_invars,
                            remat=method.layer_option.remat)
-    ids, start, devs = [], 0, []
-    for s in range(len(sizes)):
+    ids, start, rank_devs = [], 0, []
+    for r in range(num_ranks):
+        rank_devs.append(tuple(d.id for d in devices[start:start + sizes[r]]))
+        start += sizes[r]
+    devs = [rank_devs[s % num_ranks] for s in range(num_stages)]
+    logical = [logical[s % num_ranks] for s in range(num_stages)]
+    for s in range(num_stages):
         ids.append(tuple(layer for layer, x in enumerate(stage_of_layer) if x == s))
-        devs.append(tuple(d.id for d in devices[start:start + sizes[s]]))
-        start += sizes[s]
     plan = PipelinePlan(num_layers=num_layers, stage_layer_ids=tuple(ids),
                         submesh_shapes=tuple(tuple(x) for x in logical),
                         stage_devices=tuple(devs),
                         schedule=method.pipeline_schedule if part.has_backward else "inference",
                         num_micro_batches=program.num_micro_batches)
     return part, plan, sizes, dicts
+
+
+def _virtual(method) -> int:
+    """Model stages per sub-mesh: ``virtual_stages`` for interleaved_1f1b, else 1."""
+    if method.pipeline_schedule != "interleaved_1f1b":
+        return 1
+    if not isinstance(method.stage_option, UniformStageOption):
+        raise ValueError(
+            "pipeline_schedule='interleaved_1f1b' places model stage s on sub-mesh "
+            "s % num_sub_meshes and supports UniformStageOption(num_stages=...) only; got "
+            f"{type(method.stage_option).__name__}.")
+    return method.virtual_stages
 
 
 def _num_requested_stages(option) -> int:

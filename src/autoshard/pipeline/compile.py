@@ -1,16 +1,26 @@
-"""Compile a step's tasks: sub-meshes, one spec per value, one jit per task.
+"""Compile a step's tasks: one jit per task on its stage's sub-mesh, planned by the planner.
 
-Shardings inside a stage: a value computed per micro-batch whose dim 0 is the micro-batch's
-rows is split on dim 0 over every axis of the sub-mesh (when that divides it, and only when
-every stage holding the value has a sub-mesh of the same shape); everything else (parameters,
-gradients, accumulators) is replicated on the sub-mesh and XLA propagates from there. A value
-crossing stages therefore has the same shard layout on both sub-meshes, device i to device i,
-which keeps ``jax.device_put`` device-to-device.
+Every task (``F``, ``B``, ``Ba``/``Bw``, ``apply``) is traced as the function that runs (its
+equations, the micro-batch key folding, the accumulation into its donated accumulators) and
+planned by ShardParallel's planner (``sharding.plan_auto``) on the logical shape of its
+sub-mesh, with the stage's options (``default_auto_sharding_option`` updated with the stage's
+``submesh_autosharding_option_dicts`` entry); ``sharding.apply_plan`` gives the function that
+is jitted with the plan's input and output shardings. Accumulators are aliased to the
+accumulated outputs (same spec), parameters to their updates in the apply tasks.
+
+Tasks are planned one at a time, so two tasks may want one value in different layouts; the
+runtime reshards it on the devices that hold it before copying (see ``runtime.Mover``).
+
+If the planner fails on a task, the task falls back to data parallelism (``Specs``): a value
+computed per micro-batch whose dim 0 is the micro-batch's rows is split on dim 0 over every
+axis of the sub-mesh, everything else is replicated; the plan's notes say which task and why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +33,13 @@ from .._compat import Var
 from .._jaxpr import Env
 from .._local import LocalEval
 from ..grad_accum import KEY_USERS, reductions_of
+from ..sharding import apply_plan, plan_auto
+from ..sharding.options import AutoShardingOption
 from .partition import Partition, Task
 
 
 def make_submeshes(devices, sizes, logical_shapes):
-    """Disjoint sub-meshes over ``devices`` in order, one per stage."""
+    """Disjoint sub-meshes over ``devices`` in order, one per stage group."""
     meshes, start = [], 0
     for n, shape in zip(sizes, logical_shapes, strict=True):
         devs = np.array(devices[start:start + n], dtype=object).reshape(shape)
@@ -37,40 +49,50 @@ def make_submeshes(devices, sizes, logical_shapes):
     return meshes
 
 
-class Specs:
-    """One PartitionSpec per value (the same on every stage that holds it)."""
+def stage_auto_option(default, mesh, overrides: dict) -> AutoShardingOption:
+    """The planner options of a stage: the default, its sub-mesh shape, then its own dict."""
+    base = default or AutoShardingOption()
+    if not isinstance(base, AutoShardingOption):
+        raise TypeError(f"default_auto_sharding_option ({base!r}) must be an "
+                        "AutoShardingOption or None.")
+    fields = {f.name for f in dataclasses.fields(AutoShardingOption)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(
+            f"submesh_autosharding_option_dicts entry {overrides} names {unknown}, which are not "
+            f"AutoShardingOption fields. Use fields such as 'force_batch_dim_to_mesh_dim'.")
+    changes = {"logical_mesh_shape": tuple(mesh.devices.shape), "show_progress": False}
+    changes.update(overrides)
+    return dataclasses.replace(base, **changes)
 
-    def __init__(self, part: Partition, meshes, mb_rows: int | None, batch_axis_of=None):
+
+class Specs:
+    """Data-parallel specs (the fallback): one PartitionSpec per value, the same on every
+    stage that holds it (rows split only when every holder's sub-mesh has one shape)."""
+
+    def __init__(self, part: Partition, meshes, mb_rows: int | None):
         self.part, self.meshes = part, meshes
         holders: dict = {}
-        for t in self._tasks():
-            for v in t.invars:
-                holders.setdefault(v, set()).add(t.stage)
-            for v in t.outvars:
+        for t in part.forward + part.backward + [
+                t for pair in part.split_backward for t in pair] + part.apply:
+            for v in list(t.invars) + list(t.outvars):
                 holders.setdefault(v, set()).add(t.stage)
         marker_in = set(part.marker.invars) if part.marker is not None else set()
         self.spec: dict = {}
         for v, stages in holders.items():
             shapes = {tuple(meshes[s].devices.shape) for s in stages}
             aval = v.aval
-            rows_like = (mb_rows is not None and v in part.batch_dependent and
-                         getattr(aval, "shape", ()) and aval.shape[0] == mb_rows and
-                         v not in marker_in and len(shapes) == 1)
-            if rows_like:
-                mesh = meshes[next(iter(stages))]
-                axes = tuple(mesh.axis_names) if batch_axis_of is None else batch_axis_of(mesh)
-                n = math.prod(mesh.shape[a] for a in axes)
-                if aval.shape[0] % n == 0:
-                    self.spec[v] = P(axes if len(axes) > 1 else axes[0])
-                    continue
             self.spec[v] = P()
+            if (mb_rows is not None and v in part.batch_dependent and v not in marker_in
+                    and getattr(aval, "shape", ()) and aval.shape[0] == mb_rows
+                    and len(shapes) == 1):
+                mesh = meshes[next(iter(stages))]
+                axes = tuple(mesh.axis_names)
+                if aval.shape[0] % math.prod(mesh.devices.shape) == 0:
+                    self.spec[v] = P(axes if len(axes) > 1 else axes[0])
 
-    def _tasks(self):
-        p = self.part
-        return p.forward + p.backward + [t for pair in p.split_backward for t in pair] + p.apply
-
-    def sharding(self, v, stage: int) -> NamedSharding:
-        return NamedSharding(self.meshes[stage], self.spec.get(v, P()))
+    def get(self, v):
+        return self.spec.get(v, P())
 
 
 def acc_dtype(dtype):
@@ -80,59 +102,98 @@ def acc_dtype(dtype):
 
 
 class CompiledTask:
-    """A task as a jit: ``(*inputs, *accumulators[, micro_batch]) -> (*outputs, *accumulators)``."""
+    """A task as a jit: ``(*inputs, *accumulators[, micro_batch]) -> (*outputs, *accumulators)``.
 
-    def __init__(self, task: Task, part: Partition, specs: Specs, *, with_index: bool):
-        self.task = task
-        self.stage = task.stage
+    ``option``: planner options (None: the data-parallel ``fallback`` specs). ``rows``: the
+    values whose dim 0 is the micro-batch's rows (the planner's batch inputs). ``aliases``:
+    (input, output) positions of values the task replaces (same spec). ``input_specs``: specs
+    to take the inputs in (``stage_input_shardings``), overriding the plan's.
+    """
+
+    def __init__(self, task: Task, part: Partition, mesh, *, with_index: bool, option,
+                 fallback: Specs, rows=frozenset(), aliases=(), input_specs=None):
+        self.task, self.stage, self.mesh = task, task.stage, mesh
         consts = dict(zip(part.jaxpr.constvars, part.consts, strict=True))
         self.invars = [v for v in task.invars if v not in consts]
         self.outvars = [v for v in task.outvars if v not in task.accumulated]
         self.accumulated = list(task.accumulated)
         self.random = with_index and task.draws_random
-        eqns, invars, outvars, acc = task.eqns, self.invars, self.outvars, self.accumulated
-        random = self.random
-
-        def fn(*args):
-            n = len(invars)
-            values = dict(zip(invars, args[:n], strict=True))
-            values.update(consts)
-            if random:
-                j = args[-1]
-
-                def hook(e, ins):
-                    if e.primitive.name in KEY_USERS:
-                        ins = [jax.random.fold_in(ins[0], j)] + list(ins[1:])
-                    return ins
-                LocalEval((), 1, key_hook=hook).run(eqns, values, {})
-            else:
-                env = Env()
-                env.values = values
-                env.run(eqns)
-            accs = args[n:n + len(acc)]
-            new = [a + values[v].astype(a.dtype) for a, v in zip(accs, acc, strict=True)]
-            return [values[v] for v in outvars] + new
-
-        mesh = specs.meshes[task.stage]
-        rep = NamedSharding(mesh, P())
-        in_sh = [specs.sharding(v, task.stage) for v in invars] + [rep] * len(acc) + (
-            [rep] if random else [])
-        out_sh = [specs.sharding(v, task.stage) for v in outvars] + [rep] * len(acc)
-        donate = tuple(range(len(invars), len(invars) + len(acc)))
+        self.plan, self.note = None, ""
+        fn = _task_fn(task.eqns, self.invars, self.outvars, self.accumulated, consts,
+                      self.random)
+        n, n_acc = len(self.invars), len(self.accumulated)
+        abstract = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.invars]
+        abstract += [jax.ShapeDtypeStruct(v.aval.shape, acc_dtype(v.aval.dtype))
+                     for v in self.accumulated]
+        if self.random:
+            abstract.append(jax.ShapeDtypeStruct((), jnp.int32))
+        n_args = len(abstract)
+        acc_aliases = [(n + i, len(self.outvars) + i) for i in range(n_acc)]
+        run, in_specs, out_specs = fn, None, None
+        closed = jax.make_jaxpr(fn)(*abstract) if option is not None else None
+        if closed is not None and closed.jaxpr.eqns:  # nothing to plan in an empty task
+            try:
+                batch = [v in rows for v in self.invars] + [False] * (n_args - n)
+                self.plan = plan_auto(
+                    closed, num_devices=mesh.devices.size, option=option,
+                    in_paths=[f"{task.name}.in{i}" for i in range(n_args)],
+                    out_paths=[f"{task.name}.out{i}" for i in range(len(closed.out_avals))],
+                    batch_invars=batch, aliases=list(aliases) + acc_aliases,
+                    axis_names=tuple(mesh.axis_names))
+                run = apply_plan(closed, self.plan, mesh)
+                in_specs, out_specs = list(self.plan.in_specs), list(self.plan.out_specs)
+            except Exception as err:  # the planner's failure must not stop the pipeline
+                self.plan, run = None, fn
+                self.note = (f"{task.name}: planner failed ({type(err).__name__}: {err}); "
+                             "data parallel instead")
+                warnings.warn(f"autoshard pipeline: {self.note}", stacklevel=2)
+        if in_specs is None:
+            in_specs = [fallback.get(v) for v in self.invars] + [
+                fallback.get(v) for v in self.accumulated] + [P()] * (n_args - n - n_acc)
+            out_specs = [fallback.get(v) for v in self.outvars] + in_specs[n:n + n_acc]
+        if input_specs is not None:
+            if len(input_specs) != n:
+                raise ValueError(
+                    f"stage_input_shardings gives {len(input_specs)} specs for stage "
+                    f"{task.stage} but its forward task has {n} inputs; pass "
+                    "executable.stage_input_shard_specs of the same step and options.")
+            in_specs[:n] = [s.spec if isinstance(s, NamedSharding) else P(*s)
+                            for s in input_specs]
+        in_sh = [NamedSharding(mesh, s) for s in in_specs]
+        out_sh = [NamedSharding(mesh, s) for s in out_specs]
         self.in_shardings, self.out_shardings = in_sh, out_sh
-        self.jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh,
-                              donate_argnums=donate)
-        abstract = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
-                    for v, s in zip(invars, in_sh, strict=False)]
-        abstract += [jax.ShapeDtypeStruct(v.aval.shape, acc_dtype(v.aval.dtype), sharding=rep)
-                     for v in acc]
-        if random:
-            abstract.append(jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
-        self.lowered = self.jitted.lower(*abstract)
+        self.acc_shardings = in_sh[n:n + n_acc]
+        self.jitted = jax.jit(run, in_shardings=in_sh, out_shardings=out_sh,
+                              donate_argnums=tuple(range(n, n + n_acc)))
+        self.lowered = self.jitted.lower(*[jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                                           for a, s in zip(abstract, in_sh, strict=True)])
         self.compiled = self.lowered.compile()
 
     def __call__(self, args):
         return self.compiled(*args)
+
+
+def _task_fn(eqns, invars, outvars, acc, consts, random):
+    def fn(*args):
+        n = len(invars)
+        values = dict(zip(invars, args[:n], strict=True))
+        values.update(consts)
+        if random:
+            j = args[-1]
+
+            def hook(e, ins):
+                if e.primitive.name in KEY_USERS:
+                    ins = [jax.random.fold_in(ins[0], j)] + list(ins[1:])
+                return ins
+            LocalEval((), 1, key_hook=hook).run(eqns, values, {})
+        else:
+            env = Env()
+            env.values = values
+            env.run(eqns)
+        accs = args[n:n + len(acc)]
+        new = [a + values[v].astype(a.dtype) for a, v in zip(accs, acc, strict=True)]
+        return [values[v] for v in outvars] + new
+    return fn
 
 
 def finalize_fn(part: Partition, stage: int, k: int):
@@ -150,4 +211,5 @@ def finalize_fn(part: Partition, stage: int, k: int):
     return fn, pairs
 
 
-__all__ = ["CompiledTask", "Specs", "acc_dtype", "finalize_fn", "make_submeshes"]
+__all__ = ["CompiledTask", "Specs", "acc_dtype", "finalize_fn", "make_submeshes",
+           "stage_auto_option"]

@@ -8,6 +8,7 @@ from typing import Any
 
 from .._methods import ParallelMethod
 from .build import method_devices, plan_partition
+from .compile import make_submeshes, stage_auto_option
 from .layers import AutoLayerOption, ManualLayerOption
 from .runtime import PipelineExecutable
 from .schedules import SCHEDULES
@@ -38,6 +39,8 @@ class PipeshardParallel(ParallelMethod):
     """Per stage, input specs to reproduce (``executable.stage_input_shard_specs``)."""
     manual_sharding_option: Any = None
     """User-given specs (``ManualShardingOption``)."""
+    virtual_stages: int = 2
+    """Model stages per sub-mesh with ``interleaved_1f1b`` (Megatron's chunks); else unused."""
     blocking: bool = False
     """Wait for every action before dispatching the next (debugging; XLA:CPU collectives)."""
 
@@ -48,6 +51,9 @@ class PipeshardParallel(ParallelMethod):
         if self.pipeline_schedule not in SCHEDULES:
             raise ValueError(f"pipeline_schedule ({self.pipeline_schedule!r}) must be one of "
                              f"{SCHEDULES}.")
+        v = self.virtual_stages
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"virtual_stages ({v!r}) must be a positive int.")
         layer = self.layer_option
         if layer is None:
             layer = AutoLayerOption(layer_num=2)
@@ -74,12 +80,19 @@ class PipeshardParallel(ParallelMethod):
     def build_executable(self, program, *, flat, out_tree, static_argnums, name, trace_s):
         t0 = time.perf_counter()
         devices = method_devices(self)
-        part, plan, sizes, _ = plan_partition(program, self, devices)
+        part, plan, sizes, dicts = plan_partition(program, self, devices)
+        num_ranks = len(sizes)  # sub-meshes; model stages are a multiple (interleaved)
+        meshes = make_submeshes(devices, sizes, plan.submesh_shapes[:num_ranks])
+        options = [stage_auto_option(self.default_auto_sharding_option,
+                                     meshes[s % num_ranks], dicts[s % num_ranks])
+                   for s in range(part.num_stages)]
         t1 = time.perf_counter()
         return PipelineExecutable(
             part=part, plan=plan, program=program, flat=flat, out_tree=out_tree,
             static_argnums=static_argnums, devices=devices, sizes=sizes,
-            blocking=self.blocking, name=name,
+            blocking=self.blocking, name=name, options=options,
+            virtual=part.num_stages // num_ranks,
+            stage_input_shardings=self.stage_input_shardings,
             timings={"trace_s": trace_s, "planning_s": t1 - t0})
 
 

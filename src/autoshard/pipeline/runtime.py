@@ -12,6 +12,7 @@ stages that hold the parameters, and outputs are assembled as the caller's pytre
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from itertools import compress
@@ -28,15 +29,17 @@ from .._jaxpr import flatten_args
 from .compile import CompiledTask, Specs, acc_dtype, finalize_fn, make_submeshes
 from .schedules import get_schedule
 from .simulate import simulate
+from .transfer import Mover
 
 
 class PipelineExecutable:
     """A compiled pipeline: per-stage jits on disjoint sub-meshes and the action list."""
 
     def __init__(self, *, part, plan, program, flat, out_tree, static_argnums, devices, sizes,
-                 blocking: bool, name: str, timings: dict, virtual: int = 1):
+                 blocking: bool, name: str, timings: dict, options=None, virtual: int = 1,
+                 stage_input_shardings=None):
         t0 = time.perf_counter()
-        self.part, self.plan, self.program, self.name = part, plan, program, name
+        self.part, self.program, self.name = part, program, name
         self.static_argnums, self.blocking = static_argnums, blocking
         self._flat, self._out_tree = flat.abstract(), out_tree
         statics = not all(flat.is_dynamic)
@@ -44,40 +47,78 @@ class PipelineExecutable:
         self._static_sel = tuple(not d for d in flat.is_dynamic) if statics else None
         self._static_leaves, self._num_dynamic = flat.static_leaves, len(flat.dynamic_leaves)
         self.k = k = program.num_micro_batches
-        self.meshes = make_submeshes(devices, sizes, plan.submesh_shapes)
+        num_ranks = part.num_stages // virtual
+        # Model stage s runs on sub-mesh s % num_ranks (interleaved: several per sub-mesh).
+        self.rank_meshes = make_submeshes(devices, sizes[:num_ranks],
+                                          plan.submesh_shapes[:num_ranks])
+        self.meshes = [self.rank_meshes[s % num_ranks] for s in range(part.num_stages)]
         jaxpr = part.jaxpr
         self.batch_vars = {v for v, b in zip(jaxpr.invars, program.batch_invars, strict=True)
                            if b}
         mb_rows = next((v.aval.shape[0] for v in self.batch_vars if v.aval.shape), None)
         self.specs = Specs(part, self.meshes, mb_rows)
+        rows = frozenset(v for v in self.specs.spec if mb_rows is not None and (
+            v in self.batch_vars or v in part.per_micro_batch) and v in part.batch_dependent
+            and getattr(v.aval, "shape", ()) and v.aval.shape[0] == mb_rows)
+        options = options or [None] * part.num_stages
+        if stage_input_shardings is not None and len(stage_input_shardings) != part.num_stages:
+            raise ValueError(
+                f"stage_input_shardings has {len(stage_input_shardings)} entries but the "
+                f"pipeline has {part.num_stages} stages; pass executable.stage_input_shard_specs "
+                "of the same step and options.")
         split = plan.schedule == "zero_bubble"
-        self.schedule = get_schedule(plan.schedule, num_stages=part.num_stages,
-                                     num_micro_batches=k)
+        interleaved = plan.schedule == "interleaved_1f1b"
+        self.schedule = get_schedule(plan.schedule,
+                                     num_stages=num_ranks if interleaved else part.num_stages,
+                                     num_micro_batches=k, virtual=virtual if interleaved else 1)
         self.order = simulate(self.schedule).order()
+
+        def compile_task(t, with_index, aliases=(), input_specs=None):
+            return CompiledTask(t, part, self.meshes[t.stage], with_index=with_index,
+                                option=options[t.stage], fallback=self.specs, rows=rows,
+                                aliases=aliases, input_specs=input_specs)
         self.tasks: dict = {}
         for s in range(part.num_stages):
-            self.tasks[("F", s)] = CompiledTask(part.forward[s], part, self.specs,
-                                                with_index=True)
+            self.tasks[("F", s)] = compile_task(
+                part.forward[s], True,
+                input_specs=None if stage_input_shardings is None else stage_input_shardings[s])
             if part.has_backward:
                 pairs = ([("Ba", part.split_backward[s][0]), ("Bw", part.split_backward[s][1])]
                          if split else [("B", part.backward[s])])
                 for kind, t in pairs:
-                    self.tasks[(kind, s)] = CompiledTask(t, part, self.specs, with_index=True)
-        self.apply = [CompiledTask(t, part, self.specs, with_index=False) for t in part.apply]
+                    self.tasks[(kind, s)] = compile_task(t, True)
+        self.apply = [compile_task(t, False, _step_aliases(t, jaxpr, program.aliases))
+                      for t in part.apply]
         self.finalize = []
+        acc_sh = {v: sh for t in self._all_tasks()
+                  for v, sh in zip(t.accumulated, t.acc_shardings, strict=True)}
+        self._acc_sh = acc_sh
         for s in range(part.num_stages):
             fn, pairs = finalize_fn(part, s, k)
             if pairs:
-                rep = NamedSharding(self.meshes[s], P())
-                self.finalize.append((s, jax.jit(fn, in_shardings=rep, out_shardings=rep,
-                                                 donate_argnums=tuple(range(len(pairs)))), pairs))
+                sh = [acc_sh[v] for v, _, _ in pairs]
+                self.finalize.append((s, jax.jit(fn, in_shardings=sh, out_shardings=sh,
+                                                 donate_argnums=tuple(range(len(pairs)))),
+                                      pairs, sh))
+        self.move = Mover()
         self._split_fns: dict = {}
         self._zeros_fns: dict = {}
         self._indices: dict = {}
         self._last_use = self._last_uses()
         self.in_shardings = tuple(self._input_sharding(v) for v in jaxpr.invars)
+        notes = [t.note for t in self._ordered_tasks() if t.note]
+        planned = [t for t in self._ordered_tasks() if t.plan is not None]
+        if planned:
+            notes.insert(0, f"{len(planned)} of {len(self._ordered_tasks())} tasks planned by "
+                         "the intra-operator planner on their sub-mesh")
+        self.plan = dataclasses.replace(plan, notes=plan.notes + tuple(notes))
         self.timings = dict(timings, compile_s=time.perf_counter() - t0)
         self.trace: list = []
+
+    @property
+    def task_plans(self) -> dict:
+        """Task name -> the ShardingPlan it runs (tasks that fell back are left out)."""
+        return {t.task.name: t.plan for t in self._ordered_tasks() if t.plan is not None}
 
     # Calling -----------------------------------------------------------------------------------
     def __call__(self, *args):
@@ -109,14 +150,15 @@ class PipelineExecutable:
     def run(self, leaves: list, record: bool = False) -> list:
         part = self.part
         jaxpr = part.jaxpr
-        self._mb: dict = {}     # (var, micro-batch) -> {stage: array}
-        self._step: dict = {}   # var -> {stage: array}
+        # Every value maps to its copies, one per sharding it has been placed in.
+        self._mb: dict = {}     # (var, micro-batch) -> {sharding: array}
+        self._step: dict = {}   # var -> {sharding: array}
         args = dict(zip(jaxpr.invars, leaves, strict=True))
         for v, x in args.items():
             if v in self.batch_vars:
                 self._split_batch(v, x)
             else:
-                self._step[v] = {"host": x}
+                self._step[v] = {getattr(x, "sharding", None): x}
         accs = {s: self._zeros(s) for s in range(part.num_stages)}
         t_start = time.perf_counter()
         for n, a in enumerate(self.order):
@@ -130,8 +172,8 @@ class PipelineExecutable:
                 [self._index(a.stage, a.micro_batch)] if task.random else [])
             outs = task(ins + extra)
             n_out = len(task.outvars)
-            for v, o in zip(task.outvars, outs[:n_out], strict=True):
-                self._mb.setdefault((v, a.micro_batch), {})[a.stage] = o
+            for v, o, sh in zip(task.outvars, outs[:n_out], task.out_shardings, strict=False):
+                self._mb.setdefault((v, a.micro_batch), {})[sh] = o
             for v, o in zip(task.accumulated, outs[n_out:], strict=True):
                 acc[v] = o
             if self.blocking or record:
@@ -140,61 +182,54 @@ class PipelineExecutable:
                 self.trace.append((str(a), a.stage, t0 - t_start, time.perf_counter() - t0))
             for key in self._last_use.get(n, ()):
                 self._mb.pop(key, None)
-        for s, fn, pairs in self.finalize:
+        for s, fn, pairs, shardings in self.finalize:
             vals = fn(*[accs[s][v] for v, _, _ in pairs])
-            for (_, o, _), x in zip(pairs, vals, strict=True):
-                self._step[o] = {s: x}
+            for (_, o, _), x, sh in zip(pairs, vals, shardings, strict=True):
+                self._step[o] = {sh: x}
         for t in self.apply:
+            t0 = time.perf_counter()
             outs = t(self._gather(t, None))
-            for v, o in zip(t.outvars, outs, strict=True):
-                self._step[v] = {t.stage: o}
-            if self.blocking:
+            for v, o, sh in zip(t.outvars, outs, t.out_shardings, strict=True):
+                self._step[v] = {sh: o}
+            if self.blocking or record:
                 jax.block_until_ready(outs)
+            if record:
+                self.trace.append((t.task.name, t.stage, t0 - t_start, time.perf_counter() - t0))
         out = [self._output(v, args) for v in jaxpr.outvars]
         self._mb, self._step = {}, {}
         return out
 
     def _gather(self, task, mb) -> list:
-        """The task's inputs on its stage; the missing ones moved with one device_put."""
-        s = task.stage
-        vals, missing = [], []
-        for i, v in enumerate(task.invars):
+        """The task's inputs in the shardings it takes; the others moved there (and kept)."""
+        vals = []
+        for v, target in zip(task.invars, task.in_shardings, strict=False):
             copies = self._step.get(v) if mb is None or (v, mb) not in self._mb else (
                 self._mb[(v, mb)])
             if copies is None:
                 copies = self._mb[(v, mb)]
-            if s in copies:
-                vals.append(copies[s])
-            else:
-                src = next(iter(copies.values()))
-                vals.append(None)
-                missing.append((i, v, copies, src))
-        if missing:
-            moved = jax.device_put([m[3] for m in missing],
-                                   [task.in_shardings[m[0]] for m in missing])
-            for (i, _v, copies, _), x in zip(missing, moved, strict=True):
-                copies[s] = x
-                vals[i] = x
+            x = copies.get(target)
+            if x is None:
+                src = next((c for sh, c in copies.items() if sh is not None
+                            and sh.device_set == target.device_set), None)
+                x = copies[target] = self.move(
+                    src if src is not None else next(iter(copies.values())), target)
+            vals.append(x)
         return vals
 
     def _split_batch(self, v, x):
-        stages = {t.stage for t in self._all_tasks() if v in t.invars}
-        for s in stages:
-            mesh = self.meshes[s]
-            spec = self.specs.spec.get(v, P())
-            fn = self._split_fns.get((v, s))
-            if fn is None:
-                k = self.k
-                full = NamedSharding(mesh, spec)
+        """Place a batch argument where its first reader wants it and cut the micro-batches."""
+        target = self._input_sharding(v)
+        fn = self._split_fns.get(v)
+        if fn is None:
+            k = self.k
 
-                def split(a, k=k):
-                    a = a.reshape((a.shape[0] // k, k) + a.shape[1:])
-                    return [a[:, j] for j in range(k)]
-                fn = jax.jit(split, in_shardings=full, out_shardings=[full] * k)
-                self._split_fns[(v, s)] = fn
-            placed = jax.device_put(x, NamedSharding(mesh, spec))
-            for j, piece in enumerate(fn(placed)):
-                self._mb.setdefault((v, j), {})[s] = piece
+            def split(a, k=k):
+                a = a.reshape((a.shape[0] // k, k) + a.shape[1:])
+                return [a[:, j] for j in range(k)]
+            fn = self._split_fns[v] = jax.jit(split, in_shardings=target,
+                                              out_shardings=[target] * k)
+        for j, piece in enumerate(fn(self.move(x, target))):
+            self._mb.setdefault((v, j), {})[target] = piece
 
     def _zeros(self, s) -> dict:
         """Fresh accumulators of stage ``s``, made on its devices by a jit (no host copy)."""
@@ -202,9 +237,9 @@ class PipelineExecutable:
         if fn is None:
             acc = list(dict.fromkeys(v for t in self._all_tasks() if t.stage == s
                                      for v in t.accumulated))
-            rep = NamedSharding(self.meshes[s], P())
             make = jax.jit(lambda: [jnp.zeros(v.aval.shape, acc_dtype(v.aval.dtype))
-                                    for v in acc], out_shardings=[rep] * len(acc))
+                                    for v in acc],
+                           out_shardings=[self._acc_sh[v] for v in acc])
             fn = self._zeros_fns[s] = (acc, make)
         acc, make = fn
         return dict(zip(acc, make(), strict=True)) if acc else {}
@@ -262,10 +297,12 @@ class PipelineExecutable:
         return by_action
 
     def _input_sharding(self, v):
-        for t in sorted(self._all_tasks(), key=lambda t: t.stage):
+        """Where a step input goes first: the sharding of its first reader in the schedule."""
+        readers = [self.tasks[(a.kind, a.stage)] for a in self.order
+                   if (a.kind, a.stage) in self.tasks] + self.apply
+        for t in readers:
             if v in t.invars:
-                i = t.invars.index(v)
-                return t.in_shardings[i]
+                return t.in_shardings[t.invars.index(v)]
         return NamedSharding(self.meshes[0], P())
 
     # Inspection --------------------------------------------------------------------------------
@@ -313,6 +350,20 @@ class PipelineExecutable:
         with open(path, "w") as f:
             json.dump({"traceEvents": events}, f)
         return path
+
+
+def _step_aliases(task, jaxpr, aliases) -> list[tuple[int, int]]:
+    """(input, output) positions in ``task`` of step inputs it replaces (the train state)."""
+    consts = set(jaxpr.constvars)
+    invars = [v for v in task.invars if v not in consts]
+    out = []
+    for i, o in aliases:
+        v, w = jaxpr.invars[i], jaxpr.outvars[o]
+        if v in invars and w in task.outvars and v.aval.shape == w.aval.shape:
+            pair = (invars.index(v), task.outvars.index(w))
+            if pair[0] not in [p[0] for p in out] and pair[1] not in [p[1] for p in out]:
+                out.append(pair)
+    return out
 
 
 __all__ = ["PipelineExecutable"]

@@ -1,0 +1,72 @@
+"""Moving a value to the layout a task wants, device to device.
+
+* Same devices, other layout: a cached identity jit with the wanted output sharding (XLA's
+  collectives on those devices).
+* Other devices, as many: the wanted layout is first laid out on the source devices (device i
+  of the source sub-mesh standing for device i of the destination), by the same kind of jit,
+  then ``jax.device_put`` copies shard i to device i. ``device_put`` between layouts that do
+  not match shard for shard would copy through the host, silently.
+* Other devices, a different count: replicated on the source, each destination device gets a
+  copy of one source shard (single-device copies), then resharded on the destination.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .. import _compat
+
+
+class Mover:
+    """Moves arrays between shardings of sub-meshes; caches the resharding jits."""
+
+    def __init__(self):
+        self._reshard: dict = {}
+        self._like: dict = {}
+
+    def __call__(self, x, target: NamedSharding):
+        src = getattr(x, "sharding", None)
+        if src == target:
+            return x
+        if not isinstance(src, NamedSharding) or not getattr(x, "committed", True):
+            return jax.device_put(x, target)
+        if src.is_equivalent_to(target, x.ndim):
+            return x
+        if src.device_set == target.device_set:
+            return self.reshard(x, target)
+        if len(src.device_set) == len(target.device_set):
+            like = self.like(src, target)
+            if not src.is_equivalent_to(like, x.ndim):
+                x = self.reshard(x, like)
+            return jax.device_put(x, target)
+        x = self.reshard(x, NamedSharding(src.mesh, P()))
+        shards = [s.data for s in x.addressable_shards]
+        devices = list(target.mesh.devices.flat)
+        pieces = jax.device_put([shards[i % len(shards)] for i in range(len(devices))],
+                                devices)
+        rep = NamedSharding(target.mesh, P())
+        x = jax.make_array_from_single_device_arrays(x.shape, rep, pieces)
+        return x if target == rep else self.reshard(x, target)
+
+    def reshard(self, x, target: NamedSharding):
+        key = (x.sharding, target, x.shape, x.dtype)
+        fn = self._reshard.get(key)
+        if fn is None:
+            fn = self._reshard[key] = jax.jit(lambda a: a, out_shardings=target)
+        return fn(x)
+
+    def like(self, src: NamedSharding, target: NamedSharding) -> NamedSharding:
+        """``target``'s layout on ``src``'s devices (flat device order kept)."""
+        key = (src.mesh, target.mesh)
+        mesh = self._like.get(key)
+        if mesh is None:
+            devs = np.array(list(src.mesh.devices.flat), dtype=object).reshape(
+                target.mesh.devices.shape)
+            mesh = self._like[key] = _compat.make_auto_mesh(devs, target.mesh.axis_names)
+        return NamedSharding(mesh, target.spec)
+
+
+__all__ = ["Mover"]

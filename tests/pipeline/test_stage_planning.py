@@ -3,6 +3,9 @@
 Every test runs with ``blocking=True`` (see test_pipeshard.py).
 """
 
+import functools
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,3 +138,50 @@ def test_crossing_values_stay_on_devices_between_sub_meshes_of_other_shapes(monk
     got = f(params, batch)
     assert calls == []
     assert_trees_close(got, jax.jit(sgd_step(mlp_loss))(mlp_params(), mlp_batch()))
+
+
+def test_stage_input_shardings_round_trip():
+    base = dict(num_micro_batches=2, layer_option="manual", blocking=True,
+                stage_option=UniformStageOption(num_stages=2))
+    step, args = sgd_step(mlp_loss), (mlp_params(), mlp_batch())
+    f = autoshard.parallelize(step, method=PipeshardParallel(**base))
+    f(*args)
+    specs = f.get_last_executable().stage_input_shard_specs
+    got, want, ex = run_steps(step, PipeshardParallel(**base, stage_input_shardings=specs),
+                              args, 2)
+    assert ex.stage_input_shard_specs == specs
+    assert_trees_close(got, want)
+    replicated = [[P()] * len(s) for s in specs]                  # any specs are honoured
+    got, want, ex = run_steps(step, PipeshardParallel(**base, stage_input_shardings=replicated),
+                              args, 2)
+    assert ex.stage_input_shard_specs == replicated
+    assert_trees_close(got, want)
+    with pytest.raises(ValueError, match="stage_input_shardings"):
+        autoshard.parallelize(step, method=PipeshardParallel(
+            **base, stage_input_shardings=[specs[0]]))(*args)
+
+
+def test_auto_stages_profiled_and_cached_on_disk(tmp_path, monkeypatch):
+    from autoshard.pipeline import AutoLayerOption, AutoStageOption
+    from autoshard.pipeline.profile import StageProfiler
+
+    option = AutoStageOption(profile=True, profile_cache_dir=str(tmp_path),
+                             submesh_physical_shape_space="manual",
+                             manually_specified_submeshes=[(1, 2), (1, 4)])
+    method = PipeshardParallel(num_micro_batches=2, blocking=True, devices=jax.devices()[:4],
+                               layer_option=AutoLayerOption(layer_num=2), stage_option=option)
+    step = sgd_step(functools.partial(mlp_loss, markers=False))
+    args = (mlp_params(), mlp_batch())
+    got, want, ex = run_steps(step, method, args, 2)
+    assert_trees_close(got, want)
+    cache = json.loads((tmp_path / "stage_profiles.json").read_text())
+    assert len(cache) == 3 * 2                    # 3 layer ranges x 2 sub-mesh sizes
+    assert all(entry["seconds"] > 0 and entry["bytes"] > 0 for entry in cache.values())
+    assert sum(len(d) for d in ex.plan.stage_devices) == 4
+
+    def no_run(*a, **k):
+        raise AssertionError("measured again instead of reading the cache")
+    monkeypatch.setattr(StageProfiler, "_run", no_run)
+    autoshard.clear_executable_cache()
+    f = autoshard.parallelize(step, method=method)
+    assert_trees_close(f(*args), jax.jit(step)(*args))

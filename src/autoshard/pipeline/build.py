@@ -10,6 +10,7 @@ from .._mesh import resolve_devices
 from ..markers import pipeline_p
 from .layers import AutoLayerOption, auto_layers, check_no_nested_markers, manual_layers
 from .partition import Partition, boundary_positions, build_partition, forward_end, split_pre_post
+from .profile import StageProfiler, cache_file_of
 from .stages import (
     AutoStageOption,
     ManualStageOption,
@@ -134,14 +135,28 @@ def check_cover(sizes, num_devices: int, what: str):
 def _auto_stages(option: AutoStageOption, num_layers, num_devices, k, layer_cost):
     shapes = submesh_choices(option, num_devices)
     sizes = [math.prod(s) for s in shapes]
-    flops, mem = layer_cost
+    budget = option.memory_budget_per_device
+    if callable(layer_cost):  # a profiler: measured seconds and bytes per device
+        spans = ([(i, i + 1) for i in range(num_layers)]
+                 if option.layer_profile_mode == "individual" else
+                 [(i, j) for i in range(num_layers) for j in range(i + 1, num_layers + 1)])
+        measured = layer_cost([(i, j, n) for i, j in spans for n in sorted(set(sizes))])
 
-    def cost(i, j, c):
-        n = sizes[c]
-        if option.memory_budget_per_device is not None and (
-                sum(mem[i:j]) / n > option.memory_budget_per_device):
-            return math.inf
-        return sum(flops[i:j]) / n * (1 + 0.05 * (n - 1)) + 1.0
+        def cost(i, j, c):
+            n = sizes[c]
+            parts = ([measured[(x, x + 1, n)] for x in range(i, j)]
+                     if option.layer_profile_mode == "individual" else [measured[(i, j, n)]])
+            if budget is not None and sum(b for _, b in parts) > budget:
+                return math.inf
+            return sum(t for t, _ in parts)
+    else:
+        flops, mem = layer_cost
+
+        def cost(i, j, c):
+            n = sizes[c]
+            if budget is not None and sum(mem[i:j]) / n > budget:
+                return math.inf
+            return sum(flops[i:j]) / n * (1 + 0.05 * (n - 1)) + 1.0
     obj, stages = stage_dp(num_layers, num_devices, sizes, cost, k)
     if not stages:
         raise ValueError(
@@ -173,6 +188,12 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
             "fori_loop body is dropped when JAX differentiates the loop), or use "
             "layer_option=AutoLayerOption(layer_num=...).")
     layer_cost = _layer_costs(pre, layer_of, num_layers)
+    if isinstance(method.stage_option, AutoStageOption) and method.stage_option.profile:
+        batch_vars = [v for v, b in zip(closed.jaxpr.invars, program.batch_invars, strict=True)
+                      if b]
+        layer_cost = StageProfiler(closed, pre, fwd_end, layer_of, num_layers, devices,
+                                   batch_vars,
+                                   cache_file=cache_file_of(method.stage_option)).measure_all
     virtual = _virtual(method)
     stage_of_layer, sizes, logical, dicts = choose_stages(
         method.stage_option, num_layers, len(devices) * virtual, program.num_micro_batches,

@@ -329,8 +329,8 @@ class PipelineExecutable:
     @property
     def stage_input_shard_specs(self) -> list[list]:
         """Per forward stage, the PartitionSpec of each of its inputs."""
-        return [[s.spec for s in self.tasks[("F", i)].in_shardings]
-                for i in range(self.part.num_stages)]
+        return [[s.spec for s in t.in_shardings[:len(t.invars)]]
+                for t in (self.tasks[("F", i)] for i in range(self.part.num_stages))]
 
     def get_input_placement_specs(self):
         it = iter(self.in_shardings)

@@ -90,9 +90,11 @@ class AutoStageOption:
     memory_budget_per_device: int | None = None
     """Bytes a stage may use per device; None: no limit."""
     profile: bool = False
-    """Measure stage times by compiling and running the candidates (cached on disk)."""
+    """Measure stage times by compiling and running the candidates; False: FLOP counts."""
+    profile_cache_dir: str | None = None
+    """Directory keeping measured stage times (``stage_profiles.json``); None: not kept."""
     cached_profile_result: str | None = None
-    """File of measured stage times to reuse."""
+    """File of measured stage times to reuse and extend (overrides ``profile_cache_dir``)."""
 
     def __post_init__(self):
         if self.submesh_physical_shape_space == "manual" and not (

@@ -15,9 +15,11 @@ from ._methods import ParallelMethod as ParallelMethod
 from ._methods import ShardParallel as ShardParallel
 from ._methods import Zero2Parallel as Zero2Parallel
 from ._methods import Zero3Parallel as Zero3Parallel
+from ._plan_api import plan as plan
 from ._program import register_state_type as register_state_type
 from .checkpoint import restore_checkpoint as restore_checkpoint
 from .checkpoint import save_checkpoint as save_checkpoint
+from .cluster import Cluster as Cluster
 from .custom_partitioning import custom_partitioning as custom_partitioning
 from .data import DataLoader as DataLoader
 from .distributed import WorkerError as WorkerError
@@ -41,6 +43,7 @@ __all__ = [
     "AutoShardingOption",
     "DataLoader",
     "AutoStageOption",
+    "Cluster",
     "DataParallel",
     "Executable",
     "ManualLayerOption",
@@ -65,6 +68,7 @@ __all__ = [
     "mark_pipeline_boundary",
     "markers",
     "parallelize",
+    "plan",
     "register_state_type",
     "restore_checkpoint",
     "save_checkpoint",

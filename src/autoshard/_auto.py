@@ -1,49 +1,37 @@
-"""ShardParallel's automatic plan: the planner over the traced step, applied with pins."""
+"""ShardParallel's automatic plan: planned for a cluster (or checked, when given), applied with pins."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
+from jax.sharding import Mesh
+
 from . import sharding
 from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
 from ._method_base import Compiled
 from ._program import Program
-from .distributed.plan_sync import agree_on_plan
+from .cluster import Cluster
+from .distributed.plan_sync import agree_on_plan, program_fingerprint
 from .grad_accum import StepHooks, batch_axes
 from .sharding.options import AutoShardingOption
+from .sharding.plan import PlanFingerprint
 
 
 def compile_auto(method, program: Program) -> Compiled:
     devices, user_mesh = resolve_devices(method.devices)
-    option = method.auto_sharding_option or AutoShardingOption()
-    axis_names = None
-    if user_mesh is not None:
-        if option.logical_mesh_shape not in (None, tuple(user_mesh.devices.shape)):
-            raise ValueError(
-                f"auto_sharding_option.logical_mesh_shape ({option.logical_mesh_shape}) differs "
-                f"from the shape {tuple(user_mesh.devices.shape)} of the Mesh passed as devices. "
-                "Drop one of the two.")
-        option = _replace(option, logical_mesh_shape=tuple(user_mesh.devices.shape))
-        axis_names = tuple(user_mesh.axis_names)
-    elif option.logical_mesh_shape is not None and math.prod(option.logical_mesh_shape) != len(
-            devices):
-        raise ValueError(
-            f"auto_sharding_option.logical_mesh_shape {option.logical_mesh_shape} has "
-            f"{math.prod(option.logical_mesh_shape)} devices but the method uses {len(devices)}. "
-            "Choose a shape whose product is the device count.")
     accumulate = program.num_micro_batches > 1
     # The traced step itself is planned (no re-trace). With micro-batches it is one
     # micro-batch's step: the loop then runs each device on its own rows and reduces the
     # gradients once, as in that step.
     closed = program.closed
-    # Across processes, process 0 plans and the others receive its plan (after checking that
-    # they traced the same program); with one process this just plans.
-    plan = agree_on_plan("ShardParallel", program, lambda: sharding.plan_auto(
-        closed, num_devices=len(devices), option=option, in_paths=program.in_paths,
-        out_paths=program.out_paths, batch_invars=program.batch_invars,
-        aliases=program.aliases, axis_names=axis_names,
-        devices_per_host=sum(d.process_index == devices[0].process_index for d in devices)))
+    if method.plan is not None:  # made earlier (autoshard.plan): checked, not re-planned
+        plan = check_plan(method.plan, program, devices, user_mesh)
+    else:
+        # Across processes, process 0 plans and the others receive its plan (after checking
+        # that they traced the same program); with one process this just plans.
+        plan = agree_on_plan("ShardParallel", program, lambda: plan_program(
+            method, program, Cluster.from_devices(devices)))
     mesh = (as_auto_mesh(user_mesh) if user_mesh is not None
             else mesh_from_shape(devices, plan.mesh_shape, plan.axis_names))
     if not accumulate:
@@ -56,6 +44,85 @@ def compile_auto(method, program: Program) -> Compiled:
         "XLA's propagation from them",))
     hooks = StepHooks(mesh=mesh, batch_axes=batch_axes(program.batch_invars, plan.in_specs))
     return Compiled(plan=plan, mesh=mesh, fn=program.step(hooks))
+
+
+def plan_program(method, program: Program, cluster: Cluster) -> sharding.ShardingPlan:
+    """ShardParallel's automatic plan of ``program`` for ``cluster`` (no device needed)."""
+    option = method.auto_sharding_option or AutoShardingOption()
+    axis_names = None
+    if isinstance(method.devices, Mesh):
+        user_mesh = method.devices
+        if option.logical_mesh_shape not in (None, tuple(user_mesh.devices.shape)):
+            raise ValueError(
+                f"auto_sharding_option.logical_mesh_shape ({option.logical_mesh_shape}) differs "
+                f"from the shape {tuple(user_mesh.devices.shape)} of the Mesh passed as devices. "
+                "Drop one of the two.")
+        option = _replace(option, logical_mesh_shape=tuple(user_mesh.devices.shape))
+        axis_names = tuple(user_mesh.axis_names)
+    elif option.logical_mesh_shape is not None and math.prod(
+            option.logical_mesh_shape) != cluster.num_devices:
+        raise ValueError(
+            f"auto_sharding_option.logical_mesh_shape {option.logical_mesh_shape} has "
+            f"{math.prod(option.logical_mesh_shape)} devices but the method uses "
+            f"{cluster.num_devices}. Choose a shape whose product is the device count.")
+    plan = sharding.plan_auto(
+        program.closed, num_devices=cluster.num_devices, option=option,
+        in_paths=program.in_paths, out_paths=program.out_paths,
+        batch_invars=program.batch_invars, aliases=program.aliases, axis_names=axis_names,
+        cluster=cluster)
+    return dataclasses.replace(plan, fingerprint=PlanFingerprint(
+        program=program_fingerprint(program), num_equations=len(program.closed.jaxpr.eqns),
+        num_devices=cluster.num_devices,
+        devices_per_host=cluster.devices_per_host if cluster.num_hosts > 1 else None,
+        num_micro_batches=program.num_micro_batches))
+
+
+def check_plan(plan, program: Program, devices, user_mesh) -> sharding.ShardingPlan:
+    """``plan`` if it was made for ``program`` on as many devices; else what differs."""
+    if not isinstance(plan, sharding.ShardingPlan):
+        raise TypeError(f"ShardParallel(plan=...) takes a ShardingPlan, got {type(plan).__name__}.")
+    fp = plan.fingerprint
+    if fp is None:
+        raise ValueError(
+            "ShardParallel(plan=...): the plan carries no fingerprint of the program it was made "
+            "for, so it cannot be checked. Make it with autoshard.plan(fun, *args, ...).")
+    if fp.num_devices != len(devices):
+        raise ValueError(
+            f"ShardParallel(plan=...): the plan is for {fp.num_devices} devices"
+            f"{f' ({plan.cluster})' if plan.cluster else ''} but the method has {len(devices)}. "
+            f"Run on {fp.num_devices} devices (devices=...), or re-plan for these with "
+            "autoshard.plan(fun, *args, cluster=autoshard.Cluster.from_devices(devices)).")
+    if user_mesh is not None and tuple(user_mesh.devices.shape) != tuple(plan.mesh_shape):
+        raise ValueError(
+            f"ShardParallel(plan=...): the plan's mesh {tuple(plan.mesh_shape)} differs from the "
+            f"Mesh {tuple(user_mesh.devices.shape)} passed as devices. Pass a list of devices "
+            "(the plan builds its mesh), or re-plan with that Mesh.")
+    if fp.program != program_fingerprint(program):
+        raise ValueError(
+            f"ShardParallel(plan=...): the plan was made for another program: "
+            f"{_program_difference(plan, program)}. Call the function with the arguments the "
+            "plan was made for, or re-plan with autoshard.plan on these arguments.")
+    return plan
+
+
+def _program_difference(plan, program: Program) -> str:
+    fp = plan.fingerprint
+    for kind, leaves, paths, avals in (
+            ("input", plan.inputs, program.in_paths, program.closed.in_avals),
+            ("output", plan.outputs, program.out_paths, program.out_avals)):
+        if len(leaves) != len(paths):
+            return f"the plan has {len(leaves)} {kind} leaves, the call has {len(paths)}"
+        for leaf, path, aval in zip(leaves, paths, avals, strict=True):
+            now = f"{aval.dtype.name}[{','.join(map(str, aval.shape))}]"
+            then = f"{leaf.dtype}[{','.join(map(str, leaf.shape))}]"
+            if leaf.path != path or then != now:
+                return f"{kind} {leaf.path} was {then} in the plan, {path} is {now} now"
+    if fp.num_micro_batches != program.num_micro_batches:
+        return (f"num_micro_batches was {fp.num_micro_batches} in the plan, "
+                f"{program.num_micro_batches} now")
+    return (f"the inputs and outputs agree but the computation differs ({fp.num_equations} "
+            f"equations in the plan, {len(program.closed.jaxpr.eqns)} now), or the batch or "
+            "donated arguments differ")
 
 
 def _replace(option, **changes):

@@ -11,6 +11,7 @@ from ._method_base import Compiled, ParallelMethod
 from ._program import Program
 from ._zero import compile_data_parallel
 from .sharding.options import AutoShardingOption
+from .sharding.plan import ShardingPlan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,9 +49,18 @@ class ShardParallel(ParallelMethod):
     """Options of the automatic planner."""
     manual_sharding_option: ManualShardingOption | None = None
     """Fixed specs instead of the automatic planner."""
+    plan: ShardingPlan | None = None
+    """A plan made earlier (``autoshard.plan``, ``ShardingPlan.load``): used without re-planning
+    after checking that it was made for this program and device count."""
 
     def __post_init__(self):
         self._validate_common()
+        if self.plan is not None and not isinstance(self.plan, ShardingPlan):
+            raise TypeError(f"plan ({type(self.plan).__name__}) must be a ShardingPlan, e.g. "
+                            "autoshard.plan(...) or ShardingPlan.load(path).")
+        if self.plan is not None and self.manual_sharding_option is not None:
+            raise ValueError("ShardParallel takes plan or manual_sharding_option, not both. "
+                             "Drop one of the two.")
         opt = self.auto_sharding_option
         if opt is not None and not isinstance(opt, AutoShardingOption):
             raise TypeError(f"auto_sharding_option ({opt!r}) must be an AutoShardingOption.")

@@ -10,14 +10,20 @@ The per-axis constants come from where the devices are: the mesh is laid over th
 order (row-major), and an axis whose devices all sit in one host (process) costs the intra-host
 link; an axis that spans hosts, or straddles them, costs the inter-host link (its slowest hop).
 Devices of one host are one level: on a single host every axis costs the same. Replace the
-constants with measured ones through ``AutoShardingOption(mesh_alpha=..., mesh_beta=...)``.
+constants with measured ones through ``AutoShardingOption(mesh_alpha=..., mesh_beta=...)``, or
+describe the hardware with ``autoshard.Cluster`` (its links price the axes and its FLOP/s and
+memory bandwidth the compute term, through ``device_speed`` for the duration of one plan).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from .options import AutoShardingOption
 from .spec import Spec, axis_place, dim_shards, shards
@@ -200,15 +206,80 @@ def bytes_per_device(spec: Spec, shape: tuple[int, ...], itemsize: int,
     return array_bytes(shape, itemsize) // shards(spec, mesh_shape)
 
 
+class ClusterCosts(Protocol):
+    """What the planner reads of a cluster (``autoshard.Cluster``)."""
+
+    name: str
+    num_devices: int
+    devices_per_host: int
+    memory_bytes: int | None
+    flop_s: float
+    byte_s: float
+
+    def mesh_costs(self, mesh_shape: Sequence[int]) -> tuple[tuple[float, ...],
+                                                             tuple[float, ...]]: ...
+
+    def describe(self) -> str: ...
+
+
+_DEVICE_SPEED: contextvars.ContextVar[tuple[float, float]] = contextvars.ContextVar(
+    "autoshard_device_speed", default=(FLOP_COST_S, BYTE_COST_S))
+"""(seconds per FLOP, seconds per byte) of the device being planned for; set by ``device_speed``
+around one ``plan_auto`` call (the rules price compute through ``flop_cost``/``byte_cost``)."""
+
+
+@contextlib.contextmanager
+def device_speed(flop_s: float, byte_s: float) -> Iterator[None]:
+    """Price the compute term at ``flop_s`` s/FLOP and ``byte_s`` s/byte inside the block."""
+    token = _DEVICE_SPEED.set((float(flop_s), float(byte_s)))
+    try:
+        yield
+    finally:
+        _DEVICE_SPEED.reset(token)
+
+
 def flop_cost(flops: float, num_pieces: int) -> float:
     """Compute term of a flop-bound op whose work is cut into ``num_pieces`` per device."""
-    return FLOP_COST_S * flops / max(1, num_pieces)
+    return _DEVICE_SPEED.get()[0] * flops / max(1, num_pieces)
 
 
 def byte_cost(num_bytes: float, num_pieces: int) -> float:
     """Compute term of a memory-bound op."""
-    return BYTE_COST_S * num_bytes / max(1, num_pieces)
+    return _DEVICE_SPEED.get()[1] * num_bytes / max(1, num_pieces)
+
+
+def dominated_meshes(shapes: list[tuple[int, ...]], costs: list[tuple[tuple[float, ...],
+                     tuple[float, ...]]]) -> dict[int, int]:
+    """Indices of mesh shapes another candidate beats on every axis (symmetry, links).
+
+    Shape ``j`` is dominated by ``i`` when ``i`` holds the same axis sizes in another order
+    and, matching axes of equal size, every axis of ``i`` has a latency and an inverse
+    bandwidth no larger than ``j``'s (strictly smaller somewhere, or ``i`` comes first): any
+    plan on ``j`` runs on ``i`` with its axes renamed at no higher cost, so ``j`` cannot win.
+    On one host, ``(a, b)`` and ``(b, a)`` cost the same and only the first is kept. Returns
+    {dominated index: index of the shape that dominates it}.
+    """
+    out: dict[int, int] = {}
+    for j, sj in enumerate(shapes):
+        for i, si in enumerate(shapes):
+            if i == j or i in out or sorted(si) != sorted(sj):
+                continue
+            if _beats(si, costs[i], sj, costs[j], tie_wins=i < j):
+                out[j] = i
+                break
+    return out
+
+
+def _beats(si, ci, sj, cj, *, tie_wins: bool) -> bool:
+    for perm in itertools.permutations(range(len(si))):  # axis perm[a] of i plays axis a of j
+        if any(si[perm[a]] != sj[a] for a in range(len(sj))):
+            continue
+        pairs = [(ci[0][perm[a]], cj[0][a]) for a in range(len(sj)) if sj[a] > 1]
+        pairs += [(ci[1][perm[a]], cj[1][a]) for a in range(len(sj)) if sj[a] > 1]
+        if all(x <= y for x, y in pairs) and (tie_wins or any(x < y for x, y in pairs)):
+            return True
+    return False
 
 
 __all__ = ["CostModel", "array_bytes", "bytes_per_device", "flop_cost", "byte_cost",
-           "dim_shards"]
+           "device_speed", "dim_shards", "dominated_meshes", "ClusterCosts"]

@@ -1,8 +1,11 @@
-"""ShardingPlan: the device-free result of planning, printable, comparable and applicable."""
+"""ShardingPlan: the device-free result of planning, printable, comparable, saved and applied."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,10 +101,30 @@ class Objective:
     """Of ``num_columns``, the continuous edge variables that price resharding."""
     meshes_tried: tuple[tuple[tuple[int, ...], float], ...] = ()
     """(logical mesh shape, objective in seconds) of every mesh the planner solved, in order."""
+    meshes_pruned: tuple[tuple[tuple[int, ...], str], ...] = ()
+    """(logical mesh shape, why) of every candidate mesh the planner did not solve."""
+    flops: float = 0.0
+    """Floating-point operations of one step on all devices (matrix products, convolutions)."""
 
     @property
     def total_s(self) -> float:
         return self.communication_s + self.resharding_s + self.compute_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanFingerprint:
+    """What a plan was made for: checked before a saved plan runs (``ShardParallel(plan=)``)."""
+
+    program: str
+    """Digest of the traced program (jaxpr, abstract inputs and outputs, roles)."""
+    num_equations: int
+    """Equations of the traced program (to describe a mismatch)."""
+    num_devices: int
+    """Devices the plan is for."""
+    devices_per_host: int | None = None
+    """Devices of one host in the cluster planned for (None: one host)."""
+    num_micro_batches: int = 1
+    """Micro-batches the program was traced with."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,6 +155,10 @@ class ShardingPlan:
     """ILP objective (automatic plans only)."""
     notes: tuple[str, ...] = field(default=())
     """Free-form remarks (replicated leaves that could not be split, solver status, ...)."""
+    cluster: str = ""
+    """The cluster the costs are for (``Cluster.describe()``); empty: the default constants."""
+    fingerprint: PlanFingerprint | None = None
+    """The program and devices the plan was made for (``autoshard.plan``); checked on apply."""
 
     def __post_init__(self):
         assert len(self.mesh_shape) == len(self.axis_names), (self.mesh_shape, self.axis_names)
@@ -185,6 +212,106 @@ class ShardingPlan:
                 lines.append(f"  pure data parallel on the same mesh: {o.data_parallel_s * 1e3:.4f} ms")
             if o.peak_bytes_per_device is not None:
                 lines.append(f"  estimated peak memory per device: {o.peak_bytes_per_device:,} B")
+            lines.extend(self._estimate_lines())
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
+
+    def _estimate_lines(self) -> list[str]:
+        o = self.objective
+        num_devices = math.prod(self.mesh_shape)
+        lines = [f"  estimated step time: {o.total_s:.4g} s = compute {o.compute_s:.4g} s + "
+                 f"communication {o.communication_s + o.resharding_s:.4g} s (collectives "
+                 f"{o.communication_s:.4g} + resharding {o.resharding_s:.4g})"
+                 + (f" on {self.cluster}" if self.cluster else "")]
+        if o.flops and o.total_s > 0:
+            lines.append(f"  model FLOPs per step: {o.flops:.4g}; at the estimated step time "
+                         f"{o.flops / o.total_s / num_devices / 1e12:.4g} TFLOP/s per device")
+        if len(o.meshes_tried) + len(o.meshes_pruned) > 1:
+            lines.append("  meshes (objective; the chosen one marked *):")
+            for shape, objective in sorted(o.meshes_tried, key=lambda t: t[1]):
+                mark = "*" if tuple(shape) == tuple(self.mesh_shape) else " "
+                ratio = objective / o.total_s if o.total_s > 0 else float("nan")
+                lines.append(f"   {mark} {str(tuple(shape)):<12} {objective:.4g} s "
+                             f"({ratio:.3g}x the chosen)")
+            for shape, why in o.meshes_pruned:
+                lines.append(f"     {str(tuple(shape)):<12} not solved: {why}")
+        return lines
+
+    # Saving and loading ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The plan as JSON-ready data (``from_dict`` reads it back)."""
+        return {"format": PLAN_FORMAT, **_encode(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ShardingPlan:
+        if data.get("format") != PLAN_FORMAT:
+            raise ValueError(
+                f"The plan data has format {data.get('format')!r}, this autoshard reads "
+                f"{PLAN_FORMAT!r}. Re-plan with autoshard.plan and save again.")
+        return _decode_plan(data)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan to ``path`` as JSON."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> ShardingPlan:
+        """Read a plan written by ``save``."""
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+PLAN_FORMAT = "autoshard.ShardingPlan/1"
+
+
+def _spec_to_json(spec: PartitionSpec) -> list:
+    return [e if e is None or isinstance(e, str) else list(e) for e in spec]
+
+
+def _spec_from_json(entries: list) -> PartitionSpec:
+    return PartitionSpec(*(e if e is None or isinstance(e, str) else tuple(e) for e in entries))
+
+
+def _encode(obj):
+    if isinstance(obj, PartitionSpec):
+        return {"spec": _spec_to_json(obj)}
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple | list):
+        return [_encode(x) for x in obj]
+    return obj
+
+
+def _tuples(x):
+    return tuple(_tuples(y) for y in x) if isinstance(x, list) else x
+
+
+def _decode_plan(data: dict) -> ShardingPlan:
+    def spec(x):
+        return _spec_from_json(x["spec"])
+
+    def leaf(d):
+        return LeafPlan(path=d["path"], shape=tuple(d["shape"]), dtype=d["dtype"],
+                        spec=spec(d["spec"]), note=d.get("note", ""))
+
+    objective = None
+    if data.get("objective") is not None:
+        o = dict(data["objective"])
+        o["meshes_tried"] = tuple((tuple(s), v) for s, v in o.get("meshes_tried", ()))
+        o["meshes_pruned"] = tuple((tuple(s), v) for s, v in o.get("meshes_pruned", ()))
+        objective = Objective(**o)
+    fingerprint = data.get("fingerprint")
+    return ShardingPlan(
+        method=data["method"], mesh_shape=tuple(data["mesh_shape"]),
+        axis_names=tuple(data["axis_names"]),
+        inputs=tuple(leaf(d) for d in data["inputs"]),
+        outputs=tuple(leaf(d) for d in data["outputs"]),
+        intermediates=tuple((v, spec(p)) for v, p in data.get("intermediates", ())),
+        operand_specs=tuple((n, i, spec(p)) for n, i, p in data.get("operand_specs", ())),
+        collectives=tuple(Collective(**{**c, "axes": tuple(c["axes"])})
+                          for c in data.get("collectives", ())),
+        objective=objective, notes=_tuples(data.get("notes", [])),
+        cluster=data.get("cluster", ""),
+        fingerprint=PlanFingerprint(**fingerprint) if fingerprint else None)

@@ -6,20 +6,23 @@ than this machine can be computed, printed and costed here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
 from jax.extend import core
 from tqdm.auto import tqdm
 
+from .cost import ClusterCosts, CostModel, device_speed, dominated_meshes
 from .graph import Graph, build_graph
 from .options import AutoShardingOption
 from .plan import Collective, LeafPlan, Objective, ShardingPlan
 from .problem import Problem, build_problem, data_parallel_variant
 from .repeats import tie_repeated
 from .solver import Solution, build_and_solve, peak_bytes
-from .spec import to_partition_spec
+from .spec import candidate_specs, shards, to_partition_spec
 from .strategy import itemsize
 
 DEFAULT_AXIS_NAMES = {1: ("x",), 2: ("x", "y")}
@@ -49,11 +52,19 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
               in_paths: Sequence[str], out_paths: Sequence[str], batch_invars: Sequence[bool],
               aliases: Sequence[tuple[int, int]] = (),
               axis_names: Sequence[str] | None = None,
-              devices_per_host: int | None = None) -> ShardingPlan:
+              devices_per_host: int | None = None,
+              cluster: ClusterCosts | None = None) -> ShardingPlan:
     """Plan every array of ``closed_jaxpr`` over ``num_devices`` devices (no devices needed).
 
     ``devices_per_host``: how many consecutive devices share a host (None: one host); axes
-    that cross hosts cost the inter-host link.
+    that cross hosts cost the inter-host link. ``cluster`` (an ``autoshard.Cluster``) gives
+    the links, FLOP/s and memory instead: its links price every axis where it lies, its
+    device's speed the compute term, its memory the budget (unless the option sets one).
+
+    Meshes that cannot win are not solved: a mirror of a mesh whose axes all cost no more
+    (``cost.dominated_meshes``), a mesh on which the state alone cannot fit the budget, and a
+    mesh whose lower bound (every ILP variable at its cheapest strategy, no resharding) is
+    already above the best objective found.
     """
     n_in, n_out = len(closed_jaxpr.jaxpr.invars), len(closed_jaxpr.jaxpr.outvars)
     for name, seq, n in (("in_paths", in_paths, n_in), ("batch_invars", batch_invars, n_in),
@@ -67,31 +78,68 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                              f"{n_out} outputs.")
     if num_devices < 1:
         raise ValueError(f"num_devices ({num_devices}) must be at least 1.")
+    if cluster is not None:
+        if cluster.num_devices != num_devices:
+            raise ValueError(
+                f"num_devices ({num_devices}) differs from the {cluster.num_devices} devices of "
+                f"the cluster ({cluster.name}). Plan for the cluster's device count or describe "
+                "the cluster you run on.")
+        if devices_per_host not in (None, cluster.devices_per_host):
+            raise ValueError(
+                f"devices_per_host ({devices_per_host}) differs from the cluster's "
+                f"({cluster.devices_per_host}). Give one of the two.")
+        if option.memory_budget_per_device is None and cluster.memory_bytes is not None:
+            option = dataclasses.replace(option, memory_budget_per_device=cluster.memory_bytes)
+        devices_per_host = cluster.devices_per_host
+        speed = device_speed(cluster.flop_s, cluster.byte_s)
+    else:
+        speed = contextlib.nullcontext()
     rank = len(axis_names) if axis_names is not None else None
     shapes = mesh_candidates(num_devices, option, rank)
+    options = [_shape_option(option, shape, cluster) for shape in shapes]
     graph = build_graph(closed_jaxpr, list(in_paths), list(out_paths))
+    pruned = _prune(graph, shapes, options, devices_per_host)
     warned: set[str] = set()
     tried, best, errors = [], None, []
-    bar = tqdm(shapes, desc="autoshard: planning", disable=not option.show_progress, leave=False)
-    for shape in bar:
-        bar.set_postfix_str(f"mesh {shape}")
-        prob = build_problem(graph, shape, option, batch_invars=batch_invars, aliases=aliases,
-                             warned=warned, devices_per_host=devices_per_host,
-                             axis_names=_axis_names(axis_names, shape))
-        prob.notes.append(f"{tie_repeated(prob, batch_invars)} variables tied to identical ones")
-        try:
-            sol = build_and_solve(prob, time_limit_s=option.solver_time_limit_s,
-                                  memory_budget=option.memory_budget_per_device,
-                                  node_limit=option.solver_node_limit)
-        except ValueError as err:
-            errors.append((prob, err))
-            continue
-        tried.append((shape, sol.objective_s))
-        if best is None or sol.objective_s < best[2].objective_s * (1 - 1e-9) - 1e-15:
-            best = (shape, prob, sol)
-    bar.close()
-    if best is None:
-        raise _no_plan_error(errors, option, graph)
+    with speed:
+        bar = tqdm(list(zip(shapes, options, strict=True)), desc="autoshard: planning",
+                   disable=not option.show_progress, leave=False)
+        for shape, shape_option in bar:
+            if shape in pruned:
+                continue
+            bar.set_postfix_str(f"mesh {shape}")
+            prob = build_problem(graph, shape, shape_option, batch_invars=batch_invars,
+                                 aliases=aliases, warned=warned,
+                                 devices_per_host=devices_per_host,
+                                 axis_names=_axis_names(axis_names, shape))
+            prob.notes.append(
+                f"{tie_repeated(prob, batch_invars)} variables tied to identical ones")
+            if best is not None:
+                bound = lower_bound_s(prob)
+                if bound >= best[2].objective_s:
+                    pruned[shape] = (f"cost lower bound {bound * 1e3:.4f} ms >= best "
+                                     f"{best[2].objective_s * 1e3:.4f} ms")
+                    continue
+            try:
+                sol = build_and_solve(prob, time_limit_s=option.solver_time_limit_s,
+                                      memory_budget=shape_option.memory_budget_per_device,
+                                      node_limit=option.solver_node_limit)
+            except ValueError as err:
+                errors.append((prob, err))
+                continue
+            tried.append((shape, sol.objective_s))
+            if best is None or sol.objective_s < best[2].objective_s * (1 - 1e-9) - 1e-15:
+                best = (shape, prob, sol)
+        bar.close()
+        if best is None:
+            if not errors:
+                raise _state_too_large(pruned, option.memory_budget_per_device, graph)
+            raise _no_plan_error(errors, options[0], graph)
+        plan = _finish(best, tried, pruned, option, batch_invars, axis_names, graph)
+    return plan if cluster is None else dataclasses.replace(plan, cluster=cluster.describe())
+
+
+def _finish(best, tried, pruned, option, batch_invars, axis_names, graph) -> ShardingPlan:
     shape, prob, sol = best
     names = _axis_names(axis_names, shape)
     dp = (best[2].objective_s if option.force_data_parallel
@@ -100,13 +148,112 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     objective = dataclasses.replace(
         plan.objective, num_columns=sol.num_ilp_vars, num_rows=sol.info.get("rows", 0),
         num_edge_columns=sol.info.get("edge_vars", 0),
-        meshes_tried=tuple((tuple(s), o) for s, o in tried))
+        meshes_tried=tuple((tuple(s), o) for s, o in tried),
+        meshes_pruned=tuple((tuple(s), why) for s, why in pruned.items()),
+        flops=program_flops(graph))
     notes = list(plan.notes)
     if len(tried) > 1:
         notes.append("meshes tried: " + ", ".join(f"{s} {o * 1e3:.4f} ms" for s, o in tried))
     # No wall-clock time here: the same program and options must give an identical plan.
     notes.append(f"ILP: {sol.num_ilp_vars} columns, {sol.info.get('rows', 0)} rows")
     return dataclasses.replace(plan, objective=objective, notes=tuple(notes))
+
+
+def _shape_option(option: AutoShardingOption, shape, cluster) -> AutoShardingOption:
+    """The option for one mesh shape: the cluster's link costs unless the option gives some."""
+    if cluster is None or (option.mesh_alpha is not None and option.mesh_beta is not None):
+        return option
+    alpha, beta = cluster.mesh_costs(shape)
+    return dataclasses.replace(option, mesh_alpha=option.mesh_alpha or alpha,
+                               mesh_beta=option.mesh_beta or beta)
+
+
+def _prune(graph: Graph, shapes, options, devices_per_host) -> dict[tuple[int, ...], str]:
+    """Meshes not worth solving, with the reason: dominated mirrors, state over the budget."""
+    pruned: dict[tuple[int, ...], str] = {}
+    if options[0].force_batch_dim_to_mesh_dim is None:  # axis indices mean nothing otherwise
+        costs = []
+        for shape, opt in zip(shapes, options, strict=True):
+            model = CostModel.from_option(shape, opt, devices_per_host)
+            costs.append((model.alpha, model.beta))
+        for j, i in sorted(dominated_meshes(shapes, costs).items()):
+            pruned[shapes[j]] = f"mesh {shapes[i]} has the same axes on links no slower"
+    budget = options[0].memory_budget_per_device
+    if budget is not None:
+        for shape in shapes:
+            state = state_bytes_lower_bound(graph, shape)
+            if state > budget and shape not in pruned:
+                pruned[shape] = (f"its inputs alone need >= {state:,} B per device (budget "
+                                 f"{budget:,} B)")
+    return pruned
+
+
+def state_bytes_lower_bound(graph: Graph, mesh_shape: tuple[int, ...]) -> int:
+    """Bytes per device the inputs need at least on ``mesh_shape`` (each split its finest)."""
+    total = 0
+    for node_id in graph.inputs:
+        value = graph.values[graph.nodes[node_id].outputs[0]]
+        finest = max(shards(s, mesh_shape) for s in candidate_specs(tuple(value.shape),
+                                                                  tuple(mesh_shape)))
+        total += itemsize(value.dtype) * math.prod(value.shape) // finest
+    return total
+
+
+def lower_bound_s(prob: Problem) -> float:
+    """A lower bound of the ILP objective: each variable at its cheapest allowed strategy.
+
+    Resharding edges cost >= 0 and nodes tied into one variable share their choice, so the sum
+    over variables of the cheapest summed node cost bounds every plan of this mesh from below.
+    """
+    per_var: dict[int, np.ndarray] = {}
+    for node in prob.graph.nodes:
+        costs = np.array([s.comm_s + s.compute_s for s in prob.strategies[node.id]]) * node.mult
+        r = prob.var(node.id)
+        per_var[r] = per_var[r] + costs if r in per_var else costs
+    allowed: dict[int, set[int]] = {}
+    for node_id, ks in prob.allowed.items():
+        r = prob.var(node_id)
+        allowed[r] = allowed[r] & ks if r in allowed else set(ks)
+    total = 0.0
+    for r, costs in per_var.items():
+        ks = sorted(allowed.get(r, range(len(costs))))
+        total += float(costs[ks].min()) if ks else 0.0
+    return total
+
+
+def program_flops(graph: Graph) -> float:
+    """Floating-point operations of the whole program (matrix products and convolutions)."""
+    total = 0.0
+    for node in graph.nodes:
+        if node.kind == "dot_general":
+            (lc, _), _ = node.params["dimension_numbers"]
+            out = graph.values[node.outputs[0]].shape
+            total += 2.0 * math.prod(out) * math.prod(
+                node.in_avals[0].shape[d] for d in lc) * node.mult
+        elif node.kind == "conv_general_dilated":
+            dn = node.params["dimension_numbers"]
+            lhs, rhs = node.in_avals[0].shape, node.in_avals[1].shape
+            out = graph.values[node.outputs[0]].shape
+            groups = node.params.get("feature_group_count", 1)
+            kernel = math.prod(rhs[d] for d in dn.rhs_spec[2:])
+            total += 2.0 * math.prod(out) * (lhs[dn.lhs_spec[1]] // groups) * kernel * node.mult
+    return total
+
+
+def _state_too_large(pruned, budget, graph) -> ValueError:
+    smallest = min((state_bytes_lower_bound(graph, shape), shape) for shape in pruned)
+    return ValueError(
+        f"No plan fits memory_budget_per_device ({budget:,} B): the smallest estimate found is "
+        f"{smallest[0]:,} B per device (mesh {smallest[1]}, a lower bound: the inputs alone, "
+        f"each split its finest). The largest arrays: {_largest_inputs(graph)}. Raise the budget, use more devices, or "
+        "shrink the model or batch (gradient accumulation: num_micro_batches).")
+
+
+def _largest_inputs(graph: Graph) -> str:
+    inputs = sorted(((itemsize(graph.values[graph.nodes[n].outputs[0]].dtype) * int(np.prod(
+        graph.values[graph.nodes[n].outputs[0]].shape)), graph.nodes[n].where)
+        for n in graph.inputs), reverse=True)[:3]
+    return ", ".join(f"{where} ({size:,} B)" for size, where in inputs)
 
 
 def _no_plan_error(errors, option, graph) -> Exception:
@@ -124,10 +271,7 @@ def _no_plan_error(errors, option, graph) -> Exception:
         peak = peak_bytes(prob, sol)
         if smallest is None or peak < smallest[0]:
             smallest = (peak, prob.ctx.mesh_shape)
-    inputs = sorted(((itemsize(graph.values[graph.nodes[n].outputs[0]].dtype) * int(np.prod(
-        graph.values[graph.nodes[n].outputs[0]].shape)), graph.nodes[n].where)
-        for n in graph.inputs), reverse=True)[:3]
-    largest = ", ".join(f"{where} ({size:,} B)" for size, where in inputs)
+    largest = _largest_inputs(graph)
     found = (f"the smallest estimate found is {smallest[0]:,} B per device (mesh {smallest[1]}, "
              "planned without the budget)" if smallest else "no plan was found even without it")
     return ValueError(

@@ -1,0 +1,240 @@
+"""Plan for a cluster you do not have: the Megatron-LM paper's GPT rows on described A100s.
+
+Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM" (SC'21, arXiv 2104.04473), Table 1: GPT models (seq 2048, vocab 51200) on DGX
+A100 80GB nodes (8 GPUs, NVLink; 8x200 Gb/s InfiniBand between nodes), splits found by hand.
+Each row here is planned by ``autoshard.plan`` for ``Cluster.a100_80gb(num_hosts)`` on abstract
+shapes (nothing is allocated, no GPU is used), with the planner choosing the mesh:
+
+* the model: pre-LN GPT, fused QKV, bf16 compute on fp32 master weights, Adam (fp32 moments),
+  every layer rematerialised (``jax.checkpoint``), layers as a ``lax.scan`` over stacked
+  weights (``--unroll``: a Python loop of layers instead), the paper's global batch as one step;
+* ``plan_s``: wall time of ``autoshard.plan`` (trace + plan) on this machine;
+* split: ``data`` = pieces the batch dim of the layer activations is cut into, ``tensor`` =
+  devices / data; ``zero`` marks weights also split over a data axis (gathered at use);
+* TFLOP/s per GPU = the program's matrix-product FLOPs (recompute included, as the paper
+  counts) / estimated step time / devices.
+
+Run: ``python benchmarks/cluster.py [--rows 1.7B 3.6B] [--unroll]``; writes
+``benchmarks/results/cluster.{json,md}`` (``--rewrite``: only the markdown from the json).
+The 39.1B row (tensor 8 x pipeline 2 on 512 GPUs) needs PipeshardParallel's stage search in
+``autoshard.plan``, not wired yet: it is listed, not planned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import autoshard
+from autoshard import AutoShardingOption, Cluster, ShardParallel
+from autoshard.sharding.graph import build_graph
+
+VOCAB, SEQ = 51200, 2048
+RESULTS = Path(__file__).parent / "results"
+# name: hidden, heads, layers, GPUs, global batch, paper (tensor, pipeline), paper TFLOP/s per GPU
+ROWS = {
+    "1.7B": (2304, 24, 24, 32, 512, (1, 1), 137),
+    "3.6B": (3072, 32, 30, 64, 512, (2, 1), 138),
+    "7.5B": (4096, 32, 36, 128, 512, (4, 1), 142),
+    "18.4B": (6144, 48, 40, 256, 1024, (8, 1), 135),
+    "39.1B": (8192, 64, 48, 512, 1536, (8, 2), 138),
+}
+PIPELINE_ROWS = {"39.1B"}
+BF16 = jnp.bfloat16
+TX = optax.adam(1e-4)
+
+
+def layer_norm(x, scale):
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = ((x32 - mean) ** 2).mean(-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + 1e-5) * scale).astype(BF16)
+
+
+def block(x, p):
+    p = jax.tree.map(lambda a: a.astype(BF16), p)
+    qkv = jnp.einsum("bsd,dthk->tbshk", layer_norm(x, p["ln1"]), p["wqkv"])
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    s = jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(q.shape[-1])
+    n = x.shape[1]
+    s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, -1e4)
+    probs = jax.nn.softmax(s.astype(jnp.float32), -1).astype(BF16)
+    x = x + jnp.einsum("bqhk,hkd->bqd", jnp.einsum("bhqs,bshk->bqhk", probs, v), p["wo"])
+    return x + jax.nn.gelu(layer_norm(x, p["ln2"]) @ p["w1"]) @ p["w2"]
+
+
+def make_step(scan: bool):
+    remat_block = jax.checkpoint(block)
+
+    def loss_fn(params, tokens, targets):
+        embed = params["embed"].astype(BF16)
+        x = embed[tokens]
+        if scan:
+            x, _ = jax.lax.scan(lambda c, p: (remat_block(c, p), None), x, params["layers"])
+        else:
+            for p in params["layers"]:
+                x = remat_block(x, p)
+        logits = (layer_norm(x, params["ln_f"]) @ embed.T).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+    def train_step(state, tokens, targets):
+        params, opt = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets)
+        updates, opt = TX.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), loss
+
+    return train_step
+
+
+def abstract_args(hidden, heads, layers, batch, scan):
+    def f(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    def layer(lead=()):
+        return {"ln1": f(*lead, hidden), "ln2": f(*lead, hidden),
+                "wqkv": f(*lead, hidden, 3, heads, hidden // heads),
+                "wo": f(*lead, heads, hidden // heads, hidden),
+                "w1": f(*lead, hidden, 4 * hidden), "w2": f(*lead, 4 * hidden, hidden)}
+    params = {"embed": f(VOCAB, hidden), "ln_f": f(hidden),
+              "layers": layer((layers,)) if scan else [layer() for _ in range(layers)]}
+    tokens = jax.ShapeDtypeStruct((batch, SEQ), jnp.int32)
+    return (params, jax.eval_shape(TX.init, params)), tokens, tokens
+
+
+def paper_flops(hidden, layers, batch) -> float:
+    """The paper's FLOPs per step (its eq. 3, with activation recomputation)."""
+    return 96 * batch * SEQ * layers * hidden**2 * (1 + SEQ / (6 * hidden)
+                                                    + VOCAB / (16 * layers * hidden))
+
+
+def split_of(plan, step, args, batch, hidden) -> dict:
+    """data x tensor of the plan: how the layer activations' batch dim is cut."""
+    closed = jax.make_jaxpr(step)(*args)
+    leaves = jax.tree.leaves(args)
+    graph = build_graph(closed, [str(i) for i in range(len(leaves))],
+                        [str(i) for i in range(len(closed.jaxpr.outvars))])
+    sizes = plan.mesh_sizes
+    votes = collections.Counter()
+    for vid, spec in plan.intermediates:
+        shape = graph.values[vid].shape
+        if len(shape) == 3 and shape[0] == batch and shape[2] == hidden:
+            axes = spec[0] if len(spec) else None
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            votes[axes] += 1
+    data_axes = votes.most_common(1)[0][0] if votes else ()
+    data = int(np.prod([sizes[a] for a in data_axes])) if data_axes else 1
+    zero = sorted({a for leaf in plan.inputs[:len(leaves) - 2] for e in leaf.spec
+                   for a in ((e,) if isinstance(e, str) else (e or ())) if a in data_axes})
+    return {"data": data, "tensor": int(np.prod(plan.mesh_shape)) // data,
+            "data_axes": list(data_axes), "zero_axes": zero}
+
+
+def run(name: str, scan: bool) -> dict:
+    hidden, heads, layers, gpus, batch, (t, p), paper_tflops = ROWS[name]
+    row = {"model": name, "hidden": hidden, "heads": heads, "layers": layers, "gpus": gpus,
+           "batch": batch, "paper_tensor": t, "paper_pipeline": p, "paper_data": gpus // (t * p),
+           "paper_tflops": paper_tflops, "layers_as": "scan" if scan else "unrolled"}
+    if name in PIPELINE_ROWS:
+        row["skipped"] = ("needs PipeshardParallel's stage search in autoshard.plan "
+                          "(pipeline issue), not wired yet")
+        return row
+    step = make_step(scan)
+    args = abstract_args(hidden, heads, layers, batch, scan)
+    cluster = Cluster.a100_80gb(gpus // 8)
+    method = ShardParallel(auto_sharding_option=AutoShardingOption(show_progress=False))
+    t0 = time.perf_counter()
+    plan = autoshard.plan(step, *args, cluster=cluster, method=method, batch_argnums=(1, 2))
+    row["plan_s"] = time.perf_counter() - t0
+    o = plan.objective
+    row.update(mesh=list(plan.mesh_shape), **split_of(plan, step, args, batch, hidden),
+               step_s=o.total_s, compute_s=o.compute_s,
+               communication_s=o.communication_s + o.resharding_s,
+               flops=o.flops, paper_formula_flops=paper_flops(hidden, layers, batch),
+               tflops=o.flops / o.total_s / gpus / 1e12,
+               memory_gib=o.peak_bytes_per_device / 2**30,
+               meshes_tried=[[list(s), v] for s, v in o.meshes_tried],
+               meshes_pruned=[[list(s), why] for s, why in o.meshes_pruned],
+               solver_status=o.solver_status, cluster=plan.cluster)
+    return row
+
+
+def write(rows: list[dict]):
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    meta = {"jax": jax.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+            "cluster": "Cluster.a100_80gb(num_hosts = GPUs / 8)", "seq": SEQ, "vocab": VOCAB}
+    (RESULTS / "cluster.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = ["# Megatron-LM Table 1 rows planned for described A100 clusters", "",
+             f"`autoshard.plan` on abstract shapes, jax {meta['jax']}, {meta['cpus']} CPUs "
+             "(shared), no GPU. Cluster: `Cluster.a100_80gb(GPUs / 8)` (312 TFLOP/s bf16 x 0.8, "
+             "80 GiB, NVLink 300 GB/s, 25 GB/s per GPU between nodes). Split = data x tensor "
+             "(+zero: weights and Adam state also split over the data axis named, gathered at "
+             "use). TFLOP/s per GPU = matrix-product FLOPs of the step (recompute included) / "
+             "estimated step time / GPUs.", "",
+             "| model | GPUs | layers as | plan s | mesh | split (data x tensor) | paper split "
+             "| est. step s (compute + comm) | est. TFLOP/s/GPU | paper TFLOP/s/GPU | memory "
+             "GiB/GPU |", "|---|---:|---|---:|---|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        paper = f"{r['paper_data']} x {r['paper_tensor']}" + (
+            f" x pipeline {r['paper_pipeline']}" if r["paper_pipeline"] > 1 else "")
+        if "skipped" in r:
+            lines.append(f"| {r['model']} | {r['gpus']} | - | - | - | not planned: "
+                         f"{r['skipped']} | {paper} | - | - | {r['paper_tflops']} | - |")
+            continue
+        zero = f" +zero({','.join(r['zero_axes'])})" if r["zero_axes"] else ""
+        lines.append(
+            f"| {r['model']} | {r['gpus']} | {r['layers_as']} | {r['plan_s']:.1f} "
+            f"| {'x'.join(map(str, r['mesh']))} | {r['data']} x {r['tensor']}{zero} | {paper} "
+            f"| {r['step_s']:.2f} ({r['compute_s']:.2f} + {r['communication_s']:.2f}) "
+            f"| {r['tflops']:.0f} | {r['paper_tflops']} | {r['memory_gib']:.1f} |")
+    lines += ["", "Meshes the planner compared (estimated step time; pruned ones with why):", ""]
+    for r in rows:
+        if "skipped" in r:
+            continue
+        tried = ", ".join(f"{tuple(s)} {v:.2f} s" for s, v in sorted(r["meshes_tried"],
+                                                                      key=lambda t: t[1]))
+        pruned = "; ".join(f"{tuple(s)}: {why}" for s, why in r["meshes_pruned"])
+        lines.append(f"- {r['model']} ({r['layers_as']}): {tried}" + (
+            f". Not solved: {pruned}" if pruned else ""))
+    lines += ["", "FLOPs check: the step's counted FLOPs / the paper's formula (eq. 3): "
+              + ", ".join(f"{r['model']} {r['flops'] / r['paper_formula_flops']:.2f}"
+                          for r in rows if "flops" in r) + "."]
+    (RESULTS / "cluster.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--unroll", action="store_true", help="layers as a Python loop")
+    parser.add_argument("--both", action="store_true", help="scan rows, then unrolled rows")
+    parser.add_argument("--rewrite", action="store_true", help="only rewrite cluster.md")
+    args = parser.parse_args(argv)
+    if args.rewrite:
+        write(json.loads((RESULTS / "cluster.json").read_text())["rows"])
+        return
+    modes = [True, False] if args.both else [not args.unroll]
+    rows = []
+    for scan in modes:
+        for name in args.rows:
+            if name in PIPELINE_ROWS and not scan:
+                continue
+            rows.append(run(name, scan))
+            print(json.dumps({k: v for k, v in rows[-1].items()
+                              if not k.startswith("meshes")}), file=sys.stderr, flush=True)
+            write(rows)
+
+
+if __name__ == "__main__":
+    main()

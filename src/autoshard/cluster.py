@@ -1,0 +1,210 @@
+"""Cluster: the hardware a plan is costed for (hosts, devices, links, FLOP/s, memory).
+
+A plan can be made for a cluster you do not have: ``autoshard.plan(step, *shapes,
+cluster=Cluster.a100_80gb(num_hosts=32))`` prices every mesh axis on the links it really
+uses and the compute on the device's FLOP/s, with no device of that cluster at hand.
+
+Devices are numbered host by host (``devices_per_host`` consecutive devices share a host) and
+a logical mesh is laid over them row-major, as ``jax.make_mesh`` and ``Mesh(np.array(
+jax.devices()).reshape(shape))`` do on a GPU cluster. An axis whose devices all sit in one
+host costs the intra-host link; an axis that crosses hosts, or straddles them (a 16-wide axis
+over 8-device hosts), the inter-host link: its slowest hop (``sharding.cost.axis_crosses_hosts``).
+
+Measured numbers replace the presets field by field::
+
+    measured = dataclasses.replace(Cluster.a100_80gb(4), inter_host_bandwidth=21e9,
+                                   flops_efficiency=0.7)
+
+Bandwidths are per device and per direction, in bytes per second (what a ring all-reduce's
+bus bandwidth measures, e.g. ``nccl-tests``' ``busbw``); latencies are seconds per collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .sharding import cost
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Hosts of identical devices joined by two levels of links."""
+
+    num_hosts: int
+    """Hosts (machines, nodes)."""
+    devices_per_host: int
+    """Devices of one host (consecutive in device order)."""
+    peak_flops: float
+    """Peak FLOP/s of one device in the dtype the model computes in (bf16 dense for GPUs)."""
+    flops_efficiency: float = 1.0
+    """Fraction of ``peak_flops`` that large matrix products sustain (the compute term's speed)."""
+    memory_bytes: int | None = None
+    """Memory of one device in bytes: the planner's budget per device (None: unbounded)."""
+    memory_bandwidth: float = 1 / cost.BYTE_COST_S
+    """Bytes/s one device reads and writes its memory at (prices memory-bound operations)."""
+    intra_host_bandwidth: float = 1 / cost.DEFAULT_BETA_S_PER_BYTE
+    """Bytes/s per device and direction between devices of one host (NVLink, ...)."""
+    intra_host_latency_s: float = cost.DEFAULT_ALPHA_S
+    """Seconds of latency of one collective inside a host."""
+    inter_host_bandwidth: float = 1 / cost.INTER_HOST_BETA_S_PER_BYTE
+    """Bytes/s per device and direction between hosts (a host's network links / its devices)."""
+    inter_host_latency_s: float = cost.INTER_HOST_ALPHA_S
+    """Seconds of latency of one collective across hosts."""
+    name: str = "custom"
+    """What the numbers describe, shown by ``explain()``."""
+
+    def __post_init__(self):
+        for field in ("num_hosts", "devices_per_host"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Cluster.{field} ({value!r}) must be a positive int.")
+        for field in ("peak_flops", "memory_bandwidth", "intra_host_bandwidth",
+                      "inter_host_bandwidth"):
+            value = getattr(self, field)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ValueError(
+                    f"Cluster.{field} ({value!r}) must be a positive finite number (per second, "
+                    "per device). Give the measured or datasheet figure.")
+        for field in ("intra_host_latency_s", "inter_host_latency_s"):
+            value = getattr(self, field)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"Cluster.{field} ({value!r}) must be non-negative seconds.")
+        if not 0 < self.flops_efficiency <= 1:
+            raise ValueError(
+                f"Cluster.flops_efficiency ({self.flops_efficiency!r}) must be in (0, 1]: the "
+                "fraction of peak_flops that large matrix products reach.")
+        if self.memory_bytes is not None and (
+                not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0):
+            raise ValueError(
+                f"Cluster.memory_bytes ({self.memory_bytes!r}) must be a positive int (bytes "
+                "per device) or None for no budget.")
+
+    # Presets ---------------------------------------------------------------------------------
+    @classmethod
+    def a100_80gb(cls, num_hosts: int = 1, *, devices_per_host: int = 8) -> Cluster:
+        """DGX A100 80GB nodes: NVLink 3 inside a node, 8x200 Gb/s HDR InfiniBand between.
+
+        312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e, NVLink 300 GB/s per direction, one 200 Gb/s
+        (25 GB/s) NIC per GPU; large bf16 GEMMs sustain about 80% of peak.
+        """
+        return cls(num_hosts=num_hosts, devices_per_host=devices_per_host, peak_flops=312e12,
+                   flops_efficiency=0.8, memory_bytes=80 * GIB, memory_bandwidth=2.0e12,
+                   intra_host_bandwidth=300e9, intra_host_latency_s=5e-6,
+                   inter_host_bandwidth=25e9, inter_host_latency_s=10e-6,
+                   name=f"A100 80GB, {num_hosts} x {devices_per_host}")
+
+    @classmethod
+    def h100_80gb(cls, num_hosts: int = 1, *, devices_per_host: int = 8) -> Cluster:
+        """DGX H100 nodes: NVLink 4 inside a node, 8x400 Gb/s NDR InfiniBand between.
+
+        989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 450 GB/s per direction, one 400 Gb/s
+        (50 GB/s) NIC per GPU; large bf16 GEMMs sustain about 70% of peak.
+        """
+        return cls(num_hosts=num_hosts, devices_per_host=devices_per_host, peak_flops=989e12,
+                   flops_efficiency=0.7, memory_bytes=80 * GIB, memory_bandwidth=3.35e12,
+                   intra_host_bandwidth=450e9, intra_host_latency_s=5e-6,
+                   inter_host_bandwidth=50e9, inter_host_latency_s=10e-6,
+                   name=f"H100 80GB, {num_hosts} x {devices_per_host}")
+
+    @classmethod
+    def from_devices(cls, devices: Sequence[Any]) -> Cluster:
+        """The cluster of ``devices`` (e.g. ``jax.devices()``): hosts from their processes.
+
+        A100/H100 GPUs get their preset's figures; other devices (CPUs) the cost model's
+        defaults (``sharding.cost``), so planning for the devices at hand is unchanged.
+        Memory is the device's ``bytes_limit`` where JAX reports one.
+        """
+        devices = list(devices)
+        if not devices:
+            raise ValueError("Cluster.from_devices needs at least one device, e.g. jax.devices().")
+        per_host: dict[int, int] = {}
+        for d in devices:
+            per_host[d.process_index] = per_host.get(d.process_index, 0) + 1
+        counts = sorted(set(per_host.values()))
+        if len(counts) != 1:
+            raise ValueError(
+                f"Cluster.from_devices: the devices sit unevenly on their hosts ({per_host} "
+                "devices per process). Give the same number of devices from every host.")
+        kind = str(getattr(devices[0], "device_kind", "")).upper()
+        num_hosts, dph = len(per_host), counts[0]
+        preset = (cls.h100_80gb(num_hosts, devices_per_host=dph) if "H100" in kind
+                  or "H200" in kind else cls.a100_80gb(num_hosts, devices_per_host=dph)
+                  if "A100" in kind else cls(num_hosts=num_hosts, devices_per_host=dph,
+                                              peak_flops=1 / cost.FLOP_COST_S))
+        memory = _bytes_limit(devices[0])
+        return dataclasses.replace(
+            preset, memory_bytes=memory if memory is not None else preset.memory_bytes,
+            name=f"{getattr(devices[0], 'device_kind', 'device')}, {num_hosts} x {dph}")
+
+    # What the planner reads ------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.devices_per_host
+
+    @property
+    def flop_s(self) -> float:
+        """Seconds per floating-point operation of a matrix product on one device."""
+        return 1.0 / (self.peak_flops * self.flops_efficiency)
+
+    @property
+    def byte_s(self) -> float:
+        """Seconds per byte of a memory-bound operation on one device."""
+        return 1.0 / self.memory_bandwidth
+
+    def axis_crosses_hosts(self, mesh_shape: Sequence[int]) -> tuple[bool, ...]:
+        """Per axis of a row-major mesh over these devices: whether it leaves one host."""
+        self.check_mesh(mesh_shape)
+        dph = self.devices_per_host if self.num_hosts > 1 else None
+        return tuple(cost.axis_crosses_hosts(tuple(mesh_shape), a, dph)
+                     for a in range(len(mesh_shape)))
+
+    def mesh_costs(self, mesh_shape: Sequence[int]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(alpha, beta) per axis: latency in s and inverse bandwidth in s/byte of its link."""
+        crosses = self.axis_crosses_hosts(mesh_shape)
+        alpha = tuple(self.inter_host_latency_s if c else self.intra_host_latency_s
+                      for c in crosses)
+        beta = tuple(1.0 / (self.inter_host_bandwidth if c else self.intra_host_bandwidth)
+                     for c in crosses)
+        return alpha, beta
+
+    def check_mesh(self, mesh_shape: Sequence[int]) -> None:
+        if math.prod(mesh_shape) != self.num_devices:
+            raise ValueError(
+                f"The mesh shape {tuple(mesh_shape)} holds {math.prod(mesh_shape)} devices but "
+                f"the cluster ({self.name}) has {self.num_devices} ({self.num_hosts} hosts x "
+                f"{self.devices_per_host}). Choose a mesh whose product is {self.num_devices}, "
+                "or describe the cluster you run on (Cluster(num_hosts=..., "
+                "devices_per_host=...)).")
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.num_devices} devices ({self.num_hosts} hosts x "
+                f"{self.devices_per_host}), {self.peak_flops / 1e12:g} TFLOP/s peak x "
+                f"{self.flops_efficiency:g}, "
+                + (f"{self.memory_bytes / GIB:g} GiB" if self.memory_bytes else "unbounded memory")
+                + f", links {self.intra_host_bandwidth / 1e9:g} GB/s in a host, "
+                f"{self.inter_host_bandwidth / 1e9:g} GB/s between hosts (per device)")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Cluster:
+        return cls(**data)
+
+
+def _bytes_limit(device) -> int | None:
+    try:
+        stats = device.memory_stats()
+    except Exception:  # backends without memory statistics (CPU) raise or return None
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None
+
+
+__all__ = ["Cluster"]

@@ -1,0 +1,168 @@
+"""Planning for a described cluster: Cluster, autoshard.plan, saved plans applied later."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autoshard
+from autoshard import Cluster, ShardingPlan, ShardParallel
+
+
+def loss_fn(params, batch):
+    x, y = batch
+    h = jax.nn.relu(x @ params["w1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+def train_step(params, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+
+def shapes(batch=32, hidden=256):
+    f32 = jnp.float32
+    params = {"w1": jax.ShapeDtypeStruct((64, hidden), f32),
+              "w2": jax.ShapeDtypeStruct((hidden, 64), f32)}
+    data = (jax.ShapeDtypeStruct((batch, 64), f32), jax.ShapeDtypeStruct((batch, 64), f32))
+    return params, data
+
+
+def real(tree, seed=0):
+    keys = iter(jax.random.split(jax.random.key(seed), 8))
+    return jax.tree.map(lambda s: jax.random.normal(next(keys), s.shape, s.dtype), tree)
+
+
+QUIET = autoshard.AutoShardingOption(show_progress=False)
+
+
+# Cluster -----------------------------------------------------------------------------------------
+def test_a100_preset_and_axes_priced_by_the_links_they_use():
+    c = Cluster.a100_80gb(4)
+    assert c.num_devices == 32 and c.memory_bytes == 80 * 2**30
+    assert c.flop_s == pytest.approx(1 / (312e12 * c.flops_efficiency))
+    # (4, 8): axis 1 is one host's 8 GPUs (NVLink), axis 0 joins the hosts (InfiniBand).
+    alpha, beta = c.mesh_costs((4, 8))
+    assert beta == (1 / 25e9, 1 / 300e9) and alpha[0] > alpha[1]
+    # (2, 16): a 16-wide axis straddles two hosts and is priced by its slowest hop.
+    assert c.axis_crosses_hosts((2, 16)) == (True, True)
+    assert Cluster.a100_80gb(1).axis_crosses_hosts((2, 4)) == (False, False)
+
+
+def test_measured_numbers_replace_preset_fields_and_bad_values_name_the_field():
+    measured = dataclasses.replace(Cluster.a100_80gb(2), inter_host_bandwidth=20e9)
+    assert measured.mesh_costs((2, 8))[1][0] == 1 / 20e9
+    assert Cluster.from_dict(measured.to_dict()) == measured
+    with pytest.raises(ValueError, match=r"Cluster.inter_host_bandwidth \(0\) must be a positive"):
+        Cluster(num_hosts=1, devices_per_host=8, peak_flops=1e14, inter_host_bandwidth=0)
+    with pytest.raises(ValueError, match=r"flops_efficiency \(1.5\) must be in \(0, 1\]"):
+        Cluster(num_hosts=1, devices_per_host=8, peak_flops=1e14, flops_efficiency=1.5)
+
+
+def test_from_devices_describes_the_devices_at_hand():
+    c = Cluster.from_devices(jax.devices())
+    assert c.num_devices == len(jax.devices()) and c.num_hosts == 1
+
+
+def test_mesh_that_does_not_match_the_cluster_is_an_error():
+    with pytest.raises(ValueError, match=r"mesh shape \(2, 2\) holds 4 devices but the cluster"):
+        Cluster.a100_80gb(1).mesh_costs((2, 2))
+    option = autoshard.AutoShardingOption(logical_mesh_shape=(2, 2), show_progress=False)
+    with pytest.raises(ValueError, match=r"logical_mesh_shape \(2, 2\) has 4 devices but the "
+                                         r"method uses 32"):
+        autoshard.plan(train_step, *shapes(), cluster=Cluster.a100_80gb(4),
+                       method=ShardParallel(auto_sharding_option=option))
+
+
+# autoshard.plan ----------------------------------------------------------------------------------
+def test_plan_for_a_cluster_you_do_not_have_explains_time_and_memory():
+    plan = autoshard.plan(train_step, *shapes(batch=256), cluster=Cluster.a100_80gb(4),
+                          method=ShardParallel(auto_sharding_option=QUIET))
+    assert int(np.prod(plan.mesh_shape)) == 32 and plan.fingerprint.num_devices == 32
+    text = plan.explain()
+    for part in ("estimated step time", "compute", "communication", "TFLOP/s per device",
+                 "A100 80GB, 4 x 8", "estimated peak memory per device"):
+        assert part in text
+    o = plan.objective
+    # 2 forward dots, 3 backward (no gradient for the data x): 2 * 256 * 64 * 256 FLOPs each.
+    assert o.flops == pytest.approx(5 * 2 * 256 * 64 * 256)
+    # The mirror of a mesh whose axes cost no less is not solved, and says so.
+    assert any("links no slower" in why for _, why in o.meshes_pruned)
+
+
+def test_compute_term_uses_the_devices_flops():
+    base = Cluster(num_hosts=1, devices_per_host=8, peak_flops=1e12, memory_bandwidth=1e11)
+    fast = dataclasses.replace(base, peak_flops=2e12, memory_bandwidth=2e11)
+    option = autoshard.AutoShardingOption(logical_mesh_shape=(8,), show_progress=False)
+    method = ShardParallel(auto_sharding_option=option)
+    slow_plan = autoshard.plan(train_step, *shapes(batch=256), cluster=base, method=method)
+    fast_plan = autoshard.plan(train_step, *shapes(batch=256), cluster=fast, method=method)
+    assert fast_plan.objective.compute_s == pytest.approx(slow_plan.objective.compute_s / 2)
+
+
+def test_plan_saves_and_loads_as_json(tmp_path):
+    plan = autoshard.plan(train_step, *shapes(), cluster=Cluster.a100_80gb(2),
+                          method=ShardParallel(auto_sharding_option=QUIET))
+    plan.save(tmp_path / "plan.json")
+    assert ShardingPlan.load(tmp_path / "plan.json") == plan
+    data = plan.to_dict()
+    data["format"] = "something else"
+    with pytest.raises(ValueError, match="format 'something else'"):
+        ShardingPlan.from_dict(data)
+
+
+def test_saved_plan_runs_without_replanning_and_matches_jit(tmp_path, monkeypatch):
+    plan = autoshard.plan(train_step, *shapes(), cluster=Cluster.from_devices(jax.devices()),
+                          method=ShardParallel(auto_sharding_option=QUIET))
+    plan.save(tmp_path / "plan.json")
+    loaded = ShardingPlan.load(tmp_path / "plan.json")
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("a saved plan must not be re-planned")
+    monkeypatch.setattr(autoshard.sharding, "plan_auto", no_planning)
+    step = autoshard.parallelize(train_step, method=ShardParallel(plan=loaded))
+    params, batch = real(shapes())
+    new, loss = step(params, batch)
+    want_new, want_loss = jax.jit(train_step)(params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(new["w1"], want_new["w1"], rtol=1e-5, atol=1e-6)
+    assert step.get_last_executable().plan.mesh_shape == loaded.mesh_shape
+
+
+def test_plan_applied_to_another_program_names_what_differs():
+    plan = autoshard.plan(train_step, *shapes(batch=32),
+                          cluster=Cluster.from_devices(jax.devices()),
+                          method=ShardParallel(auto_sharding_option=QUIET))
+    step = autoshard.parallelize(train_step, method=ShardParallel(plan=plan))
+    with pytest.raises(ValueError, match=r"made for another program: input arg1\[0\] was "
+                                         r"float32\[32,64\] in the plan, arg1\[0\] is "
+                                         r"float32\[64,64\] now.*re-plan"):
+        step.get_executable(*shapes(batch=64))
+
+
+def test_plan_applied_to_another_device_count_names_both():
+    plan = autoshard.plan(train_step, *shapes(), cluster=Cluster.a100_80gb(2),
+                          method=ShardParallel(auto_sharding_option=QUIET))
+    step = autoshard.parallelize(train_step, method=ShardParallel(plan=plan))
+    with pytest.raises(ValueError, match=r"plan is for 16 devices \(A100 80GB, 2 x 8.*\) but "
+                                         r"the method has 8.*Cluster.from_devices"):
+        step.get_executable(*shapes())
+
+
+def test_model_that_fits_no_split_names_the_estimate_and_largest_arrays():
+    tiny = Cluster(num_hosts=1, devices_per_host=8, peak_flops=1e14, memory_bytes=1000)
+    with pytest.raises(ValueError, match=r"No plan fits memory_budget_per_device \(1,000 B\).*"
+                                         r"smallest estimate found is [\d,]+ B per device.*largest arrays: "
+                                         r"arg0\['w[12]'\].*use more devices"):
+        autoshard.plan(train_step, *shapes(), cluster=tiny,
+                       method=ShardParallel(auto_sharding_option=QUIET))
+
+
+def test_plan_rejects_methods_it_does_not_cover():
+    with pytest.raises(TypeError, match="plans ShardParallel"):
+        autoshard.plan(train_step, *shapes(), method=autoshard.DataParallel())
+    with pytest.raises(ValueError, match="plan or manual_sharding_option, not both"):
+        ShardParallel(plan=autoshard.plan(train_step, *shapes()),
+                      manual_sharding_option=autoshard.ManualShardingOption(("x",)))

@@ -140,3 +140,20 @@ def test_bert_layer_with_dropout_compiles_to_its_predicted_collectives(mesh):
     _, ref = jax.jit(step)(state, (x, y), jax.random.key(1))
     _, loss = f(state, (x, y), jax.random.key(1))
     np.testing.assert_allclose(loss, ref, rtol=1e-5)  # same dropout masks as jax.jit
+
+
+def test_convolution_workspace_is_in_the_memory_estimate():
+    import jax
+    import jax.numpy as jnp
+
+    def step(w, x):
+        def loss(w):
+            y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            return jnp.mean(jnp.tanh(y) ** 2)
+        return w - 0.1 * autoshard.grad(loss)(w)
+
+    opt = autoshard.AutoShardingOption(show_progress=False, logical_mesh_shape=(8,))
+    f = autoshard.parallelize(step, method=autoshard.ShardParallel(auto_sharding_option=opt))
+    a = f.get_executable(jnp.ones((3, 3, 16, 16)) / 10, jnp.ones((64, 16, 16, 16))).audit()
+    assert a.memory_ratio() <= 1.10, a.explain()

@@ -59,11 +59,8 @@ class Executable:
         MISS means the leaves need the slow path: other static values, shapes or dtypes, or
         committed arrays placed elsewhere (``call_args`` moves them).
         """
-        if self._static_sel is not None:
-            if tuple(compress(leaves, self._static_sel)) != self._static_leaves:
-                return MISS
-            leaves = list(compress(leaves, self._dynamic_sel))
-        if len(leaves) != self._num_dynamic:
+        leaves = self.select_dynamic(leaves)
+        if leaves is MISS:
             return MISS
         if _compat.any_deleted(leaves):
             raise self._deleted_error(leaves)
@@ -72,6 +69,14 @@ class Executable:
         except (TypeError, ValueError):  # signature or sharding mismatch, raised before running
             return MISS
         return self._out_tree.unflatten(outs)
+
+    def select_dynamic(self, leaves: list):
+        """The array leaves among all argument leaves, or MISS if the static ones differ."""
+        if self._static_sel is not None:
+            if tuple(compress(leaves, self._static_sel)) != self._static_leaves:
+                return MISS
+            leaves = list(compress(leaves, self._dynamic_sel))
+        return leaves if len(leaves) == self._num_dynamic else MISS
 
     def call_args(self, args: tuple):
         """The slow path: flatten with paths, check, place every leaf, run."""

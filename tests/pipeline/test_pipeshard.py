@@ -191,4 +191,7 @@ def test_executable_inspection_trace_and_devices_list(tmp_path):
     ex.dump_stage_execution_trace(str(tmp_path / "trace.json"), out, batch)
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert {e["name"] for e in events} >= {"F0.0", "F1.1", "B1.0", "B0.1"}
+    png = ex.dump_stage_execution_trace(str(tmp_path / "timeline.png"))  # the same run
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.endswith("timeline.png")
     assert "stage 1: layers" in ex.plan.explain()

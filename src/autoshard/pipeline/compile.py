@@ -107,7 +107,8 @@ class CompiledTask:
     ``option``: planner options (None: the data-parallel ``fallback`` specs). ``rows``: the
     values whose dim 0 is the micro-batch's rows (the planner's batch inputs). ``aliases``:
     (input, output) positions of values the task replaces (same spec). ``input_specs``: specs
-    to take the inputs in (``stage_input_shardings``), overriding the plan's.
+    to take the inputs in (None: the plan's), e.g. the layout their producer gives them: XLA
+    then reshards inside this task's program rather than in a separate dispatch.
     """
 
     def __init__(self, task: Task, part: Partition, mesh, *, with_index: bool, option,
@@ -152,13 +153,11 @@ class CompiledTask:
                 fallback.get(v) for v in self.accumulated] + [P()] * (n_args - n - n_acc)
             out_specs = [fallback.get(v) for v in self.outvars] + in_specs[n:n + n_acc]
         if input_specs is not None:
-            if len(input_specs) != n:
-                raise ValueError(
-                    f"stage_input_shardings gives {len(input_specs)} specs for stage "
-                    f"{task.stage} but its forward task has {n} inputs; pass "
-                    "executable.stage_input_shard_specs of the same step and options.")
-            in_specs[:n] = [s.spec if isinstance(s, NamedSharding) else P(*s)
-                            for s in input_specs]
+            assert len(input_specs) == n
+            in_specs[:n] = [_spec(s) if s is not None else in_specs[i]
+                            for i, s in enumerate(input_specs)]
+            for i, o in aliases:  # the replacement keeps the layout of what it replaces
+                out_specs[o] = in_specs[i]
         in_sh = [NamedSharding(mesh, s) for s in in_specs]
         out_sh = [NamedSharding(mesh, s) for s in out_specs]
         self.in_shardings, self.out_shardings = in_sh, out_sh
@@ -171,6 +170,10 @@ class CompiledTask:
 
     def __call__(self, args):
         return self.compiled(*args)
+
+
+def _spec(s) -> P:
+    return s.spec if isinstance(s, NamedSharding) else s if isinstance(s, P) else P(*s)
 
 
 def _task_fn(eqns, invars, outvars, acc, consts, random):

@@ -29,6 +29,7 @@ from .._jaxpr import flatten_args
 from .compile import CompiledTask, Specs, acc_dtype, finalize_fn, make_submeshes
 from .schedules import get_schedule
 from .simulate import simulate
+from .timeline import draw_timeline
 from .transfer import Mover
 
 
@@ -73,20 +74,44 @@ class PipelineExecutable:
                                      num_micro_batches=k, virtual=virtual if interleaved else 1)
         self.order = simulate(self.schedule).order()
 
-        def compile_task(t, with_index, aliases=(), input_specs=None):
-            return CompiledTask(t, part, self.meshes[t.stage], with_index=with_index,
-                                option=options[t.stage], fallback=self.specs, rows=rows,
-                                aliases=aliases, input_specs=input_specs)
+        # Tasks are compiled in the order values flow (forward stages, backward stages in
+        # reverse, apply). A task takes a value in the layout its producer (or, for a step
+        # input, its first reader) gave it when its sub-mesh has that sub-mesh's shape.
+        layout: dict = {}   # var -> (sub-mesh shape, spec)
+
+        def compile_task(t, with_index, aliases=(), given=None):
+            shape = tuple(self.meshes[t.stage].devices.shape)
+            consts = set(jaxpr.constvars)
+            invars = [v for v in t.invars if v not in consts]
+            if given is not None and len(given) != len(invars):
+                raise ValueError(
+                    f"stage_input_shardings gives {len(given)} specs for stage {t.stage} but "
+                    f"its forward task has {len(invars)} inputs; pass "
+                    "executable.stage_input_shard_specs of the same step and options.")
+            want = list(given) if given is not None else [
+                layout[v][1] if v in layout and layout[v][0] == shape else None for v in invars]
+            c = CompiledTask(t, part, self.meshes[t.stage], with_index=with_index,
+                             option=options[t.stage], fallback=self.specs, rows=rows,
+                             aliases=aliases, input_specs=want)
+            for v, sh in zip(c.invars + c.outvars, c.in_shardings[:len(c.invars)] +
+                             c.out_shardings[:len(c.outvars)], strict=True):
+                layout.setdefault(v, (shape, sh.spec))
+            return c
         self.tasks: dict = {}
         for s in range(part.num_stages):
             self.tasks[("F", s)] = compile_task(
                 part.forward[s], True,
-                input_specs=None if stage_input_shardings is None else stage_input_shardings[s])
-            if part.has_backward:
+                given=None if stage_input_shardings is None else stage_input_shardings[s])
+        if part.has_backward:
+            for s in reversed(range(part.num_stages)):
                 pairs = ([("Ba", part.split_backward[s][0]), ("Bw", part.split_backward[s][1])]
                          if split else [("B", part.backward[s])])
                 for kind, t in pairs:
                     self.tasks[(kind, s)] = compile_task(t, True)
+        for t in self.tasks.values():  # accumulated gradients: their finalised values too
+            for v, sh in zip(t.accumulated, t.acc_shardings, strict=True):
+                o = part.marker.outvars[list(part.marker.invars).index(v)]
+                layout.setdefault(o, (tuple(self.meshes[t.stage].devices.shape), sh.spec))
         self.apply = [compile_task(t, False, _step_aliases(t, jaxpr, program.aliases))
                       for t in part.apply]
         self.finalize = []
@@ -341,12 +366,17 @@ class PipelineExecutable:
         return jax.tree.unflatten(self._out_tree, [None] * self._out_tree.num_leaves)
 
     def dump_stage_execution_trace(self, path: str, *args) -> str:
-        """Run one step (blocking per action) and write its Chrome/Perfetto trace JSON."""
+        """Run one step (blocking per action) and write its trace: a ``.png`` timeline, else
+        Chrome/Perfetto trace JSON. Without ``args`` the last recorded trace is written."""
         if args:
             self.trace = []
             self.run(list(flatten_args(args, self.static_argnums).dynamic_leaves), record=True)
-        events = [{"name": name, "ph": "X", "pid": 0, "tid": stage, "ts": start * 1e6,
-                   "dur": dur * 1e6} for name, stage, start, dur in self.trace]
+        if str(path).endswith(".png"):
+            return draw_timeline(self.trace, path, row_of=self.schedule.rank_of,
+                                 title=f"{self.name}: {self.plan.schedule}, "
+                                       f"{self.k} micro-batches")
+        events = [{"name": name, "ph": "X", "pid": 0, "tid": self.schedule.rank_of(stage),
+                   "ts": start * 1e6, "dur": dur * 1e6} for name, stage, start, dur in self.trace]
         with open(path, "w") as f:
             json.dump({"traceEvents": events}, f)
         return path

@@ -26,12 +26,15 @@ class Mover:
     def __init__(self):
         self._reshard: dict = {}
         self._like: dict = {}
+        self.counts = {"reshard": 0, "copy": 0, "placed": 0}
+        """Dispatches so far: resharding jits, device-to-device copies, first placements."""
 
     def __call__(self, x, target: NamedSharding):
         src = getattr(x, "sharding", None)
         if src == target:
             return x
         if not isinstance(src, NamedSharding) or not getattr(x, "committed", True):
+            self.counts["placed"] += 1
             return jax.device_put(x, target)
         if src.is_equivalent_to(target, x.ndim):
             return x
@@ -41,10 +44,12 @@ class Mover:
             like = self.like(src, target)
             if not src.is_equivalent_to(like, x.ndim):
                 x = self.reshard(x, like)
+            self.counts["copy"] += 1
             return jax.device_put(x, target)
         x = self.reshard(x, NamedSharding(src.mesh, P()))
         shards = [s.data for s in x.addressable_shards]
         devices = list(target.mesh.devices.flat)
+        self.counts["copy"] += 1
         pieces = jax.device_put([shards[i % len(shards)] for i in range(len(devices))],
                                 devices)
         rep = NamedSharding(target.mesh, P())
@@ -56,6 +61,7 @@ class Mover:
         fn = self._reshard.get(key)
         if fn is None:
             fn = self._reshard[key] = jax.jit(lambda a: a, out_shardings=target)
+        self.counts["reshard"] += 1
         return fn(x)
 
     def like(self, src: NamedSharding, target: NamedSharding) -> NamedSharding:

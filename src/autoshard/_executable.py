@@ -72,11 +72,7 @@ class Executable:
 
     def select_dynamic(self, leaves: list):
         """The array leaves among all argument leaves, or MISS if the static ones differ."""
-        if self._static_sel is not None:
-            if tuple(compress(leaves, self._static_sel)) != self._static_leaves:
-                return MISS
-            leaves = list(compress(leaves, self._dynamic_sel))
-        return leaves if len(leaves) == self._num_dynamic else MISS
+        return select_dynamic(self, leaves)
 
     def call_args(self, args: tuple):
         """The slow path: flatten with paths, check, place every leaf, run."""
@@ -171,6 +167,19 @@ class Executable:
             with open(os.path.join(dir_path, name), "w") as f:
                 f.write(text)
         return sorted(files)
+
+
+def select_dynamic(ex, leaves: list):
+    """``ex``'s array leaves among all argument leaves, or MISS if its static leaves differ.
+
+    ``ex`` carries ``_static_sel``/``_dynamic_sel`` (None without static leaves),
+    ``_static_leaves`` and ``_num_dynamic`` (an Executable or a pipeline executable).
+    """
+    if ex._static_sel is not None:
+        if tuple(compress(leaves, ex._static_sel)) != ex._static_leaves:
+            return MISS
+        leaves = list(compress(leaves, ex._dynamic_sel))
+    return leaves if len(leaves) == ex._num_dynamic else MISS
 
 
 def deleted_error(leaves, paths, name: str) -> ValueError:

@@ -124,7 +124,7 @@ class _Loop:
         self.jaxpr, self.marker, self.k, self.hooks = jaxpr, marker, k, hooks
         self.batch_invars = batch_invars
         self.batch_vars = [v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b]
-        random_outs = {o for e in pre if _draws_random(e) for o in e.outvars}
+        random_outs = {o for e in pre if draws_random(e) for o in e.outvars}
         per_batch = dependents(pre, set(self.batch_vars) | random_outs)
         self.hoisted = [e for e in pre if not any(o in per_batch for o in e.outvars)]
         self.looped = [e for e in pre if any(o in per_batch for o in e.outvars)]
@@ -210,13 +210,14 @@ class _Loop:
         return hook
 
 
-def _draws_random(eqn) -> bool:
+def draws_random(eqn) -> bool:
+    """Whether an equation (or a jaxpr inside it) draws random numbers."""
     if eqn.primitive.name in RANDOM:
         return True
     for p in eqn.params.values():
         for sub in p if isinstance(p, tuple | list) else (p,):
             jaxpr = getattr(sub, "jaxpr", sub)
-            if hasattr(jaxpr, "eqns") and any(_draws_random(e) for e in jaxpr.eqns):
+            if hasattr(jaxpr, "eqns") and any(draws_random(e) for e in jaxpr.eqns):
                 return True
     return False
 

@@ -134,7 +134,7 @@ def _first_difference(a, b) -> str:
 
 
 def _aval(a) -> str:
-    return f"{jax.numpy.dtype(a.dtype).name}[{','.join(map(str, a.shape))}]"
+    return f"{getattr(a.dtype, 'name', a.dtype)}[{','.join(map(str, a.shape))}]"  # key<fry> too
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")

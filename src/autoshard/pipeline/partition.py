@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from .._compat import Literal, Var
 from .._jaxpr import dependents, grad_marker_index
-from ..grad_accum import RANDOM
+from ..grad_accum import draws_random
 from ..markers import pipeline_p
 
 
@@ -49,7 +49,7 @@ class Task:
 
     @property
     def draws_random(self) -> bool:
-        return any(_draws_random(e) for e in self.eqns)
+        return any(draws_random(e) for e in self.eqns)
 
 
 @dataclass(eq=False)
@@ -156,7 +156,7 @@ def free_eqns(pre, post, constvars) -> set[int]:
     for e in list(pre) + list(post):
         if e.primitive is pipeline_p:
             continue
-        if all(isinstance(v, Literal) or v in free_vars for v in e.invars) and not _draws_random(e):
+        if all(isinstance(v, Literal) or v in free_vars for v in e.invars) and not draws_random(e):
             free.add(id(e))
             free_vars.update(e.outvars)
     return free
@@ -200,7 +200,7 @@ def build_partition(closed, *, layer_of_fwd: dict, fwd_end: int, stage_of_layer:
 
     batch_vars = {v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b}
     per_mb = {v for key, eqns in groups.items() for e in eqns for v in e.outvars}
-    batch_dep = dependents(pre, batch_vars | {o for e in pre if _draws_random(e)
+    batch_dep = dependents(pre, batch_vars | {o for e in pre if draws_random(e)
                                               for o in e.outvars})
     needed_by: dict = {}
     marker_in = set(v for v in marker.invars if isinstance(v, Var)) if marker is not None else set()
@@ -350,17 +350,6 @@ def _is_boundary(e) -> bool:
 
 def _is_dropped(v) -> bool:
     return type(v).__name__ == "DropVar"
-
-
-def _draws_random(eqn) -> bool:
-    if eqn.primitive.name in RANDOM:
-        return True
-    for p in eqn.params.values():
-        for sub in p if isinstance(p, tuple | list) else (p,):
-            jaxpr = getattr(sub, "jaxpr", sub)
-            if hasattr(jaxpr, "eqns") and any(_draws_random(e) for e in jaxpr.eqns):
-                return True
-    return False
 
 
 __all__ = ["Partition", "Task", "assign_backward", "boundary_positions", "build_partition",

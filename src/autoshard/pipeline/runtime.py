@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from itertools import compress
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _compat
 from .._compat import Literal, Var
-from .._executable import MISS, deleted_error
+from .._executable import MISS, deleted_error, select_dynamic
 from .._jaxpr import flatten_args
 from .compile import CompiledTask, Specs, acc_dtype, finalize_fn, make_submeshes
 from .schedules import get_schedule
@@ -151,11 +150,8 @@ class PipelineExecutable:
         return self.call_args(args) if out is MISS else out
 
     def call_leaves(self, leaves: list):
-        if self._static_sel is not None:
-            if tuple(compress(leaves, self._static_sel)) != self._static_leaves:
-                return MISS
-            leaves = list(compress(leaves, self._dynamic_sel))
-        if len(leaves) != self._num_dynamic:
+        leaves = select_dynamic(self, leaves)
+        if leaves is MISS:
             return MISS
         for x, a in zip(leaves, self._flat.dynamic_leaves, strict=True):
             if tuple(getattr(x, "shape", ())) != tuple(a.shape):

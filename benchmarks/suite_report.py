@@ -121,6 +121,7 @@ def targets(result: dict) -> list[str]:
                    f"| {mark(None if t is None else t <= 1.05)} |")
         out.append(f"| plan + compile <= 2x jax.jit compile | {where} | {_ratio(c)} "
                    f"| {mark(None if c is None else c <= 2.0)} |")
+    out += _default_plan_targets(result, mark)
     sweep = [r for r in result.get("planning_sweep", [])
              if r["plan"].startswith("autoshard") and r["status"] == "ok"]
     if sweep:
@@ -134,6 +135,32 @@ def targets(result: dict) -> list[str]:
     if wall is not None:
         out.append(f"| suite part of `make bench` < 10 min | all | {wall / 60:.1f} min "
                    f"| {mark(wall < 600)} |")
+    return out
+
+
+def _default_plan_targets(result: dict, mark) -> list[str]:
+    """What a user gets by default (ShardParallel(), the planner's own mesh) against the
+    hand-written plan with the fewest collective bytes on the same devices, any mesh."""
+    out = []
+    for r in result["records"]:
+        if r["plan"] != "autoshard:ShardParallel" or r["status"] != "ok":
+            continue
+        manual = [m for m in result["records"] if m["model"] == r["model"]
+                  and m["family"] == "manual" and m["status"] == "ok"]
+        if not manual:
+            continue
+        fewest = min(manual, key=lambda m: m["total_collective_bytes"])
+        b = _div(r["total_collective_bytes"], fewest["total_collective_bytes"])
+        m = _div(r["peak_bytes_per_device"], fewest["peak_bytes_per_device"])
+        mesh = "x".join(map(str, r["mesh_shape"] or ()))
+        where = f"{r['model']} / default plan (mesh {mesh}) vs `{fewest['plan']}`"
+        out.append(f"| default plan: collective bytes <= fewest manual plan | {where} "
+                   f"| {_ratio3(b)} | {mark(None if b is None else b <= 1.0)} |")
+        out.append(f"| default plan: memory <= 1.05x that plan's | {where} | {_ratio3(m)} "
+                   f"| {mark(None if m is None else m <= 1.05)} |")
+        audit = r.get("audit_bytes_ratio")
+        out.append(f"| default plan: compiled bytes / predicted | {r['model']} | "
+                   f"{_ratio3(audit)} | {mark(None if audit is None else audit <= 1.10)} |")
     return out
 
 

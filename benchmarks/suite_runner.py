@@ -77,9 +77,7 @@ def plan_names(model: str, num_devices: int, wanted: set[str] | None) -> list[st
     manual = [p for p in plans.manual_plans(num_devices) if p != "manual:expert" or model == "moe"]
     auto = list(plans.autoshard_methods(num_devices, 1.0))
     names = ["single:jit", *manual, *auto]
-    if wanted is None:    # the free mesh search repeats the 1-D and 2-D plans: only on request
-        return [p for p in names if p != "autoshard:ShardParallel"]
-    return [p for p in names if p in wanted]
+    return names if wanted is None else [p for p in names if p in wanted]
 
 
 def prepare_pair(case, plan: str, devices, args, solver_limit: float):

@@ -17,11 +17,12 @@ from tqdm.auto import tqdm
 
 from .cost import ClusterCosts, CostModel, device_speed, dominated_meshes
 from .graph import Graph, build_graph
+from .memory import peak_bytes
 from .options import AutoShardingOption
 from .plan import Collective, LeafPlan, Objective, ShardingPlan
 from .problem import Problem, build_problem, data_parallel_variant
 from .repeats import tie_repeated
-from .solver import Solution, build_and_solve, peak_bytes
+from .solver import Solution, build_and_solve
 from .spec import candidate_specs, shards, to_partition_spec
 from .strategy import itemsize
 
@@ -268,7 +269,7 @@ def _no_plan_error(errors, option, graph) -> Exception:
                                   memory_budget=None, node_limit=option.solver_node_limit)
         except (ValueError, RuntimeError):
             continue
-        peak = peak_bytes(prob, sol)
+        peak = peak_bytes(prob, sol.choice)
         if smallest is None or peak < smallest[0]:
             smallest = (peak, prob.ctx.mesh_shape)
     largest = _largest_inputs(graph)
@@ -370,7 +371,7 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
                 operand_specs.append((node.id, p, pspec(dst)))
     objective = Objective(communication_s=comm, resharding_s=reshard, compute_s=compute,
                           data_parallel_s=dp_objective,
-                          peak_bytes_per_device=peak_bytes(prob, sol),
+                          peak_bytes_per_device=peak_bytes(prob, sol.choice),
                           solver_status=sol.status)
     colls = tuple(Collective(kind=k[0], axes=k[1], num_bytes=k[2], cost_s=v[0], where=k[3],
                              count=v[1]) for k, v in collectives.items())

@@ -19,8 +19,9 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import LinearConstraint, milp
 
-from .problem import Problem, value_bytes
-from .spec import axis_place, shards
+from .memory import memory_rows
+from .problem import Problem
+from .spec import axis_place
 from .strategy import itemsize
 
 OBJECTIVE_SCALE = 1e6
@@ -206,7 +207,7 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
         A_ub = sp.csr_array((ub_vals, (ub_rows, ub_cols)), shape=(nub, total))
         constraints.append(LinearConstraint(A_ub, -np.inf, np.zeros(nub)))
     if memory_budget is not None:
-        M = _memory_rows(prob, col0, K, total)
+        M = memory_rows(prob, col0, K, total)
         constraints.append(LinearConstraint(M, -np.inf, float(memory_budget)))
     integrality = np.concatenate([np.ones(ncols), np.zeros(num_edge)])
     # HiGHS works in microseconds: seconds put every cost below its tolerances.
@@ -369,100 +370,3 @@ def _axis_terms(prob: Problem, src_list, out_index, dst_list, p, shape, isize):
         move = cost.axis_step(a, other, MOVED, total_bytes)[2]
         terms.append((src_dims, dst_dims, gather, move))
     return terms
-
-
-def liveness(prob: Problem) -> list[tuple[int, int, int]]:
-    """(value id, first node, last node) of every value; inputs live for the whole program."""
-    g = prob.graph
-    end = {v.id: v.producer for v in g.values}
-    for node in g.nodes:
-        if node.kind == "output":
-            continue
-        for u in node.operands:
-            if u is not None:
-                end[u] = max(end[u], node.id)
-    last = len(g.nodes)
-    for node_id in g.outputs:
-        u = g.nodes[node_id].operands[0]
-        end[u] = last
-    for node_id in g.inputs:
-        end[g.nodes[node_id].outputs[0]] = last
-    return [(v.id, 0 if g.nodes[v.producer].kind == "input" else v.producer, end[v.id])
-            for v in g.values]
-
-
-WORKSPACE_KINDS = {"conv_general_dilated"}
-"""Ops whose backends copy an operand into their own layout while they run (XLA's CPU
-convolution copies its image: measured on a one-conv step, the estimate then comes within 6% of
-XLA's allocation): that copy is live at the op."""
-
-
-def _transients(prob: Problem) -> list[tuple[int, int, list[int]]]:
-    """(node id, variable, bytes per strategy) of the workspace each such op holds."""
-    g, found = prob.graph, []
-    for node in g.nodes:
-        if node.kind not in WORKSPACE_KINDS or node.operands[0] is None:
-            continue
-        v = g.values[node.operands[0]]
-        size = itemsize(v.dtype) * int(np.prod(v.shape, dtype=np.int64))
-        found.append((node.id, prob.var(node.id), [
-            size // shards(s.in_specs[0], prob.ctx.mesh_shape) for s in prob.strategies[node.id]]))
-    return found
-
-
-def _memory_rows(prob: Problem, col0, K, total, num_points: int = 48):
-    """One row per sampled program point: bytes per device of everything live there.
-
-    Points: the half with the largest replicated live set, plus evenly spaced ones.
-    """
-    spans = liveness(prob)
-    n = len(prob.graph.nodes) + 1
-    repl = np.zeros(n + 1)
-    for vid, a, b in spans:
-        v = prob.graph.values[vid]
-        size = float(itemsize(v.dtype) * np.prod(v.shape, dtype=np.int64))
-        repl[a] += size
-        repl[b + 1] -= size
-    transients = _transients(prob)
-    for node_id, _, sizes in transients:
-        repl[node_id] += max(sizes)
-        repl[node_id + 1] -= max(sizes)
-    live = np.cumsum(repl)[:n]
-    top = np.argsort(-live, kind="stable")[: num_points // 2]
-    even = np.linspace(0, n - 1, num_points // 2).astype(int)
-    points = np.array(sorted(set(top.tolist()) | set(even.tolist())))
-    rows, cols, vals = [], [], []
-    for vid, a, b in spans:
-        inside = np.arange(np.searchsorted(points, a), np.searchsorted(points, b, side="right"))
-        if not len(inside):
-            continue
-        r = prob.var(prob.graph.values[vid].producer)
-        sizes = [float(value_bytes(prob, vid, k)) for k in range(K[r])]
-        for row in inside.tolist():
-            rows.extend([row] * K[r])
-            cols.extend(range(col0[r], col0[r] + K[r]))
-            vals.extend(sizes)
-    for node_id, r, sizes in transients:
-        at = np.searchsorted(points, node_id)
-        if at < len(points) and points[at] == node_id and len(sizes) == K[r]:
-            rows.extend([int(at)] * K[r])
-            cols.extend(range(col0[r], col0[r] + K[r]))
-            vals.extend(float(s) for s in sizes)
-    return sp.csr_array((vals, (rows, cols)), shape=(len(points), total))
-
-
-def peak_bytes(prob: Problem, sol: Solution) -> int:
-    """Largest estimated live set per device under the chosen strategies."""
-    spans = liveness(prob)
-    n = len(prob.graph.nodes) + 1
-    delta = np.zeros(n + 1)
-    for vid, a, b in spans:
-        k = sol.k(prob, prob.graph.values[vid].producer)
-        size = value_bytes(prob, vid, k)
-        delta[a] += size
-        delta[b + 1] -= size
-    for node_id, r, sizes in _transients(prob):
-        size = sizes[sol.choice[r]] if len(sizes) > sol.choice[r] else max(sizes)
-        delta[node_id] += size
-        delta[node_id + 1] -= size
-    return int(np.cumsum(delta)[:n].max()) if n else 0

@@ -209,8 +209,8 @@ def test_conv_images_are_never_split_spatially():
     from jax import lax
 
     from autoshard.sharding import AutoShardingOption
+    from autoshard.sharding.build import build_problem
     from autoshard.sharding.graph import build_graph
-    from autoshard.sharding.problem import build_problem
 
     def loss(w, x):
         y = lax.conv_general_dilated(x, w, (1, 1), "SAME",

@@ -15,12 +15,13 @@ import numpy as np
 from jax.extend import core
 from tqdm.auto import tqdm
 
+from .build import build_problem, data_parallel_variant
 from .cost import ClusterCosts, CostModel, device_speed, dominated_meshes
 from .graph import Graph, build_graph
 from .memory import peak_bytes
 from .options import AutoShardingOption
 from .plan import Collective, LeafPlan, Objective, ShardingPlan
-from .problem import Problem, build_problem, data_parallel_variant
+from .problem import Problem
 from .repeats import tie_repeated
 from .solver import Solution, build_and_solve
 from .spec import candidate_specs, shards, to_partition_spec

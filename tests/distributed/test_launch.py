@@ -20,13 +20,7 @@ def launch(fn, *args, timeout_s=TIMEOUT_S):
 
 
 def test_data_and_shard_parallel_across_two_processes_equal_one_process_run():
-    results = launch(workers.train)
-    reference = workers.train(devices=jax.devices()[:4])
-    assert [r["process"] for r in results] == [0, 1]
-    assert all(r["num_devices"] == 4 for r in results)
-    for method in workers.METHODS:
-        for r in results:
-            workers.assert_same_run(r[method], reference[method])
+    workers.assert_equal_to_one_process_run(launch(workers.train))
 
 
 def test_zero_and_gradient_accumulation_across_two_processes_equal_one_process_run():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import pytest
 import workers
 
@@ -27,14 +26,8 @@ def local_ray():
 
 
 def test_ray_data_and_shard_parallel_equal_one_process_run(local_ray):
-    results = autoshard.launch(workers.train, num_processes=2, devices_per_process=2,
-                               backend="ray", timeout_s=240)
-    reference = workers.train(devices=jax.devices()[:4])
-    assert [r["process"] for r in results] == [0, 1]
-    assert all(r["num_devices"] == 4 for r in results)
-    for method in workers.METHODS:
-        for r in results:
-            workers.assert_same_run(r[method], reference[method])
+    workers.assert_equal_to_one_process_run(autoshard.launch(
+        workers.train, num_processes=2, devices_per_process=2, backend="ray", timeout_s=240))
 
 
 def test_ray_worker_exception_and_death(local_ray, tmp_path):

@@ -58,6 +58,18 @@ def assert_same_run(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def assert_equal_to_one_process_run(results):
+    """Both processes of a 2 x 2-device ``train`` run match this process on 4 devices."""
+    import jax
+
+    reference = train(devices=jax.devices()[:4])
+    assert [r["process"] for r in results] == [0, 1]
+    assert all(r["num_devices"] == 4 for r in results)
+    for method in METHODS:
+        for r in results:
+            assert_same_run(r[method], reference[method])
+
+
 def fail_on(rank: int, message: str):
     import jax
 

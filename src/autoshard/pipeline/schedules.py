@@ -134,23 +134,13 @@ def interleaved_1f1b(num_ranks: int, num_micro_batches: int, virtual: int) -> Sc
     ranks = []
     for i in range(r):
         warm = min(total, (r - i - 1) * 2 + (v - 1) * r)
-        acts = []
-        fwd = bwd = 0
-        for _ in range(warm):
-            c, j = unit(fwd, True)
-            acts.append(Action("F", c * r + i, j))
-            fwd += 1
-        while fwd < total:
-            c, j = unit(fwd, True)
-            acts.append(Action("F", c * r + i, j))
-            fwd += 1
-            c, j = unit(bwd, False)
-            acts.append(Action("B", c * r + i, j))
-            bwd += 1
-        while bwd < total:
-            c, j = unit(bwd, False)
-            acts.append(Action("B", c * r + i, j))
-            bwd += 1
+        # warm-up forwards, then one forward one backward, then the remaining backwards
+        order = ["F"] * warm + ["F", "B"] * (total - warm) + ["B"] * warm
+        acts, done = [], {"F": 0, "B": 0}
+        for kind in order:
+            c, j = unit(done[kind], kind == "F")
+            acts.append(Action(kind, c * r + i, j))
+            done[kind] += 1
         ranks.append(acts)
     return _schedule("interleaved_1f1b", r, m, ranks, stages=r * v)
 

@@ -57,7 +57,7 @@ def test_each_device_uses_its_own_rows_and_gradients_are_reduced_once(method):
     text = ex.get_hlo_text()
     loops = hlo.loop_computations(text)
     assert loops, "no micro-batch loop"
-    inside = hlo.collectives(text, inside=loops)
+    inside = [(c.kind, c.shape) for c in hlo.collectives(text) if c.in_loop]
     assert len(split) and split[0] is not None, split
     parts = n if method != "auto" else math.prod(
         ex.mesh.shape[a] for a in ((split[0],) if isinstance(split[0], str) else split[0]))
@@ -66,7 +66,7 @@ def test_each_device_uses_its_own_rows_and_gradients_are_reduced_once(method):
     # ... a micro-batch's first dot has B / (k * n) rows per device ...
     assert f"f32[{batch // (k * parts)},64]" in hlo.dot_shapes(text, loops)
     # ... and the gradients are reduced once, after the loop.
-    outside = [kind for kind, _ in hlo.collectives(text, outside=loops)]
+    outside = [c.kind for c in hlo.collectives(text) if not c.in_loop]
     assert outside.count("all-reduce") + outside.count("reduce-scatter") >= 1
 
 

@@ -1,5 +1,6 @@
 """Executable.audit(): the plan's predicted collectives and memory against the compiled HLO."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -39,8 +40,12 @@ def test_loop_trip_counts_multiply_collectives():
     assert not a.has_prediction and a.unpredicted == ()
     assert [(r.kind, r.axes) for r in a.rows] == [("all-reduce", ("data",))]
     assert a.rows[0].compiled_count == 1  # once, after the micro-batch loop
-    counts = hlo.execution_counts(ex.get_hlo_text())
-    assert max(counts.values()) == 4  # the loop body runs once per micro-batch
+    text = ex.get_hlo_text()
+    counts = hlo.execution_counts(text)
+    body = re.search(r" while\(.*?body=%?([\w.\-]+)", text).group(1)
+    assert counts[body] == 4  # the loop body (and all it calls) runs once per micro-batch
+    fusions = [c for c in hlo.computations(text)[body].split("calls=%")[1:]]
+    assert fusions and all(counts[f.split(",")[0].split()[0]] == 4 for f in fusions)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "transformer", "cnn"])

@@ -20,7 +20,7 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, 
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
           "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
 _HEADER = re.compile(r"^(?:ENTRY )?%(?P<name>[\w.\-]+) ", re.M)
-_CALLS = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?")
+_CALLS = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
 _INSTR = re.compile(
     r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>.*?) (?P<kind>all-reduce|all-gather|"
     r"reduce-scatter|all-to-all|collective-permute)(?P<start>-start)?\((?P<rest>.*)$", re.M)
@@ -59,8 +59,8 @@ def computations(text: str) -> dict[str, str]:
 
 
 def _callees(body: str) -> list[str]:
-    return [n.strip().lstrip("%") for m in _CALLS.finditer(body) for n in m.group(1).split(",")
-            if n.strip()]
+    return [n.strip().lstrip("%") for m in _CALLS.finditer(body)
+            for n in m.group(1).strip("{}").split(",") if n.strip()]
 
 
 def execution_counts(text: str) -> dict[str, int]:

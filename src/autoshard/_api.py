@@ -207,7 +207,7 @@ class ParallelizedFunc:
         if executable is None:
             if _compat.any_deleted(flat.dynamic_leaves):
                 raise deleted_error(flat.dynamic_leaves, flat.paths, self.__name__)
-            self._warn_static_recompiles(flat)
+            self._warn_static_recompiles(flat, key)
             executable = self._compile(args, flat, self._batch_argnums(args), static)
             self._cache[key] = executable
             while len(self._cache) > self.max_executables:
@@ -245,9 +245,10 @@ class ParallelizedFunc:
         n = len(args)
         return tuple(b % n if -n <= b < n else b for b in self.batch_argnums)
 
-    def _warn_static_recompiles(self, flat: FlatArgs):
+    def _warn_static_recompiles(self, flat: FlatArgs, key: tuple):
         """Warn, naming the argument, when only static values keep changing."""
-        signature = (flat.treedef, flat.is_dynamic, flat.avals())
+        treedef, is_dynamic, _, avals = key  # the cache key without the static values
+        signature = (treedef, is_dynamic, avals)
         seen = self._static_history.setdefault(signature, [])
         previous = seen[-1] if seen else None
         seen.append(flat.static_leaves)

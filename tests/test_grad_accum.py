@@ -195,3 +195,18 @@ def test_transformer_accumulation():
     new, loss = f(state, (x, y))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(new.params, ref.params)
+
+
+def test_operations_without_a_per_row_rule_are_named_and_still_correct():
+    def step(w, x):
+        g = autoshard.grad(lambda w: jnp.mean(jnp.sort(x @ w, axis=0)[-1] ** 2))(w)
+        return w - 0.1 * g
+    w, x = jnp.ones((4, 2)) / 3, jnp.asarray(np.random.default_rng(2).normal(size=(32, 4)),
+                                             jnp.float32)
+    f = autoshard.parallelize(step, method=autoshard.DataParallel(num_micro_batches=2))
+    with pytest.warns(RuntimeWarning, match="gathers a micro-batch's rows .* for .*sort"):
+        out = f(w, x)
+    ref = (w - 0.1 * (jax.grad(lambda w: jnp.mean(jnp.sort(x[0::2] @ w, axis=0)[-1] ** 2))(w)
+                      + jax.grad(lambda w: jnp.mean(jnp.sort(x[1::2] @ w, axis=0)[-1] ** 2))(w))
+           / 2)
+    np.testing.assert_allclose(out, ref, rtol=1e-5)

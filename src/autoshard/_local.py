@@ -11,7 +11,7 @@ A reduction over the batch rows (``reduce_sum``, a ``dot_general`` contracting r
 partial value without communicating; linear operations keep it partial; anything else turns
 it replicated with one ``psum``. That is what lets gradients accumulate on each device over
 micro-batches and be reduced once after the loop. An operation with no rule here gathers its
-split operands first: correct, only slower (``LocalEval.gathered`` names them).
+split operands first: correct, only slower (``LocalEval.gathered`` names them; the loop warns).
 """
 
 from __future__ import annotations

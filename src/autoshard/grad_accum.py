@@ -19,6 +19,7 @@ draw different dropout masks.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -156,6 +157,12 @@ class _Loop:
             sums = self._scan(outer, micro, LocalEval((), 1))
         else:
             sums = self._local_scan(outer, micro)
+            if self.gathered:
+                warnings.warn(
+                    "Gradient accumulation gathers a micro-batch's rows on every device for "
+                    f"{', '.join(sorted(self.gathered))} (no per-row rule): the step is "
+                    "correct, but these operations run on the whole micro-batch everywhere.",
+                    RuntimeWarning, stacklevel=2)
         out = []
         for s, v, r in zip(sums, self.marker.invars, self.reductions, strict=True):
             s = s / k if r == "mean" else s

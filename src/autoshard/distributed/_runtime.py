@@ -9,12 +9,14 @@ well, so the process can join again (a new job, or a purely local run).
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import time
 
 import jax
 
 from .. import _compat, _config
+from ._process import free_port
 
 RUNTIME_KWARGS = ("coordinator_address", "num_processes", "process_id", "local_device_ids",
                   "initialization_timeout", "heartbeat_timeout_seconds",
@@ -65,6 +67,7 @@ def join(kwargs: dict, *, cluster: str = "distributed") -> None:
     if jax.config.jax_cpu_collectives_implementation in (None, "none"):
         # Without it, computations spanning CPU devices of several processes fail to compile.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _set_transfer_address(settings["coordinator_address"])
     try:
         jax.distributed.initialize(cluster_detection_method="deactivate", **settings)
     except (ValueError, RuntimeError, TypeError) as e:
@@ -128,11 +131,46 @@ def shutdown() -> None:
         if settings.get("process_id"):
             _wait_until_closed(settings["coordinator_address"])
     _state["joined"] = False
+    if _state.pop("transfer_address_set", False):  # a new job gets a new port
+        jax.config.update(_TRANSFER_FLAG, "")
     if _state["ray_started"]:
         from . import _ray
 
         _ray.disconnect()
         _state["ray_started"] = False
+
+
+_TRANSFER_FLAG = "jax_cross_host_transfer_socket_address"
+
+
+def _set_transfer_address(coordinator: str) -> None:
+    """Give this process an address for JAX's cross-process array transfers (unless set).
+
+    ``jax.device_put`` of an array to devices of another process (pipeline stages owned by
+    different processes) goes through a transfer server that the backend starts when this flag
+    names a socket address; backends without native cross-host transfers (CPU) need it. The
+    address is this host's, as seen from the coordinator's network, with a free port.
+    """
+    try:
+        if jax.config.read(_TRANSFER_FLAG):
+            return  # the user's choice
+    except AttributeError:  # a JAX without the flag
+        return
+    host = _local_address(coordinator.rpartition(":")[0].strip("[]"))
+    jax.config.update(_TRANSFER_FLAG, f"{host}:{free_port(host)}")
+    _state["transfer_address_set"] = True
+
+
+def _local_address(coordinator_host: str) -> str:
+    """This host's address on the route to ``coordinator_host`` (loopback stays loopback)."""
+    try:
+        if ipaddress.ip_address(socket.gethostbyname(coordinator_host)).is_loopback:
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((coordinator_host, 9))  # no packet is sent; the kernel picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
 
 
 def _wait_until_closed(address: str, limit_s: float = 2.0) -> None:

@@ -25,6 +25,7 @@ from .. import _compat
 from .._compat import Literal, Var
 from .._executable import MISS, deleted_error, select_dynamic
 from .._jaxpr import flatten_args
+from . import _cross_process
 from .compile import CompiledTask, Specs, acc_dtype, finalize_fn, make_submeshes
 from .schedules import get_schedule
 from .simulate import simulate
@@ -138,6 +139,7 @@ class PipelineExecutable:
         self.plan = dataclasses.replace(plan, notes=plan.notes + tuple(notes))
         self.timings = dict(timings, compile_s=time.perf_counter() - t0)
         self.trace: list = []
+        _cross_process.agree(self)  # with several processes: the same pipeline as process 0
 
     @property
     def task_plans(self) -> dict:
@@ -216,7 +218,8 @@ class PipelineExecutable:
                 jax.block_until_ready(outs)
             if record:
                 self.trace.append((t.task.name, t.stage, t0 - t_start, time.perf_counter() - t0))
-        out = [self._output(v, args) for v in jaxpr.outvars]
+        out = _cross_process.readable_outputs(self, [self._output(v, args)
+                                                     for v in jaxpr.outvars])
         self._mb, self._step = {}, {}
         return out
 

@@ -8,6 +8,10 @@
   not match shard for shard would copy through the host, silently.
 * Other devices, a different count: replicated on the source, each destination device gets a
   copy of one source shard (single-device copies), then resharded on the destination.
+
+Sub-meshes of other processes work the same way: every process issues every move, in the same
+order, and ``jax.device_put`` between processes is JAX's cross-host transfer (see
+``_cross_process``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import _compat
+from ._cross_process import copy_replicated
 
 
 class Mover:
@@ -47,14 +52,9 @@ class Mover:
             self.counts["copy"] += 1
             return jax.device_put(x, target)
         x = self.reshard(x, NamedSharding(src.mesh, P()))
-        shards = [s.data for s in x.addressable_shards]
-        devices = list(target.mesh.devices.flat)
         self.counts["copy"] += 1
-        pieces = jax.device_put([shards[i % len(shards)] for i in range(len(devices))],
-                                devices)
-        rep = NamedSharding(target.mesh, P())
-        x = jax.make_array_from_single_device_arrays(x.shape, rep, pieces)
-        return x if target == rep else self.reshard(x, target)
+        x = copy_replicated(x, target.mesh)
+        return x if target == x.sharding else self.reshard(x, target)
 
     def reshard(self, x, target: NamedSharding):
         key = (x.sharding, target, x.shape, x.dtype)

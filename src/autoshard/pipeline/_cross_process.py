@@ -1,0 +1,174 @@
+"""A pipeline whose sub-meshes belong to different processes (multi-controller JAX).
+
+Every process builds the same executable and walks the same global action list. A task whose
+sub-mesh has no device of this process is still called: JAX dispatches nothing for it and hands
+back an array with no local shards, so every process keeps the same values, in the same
+shardings, in the same order. Values move between sub-meshes with ``jax.device_put``; between
+processes it is JAX's cross-host transfer, which both ends must issue, in the same order (the
+order of the action list), and which needs the two layouts to match shard for shard (the mover
+lays the value out on the source first). On CPU the transfer goes through the socket address
+that ``autoshard.init`` sets per process (``jax_cross_host_transfer_socket_address``).
+
+Three things differ from one process:
+
+* Copies between sub-meshes of different sizes go as single-device pieces: each process issues
+  the pieces it sends or receives, and the ones between two devices of another process are
+  left to that process (``copy_replicated``).
+* Outputs that do not replace a step input (the loss, metrics) are replicated over every device
+  of the pipeline, so each process can read them (``readable_outputs``); the new train state
+  stays on the stages that hold it for the next step.
+* Every process checks that it traced the same step, cut it into the same stages and planned
+  every task alike as process 0 (``agree``), before the first step runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from .. import _compat
+from ..distributed import plan_sync
+
+
+def multi_process() -> bool:
+    return jax.process_count() > 1
+
+
+def placeholder(shape, dtype, sharding):
+    """An array of ``sharding`` with none of its shards here (this process owns none)."""
+    return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
+
+
+def copy_replicated(x, mesh):
+    """``x``, replicated over its sub-mesh, replicated over ``mesh`` (another device count).
+
+    Destination device i gets a copy from a source device of its own process when there is one,
+    else from source device ``i mod n``. The copies go in one batched ``jax.device_put``: the
+    ones within this process, and every one between two processes (both ends issue those).
+    """
+    me = jax.process_index()
+    src = list(x.sharding._device_assignment)
+    dst = list(mesh.devices.flat)
+    local = {s.device: s.data for s in x.addressable_shards}
+    pieces, targets, places = [], [], []
+    for i, d in enumerate(dst):
+        near = [s for s in src if s.process_index == d.process_index]
+        s = near[i % len(near)] if near else src[i % len(src)]
+        if s.process_index == d.process_index != me:
+            continue  # a copy inside another process
+        piece = local.get(s)
+        if piece is None:
+            piece = placeholder(x.shape, x.dtype, SingleDeviceSharding(s))
+        pieces.append(piece)
+        targets.append(SingleDeviceSharding(d))
+        places.append(d)
+    moved = jax.device_put(pieces, targets) if pieces else []
+    mine = [p for p, d in zip(moved, places, strict=True) if d.process_index == me]
+    return jax.make_array_from_single_device_arrays(
+        x.shape, NamedSharding(mesh, P()), mine, dtype=x.dtype
+    )
+
+
+def job_mesh(meshes):
+    """A 1-D mesh over every device of the pipeline's sub-meshes, in stage order."""
+    devices = list(dict.fromkeys(d for m in meshes for d in m.devices.flat))
+    return _compat.make_auto_mesh(np.array(devices, dtype=object), ("x",))
+
+
+def everywhere(x, meshes, move):
+    """``x`` replicated over every device of ``meshes`` (each process can read it)."""
+    full = job_mesh(meshes)
+    rep = NamedSharding(full, P())
+    if x.sharding.device_set == rep.device_set and x.sharding.is_fully_replicated:
+        return x
+    copies = []
+    for m in meshes:
+        target = NamedSharding(m, P())
+        if x.sharding.device_set == target.device_set:
+            copies.append(move.reshard(x, target) if not x.sharding.is_fully_replicated else x)
+    if not copies:  # x is elsewhere: first replicated on the first sub-mesh
+        copies.append(move(x, NamedSharding(meshes[0], P())))
+    held = copies[0]
+    for m in meshes:
+        if not held.sharding.device_set & set(m.devices.flat):
+            copies.append(move(held, NamedSharding(m, P())))
+    shards = [s.data for c in copies for s in c.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, rep, shards, dtype=x.dtype)
+
+
+def readable_outputs(executable, out: list) -> list:
+    """The step's outputs with every one that is not new state replicated over all stages."""
+    if not multi_process():
+        return out
+    kept = {o for _, o in executable.program.aliases}
+    meshes = executable.rank_meshes
+    every = {d for m in meshes for d in m.devices.flat}
+    result = []
+    for i, x in enumerate(out):
+        sh = getattr(x, "sharding", None)
+        if (
+            i not in kept
+            and isinstance(sh, NamedSharding)
+            and not (sh.device_set == every and sh.is_fully_replicated)
+        ):
+            x = everywhere(x, meshes, executable.move)
+        result.append(x)
+    return result
+
+
+def agree(executable) -> None:
+    """Check that this process built the same pipeline as process 0: the same traced step, cut
+    into the same stages, every task with the same input and output layouts. Raises
+    ``PlanMismatchError`` naming both processes otherwise (they would wait on each other's
+    transfers for ever). Planning is deterministic for the same program, devices and options;
+    this catches processes that differ in those (or stages chosen by measured times)."""
+    if not multi_process():
+        return
+    mine = {
+        "stages": _stages(executable.plan),
+        "tasks": {
+            t.task.name: (
+                [str(s.spec) for s in t.in_shardings],
+                [str(s.spec) for s in t.out_shardings],
+            )
+            for t in executable._ordered_tasks()
+        },
+    }
+    name = executable.name
+    first = plan_sync.agree_on_plan(name, executable.program, lambda: mine)
+    if first == mine:
+        return
+    here = f"process {jax.process_index()}"
+    if first["stages"] != mine["stages"]:
+        field = next(f for f in mine["stages"] if mine["stages"][f] != first["stages"][f])
+        raise plan_sync.PlanMismatchError(
+            f"{name}: {here} cut the pipeline differently from process 0 for the same program: "
+            f"{field} {mine['stages'][field]} here, {first['stages'][field]} on process 0. Stage "
+            "choices that measure time (AutoStageOption(profile=True)) can differ between "
+            "processes; pass the stages process 0 chose as a ManualStageOption."
+        )
+    task = next(t for t in mine["tasks"] if mine["tasks"][t] != first["tasks"].get(t))
+    raise plan_sync.PlanMismatchError(
+        f"{name}: {here} planned task {task} differently from process 0 for the same program: "
+        f"input/output specs {mine['tasks'][task]} here, {first['tasks'].get(task)} on process "
+        "0. Give every process the same devices, method options and AUTOSHARD_* settings."
+    )
+
+
+def _stages(plan) -> dict:
+    keep = (
+        "num_layers",
+        "stage_layer_ids",
+        "submesh_shapes",
+        "stage_devices",
+        "schedule",
+        "num_micro_batches",
+    )
+    return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name in keep}
+
+
+__all__ = ["agree", "copy_replicated", "multi_process", "readable_outputs"]

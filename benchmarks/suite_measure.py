@@ -2,55 +2,33 @@
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 
 import jax
 import numpy as np
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+from autoshard.sharding import hlo
 
-_DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-                "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-# "%name = <result shape(s)> <opcode>(" with an optional "-start" (async collectives on GPU).
-_INSTR = re.compile(
-    r"=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\(")
+COLLECTIVES = hlo.KINDS
 
 
-def _shapes(text: str) -> list[int]:
-    """Bytes of each array shape in an HLO result type (tuples give several)."""
-    sizes = []
-    for dtype, dims in _SHAPE.findall(text):
-        if dtype not in _DTYPE_BYTES:
-            continue
-        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-        sizes.append(n * _DTYPE_BYTES[dtype])
-    return sizes
+def collective_bytes(hlo_text: str, num_devices: int
+                     ) -> tuple[dict[str, int], dict[str, int], dict[str, float]]:
+    """Per collective kind: result bytes one device receives per step, executions per step, and
+    bytes one device sends per step (``wire_bytes``: ring algorithms over each group's size).
 
-
-def collective_bytes(hlo_text: str) -> tuple[dict[str, int], dict[str, int]]:
-    """Bytes (per device, from result shapes) and count of each collective kind in the HLO.
-
-    Every instruction is counted once, also inside loop bodies. An async ``*-start`` returns a
-    tuple of (operands, results[, context]); its results are the second half of the arrays.
+    Read by ``autoshard.sharding.hlo``, the audit's reader: loop bodies count their trips. On
+    the CPU XLA lowers a reduce-scatter to an all-reduce and a slice, so it counts as one.
     """
     num_bytes = dict.fromkeys(COLLECTIVES, 0)
     counts = dict.fromkeys(COLLECTIVES, 0)
-    for line in hlo_text.splitlines():
-        match = _INSTR.search(line)
-        if match is None:
-            continue
-        kind = match.group("op")
-        sizes = _shapes(match.group("shape"))
-        if match.group("start") and kind in ("all-gather", "collective-permute", "all-to-all"):
-            sizes = [s for s in sizes if s > 4]   # drop u32[] context scalars
-            sizes = sizes[len(sizes) // 2:]
-        num_bytes[kind] += sum(sizes)
-        counts[kind] += 1
-    return num_bytes, counts
+    wire = dict.fromkeys(COLLECTIVES, 0.0)
+    for c in hlo.collectives(hlo_text, (), (num_devices,)):
+        num_bytes[c.kind] += c.num_bytes * c.count
+        counts[c.kind] += c.count
+        wire[c.kind] += c.wire_bytes * c.count
+    return num_bytes, counts, wire
 
 
 def memory_per_device(compiled) -> dict[str, int | None]:

@@ -30,7 +30,8 @@ SWEEP_LAYERS = {"quick": (1,), "default": (1, 2, 4), "large": (2, 4, 8)}
 # Every record has these keys; a failed or skipped pair keeps them None.
 NULL_FIELDS = ("step_time_s", "step_time_iqr_s", "step_time_ratio_to_best_manual",
                "planning_time_s", "compile_time_s", "lower_time_s", "plan_plus_compile_s",
-               "collective_bytes", "total_collective_bytes", "peak_bytes_per_device",
+               "collective_bytes", "total_collective_bytes", "collective_wire_bytes",
+               "total_wire_bytes", "peak_bytes_per_device",
                "ilp_objective_s")
 
 
@@ -108,9 +109,11 @@ def prepare_pair(case, plan: str, devices, args, solver_limit: float):
                           lower_time_s=prepared.lower_time_s, **prepared.extra)
             setup = (prepared.planning_time_s or 0.0) + (prepared.lower_time_s or 0.0)
             record["plan_plus_compile_s"] = setup + prepared.compile_time_s
-            num_bytes, counts = measure.collective_bytes(prepared.compiled.as_text())
+            num_bytes, counts, wire = measure.collective_bytes(prepared.compiled.as_text(),
+                                                               len(devices))
             record.update(collective_bytes=num_bytes, collective_counts=counts,
-                          total_collective_bytes=sum(num_bytes.values()))
+                          total_collective_bytes=sum(num_bytes.values()),
+                          collective_wire_bytes=wire, total_wire_bytes=sum(wire.values()))
             record.update(measure.memory_per_device(prepared.compiled))
     except PairTimeout as e:
         record.update(status="timeout", error=str(e))
@@ -209,7 +212,8 @@ def _brief(r: dict) -> str:
         parts.append(f"plan {r['planning_time_s']:.1f} s")
     parts.append(f"compile {r['compile_time_s']:.1f} s")
     if r.get("total_collective_bytes") is not None:
-        parts.append(f"coll {r['total_collective_bytes'] / 1e6:.2f} MB")
+        parts.append(f"coll {r['total_collective_bytes'] / 1e6:.2f} MB "
+                     f"(sent {r['total_wire_bytes'] / 1e6:.2f} MB)")
     return ", ".join(parts)
 
 

@@ -57,6 +57,8 @@ def test_suite_end_to_end(tmp_path):
         assert r["loss_matches_single"], plan     # every plan computes the same first loss
     assert by_plan["manual:dp"]["mesh_shape"] == [8]
     assert by_plan["manual:dp"]["collective_bytes"]["all-reduce"] > 0
+    dp = by_plan["manual:dp"]    # one group of 8 devices: an all-reduce sends 2 * 7/8 of it
+    assert dp["total_wire_bytes"] == pytest.approx(1.75 * dp["total_collective_bytes"])
     assert by_plan["single:jit"]["total_collective_bytes"] == 0
     best = min(by_plan[p]["step_time_s"] for p in ("manual:dp", "manual:megatron"))
     ratio = by_plan["autoshard:ShardParallel-1d"]["step_time_ratio_to_best_manual"]

@@ -32,6 +32,23 @@ def test_replica_groups_in_every_spelling_map_to_mesh_axes():
         ("all-reduce", ("x",), 32), ("all-reduce", ("x", "y"), 32), ("all-reduce", None, 8)]
 
 
+def test_bytes_sent_follow_the_group_size():
+    text = "\n".join([
+        "ENTRY %main (p: f32[8]) -> f32[8] {",
+        "  %a = f32[8]{0} all-reduce(%p), replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%s",
+        "  %b = f32[8]{0} all-reduce(%p), replica_groups=[2,4]<=[8], to_apply=%s",
+        "  %c = f32[16]{0} all-gather(%p), replica_groups=[2,4]<=[8], dimensions={0}",
+        "  %d = f32[2]{0} reduce-scatter(%p), replica_groups=[2,4]<=[8], dimensions={0}",
+        "  %e = f32[8]{0} all-reduce(%p), replica_groups={}, to_apply=%s",
+        "  ROOT %f = f32[8]{0} collective-permute(%p), source_target_pairs={{0,1},{1,0}}",
+        "}"])
+    found = hlo.collectives(text, ("x", "y"), (2, 4))
+    assert [c.group_size for c in found] == [2, 4, 4, 4, 8, 1]
+    # all-reduce 2(n-1)/n, all-gather (n-1)/n of the result, reduce-scatter (n-1) shards,
+    # a permute its whole result
+    assert [c.wire_bytes for c in found] == [32.0, 48.0, 48.0, 24.0, 56.0, 32.0]
+
+
 def test_loop_trip_counts_multiply_collectives():
     model, x, y = make_case("mlp", batch=64)
     f = autoshard.parallelize(train_step, method=autoshard.DataParallel(num_micro_batches=4))

@@ -2,8 +2,15 @@
 
 XLA's optimized HLO is the ground truth of what a plan costs. This module turns its text into
 ``CompiledCollective`` records: the kind, the bytes one device receives (from the result
-shapes), how many times it runs per step (trip counts of the ``while`` loops around it) and
-the mesh axes its replica groups span.
+shapes), how many times it runs per step (trip counts of the ``while`` loops around it), the
+mesh axes its replica groups span, and the bytes it puts on the links.
+
+Result bytes alone do not compare plans whose collectives run over groups of different sizes:
+an all-reduce of 1 MB moves 1 MB per device over 2 devices but 1.75 MB over 8. ``wire_bytes``
+is what each device sends under the bandwidth-optimal (ring) algorithms, the ``VOLUME``
+factors of the cost model: all-reduce ``2(n-1)/n`` of the array, all-gather and all-to-all
+``(n-1)/n`` of the result, reduce-scatter ``(n-1)`` times its result (the shard), and a
+collective-permute its whole result.
 """
 
 from __future__ import annotations
@@ -43,6 +50,20 @@ class CompiledCollective:
     """The result shape as printed in the HLO."""
     in_loop: bool
     """Whether it runs inside a while loop."""
+    group_size: int = 1
+    """Devices in each of its replica groups (1 when the HLO names none)."""
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device sends per execution under ring algorithms (see the module doc)."""
+        n, b = self.group_size, self.num_bytes
+        if self.kind == "collective-permute":
+            return float(b)
+        if n <= 1:
+            return 0.0
+        factor = {"all-reduce": 2.0 * (n - 1) / n, "all-gather": (n - 1) / n,
+                  "all-to-all": (n - 1) / n, "reduce-scatter": float(n - 1)}[self.kind]
+        return factor * b
 
 
 def shape_bytes(shape: str) -> int:
@@ -105,8 +126,12 @@ def collectives(text: str, axis_names=(), mesh_shape=()) -> list[CompiledCollect
             axes = groups_of.get(groups) if groups is not None else None
             if kind == "collective-permute":
                 axes = None
+            size = len(next(iter(groups))) if groups else 1
+            if "replica_groups={}" in rest:   # one group of every device
+                size = math.prod(mesh_shape) if mesh_shape else 1
             found.append(CompiledCollective(kind=kind, num_bytes=shape_bytes(shape), count=times,
-                                            axes=axes, shape=shape, in_loop=times > 1))
+                                            axes=axes, shape=shape, in_loop=times > 1,
+                                            group_size=size))
     return found
 
 

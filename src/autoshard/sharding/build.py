@@ -13,14 +13,15 @@ from .graph import Graph
 from .options import AutoShardingOption
 from .problem import Problem
 from .simplify import node_strategies
-from .spec import replicated
+from .spec import replicated, to_partition_spec
 from .strategy import RuleContext
 
 
 def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardingOption, *,
                   batch_invars, aliases, warned: set[str],
                   devices_per_host: int | None = None,
-                  axis_names: tuple[str, ...] = ()) -> Problem:
+                  axis_names: tuple[str, ...] = (), fixed_in_specs=None) -> Problem:
+    """``fixed_in_specs``: per input its only allowed spec (internal form), or None."""
     cost = CostModel.from_option(mesh_shape, option, devices_per_host)
     ctx = RuleContext(mesh_shape, cost, option, warned, keep_whole=conv_spatial_dims(graph),
                       axis_names=tuple(axis_names))
@@ -38,7 +39,7 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
                 f"aliases pair (input {i}, output {o}) have different shapes {vi.shape} and "
                 f"{vo.shape}; a donated input can only be replaced by an output of its shape.")
         prob.union(ni, no)
-    _input_masks(prob, batch_invars)
+    _input_masks(prob, batch_invars, fixed_in_specs)
     return prob
 
 
@@ -79,7 +80,7 @@ def data_parallel_variant(prob: Problem, batch_invars) -> Problem:
     return dp
 
 
-def _input_masks(prob: Problem, batch_invars):
+def _input_masks(prob: Problem, batch_invars, fixed_in_specs=None):
     option, ctx, g = prob.ctx.option, prob.ctx, prob.graph
     live = tuple(a for a, n in enumerate(ctx.mesh_shape) if n > 1)
     for i, node_id in enumerate(g.inputs):
@@ -88,7 +89,17 @@ def _input_masks(prob: Problem, batch_invars):
         rank = len(value.shape)
         is_batch = bool(batch_invars[i]) and rank > 0
         allowed = set(range(len(specs)))
-        if option.force_data_parallel:
+        fixed = fixed_in_specs[i] if fixed_in_specs is not None else None
+        if fixed is not None:  # the layout a producer gives this input: the only choice
+            if fixed not in specs:
+                raise ValueError(
+                    f"fixed_in_specs entry {i} ({to_partition_spec(fixed, ctx.axis_names)}) "
+                    f"is not a layout of input {g.nodes[node_id].where} (shape {tuple(value.shape)}) on mesh "
+                    f"{tuple(ctx.mesh_shape)}: each split dim must divide by its axes and each "
+                    "axis appear once, in mesh order. Give a valid spec or None to let the "
+                    "planner choose.")
+            allowed = {specs.index(fixed)}
+        elif option.force_data_parallel:
             want = ((live,) + ((),) * (rank - 1)) if is_batch else replicated(rank)
             if want not in specs:
                 want = replicated(rank)

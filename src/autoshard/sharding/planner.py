@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from jax.extend import core
+from jax.sharding import PartitionSpec
 from tqdm.auto import tqdm
 
 from .build import build_problem, data_parallel_variant
@@ -24,7 +25,7 @@ from .plan import Collective, LeafPlan, Objective, ShardingPlan
 from .problem import Problem
 from .repeats import tie_repeated
 from .solver import Solution, build_and_solve
-from .spec import candidate_specs, shards, to_partition_spec
+from .spec import candidate_specs, from_partition_spec, shards, to_partition_spec
 from .strategy import itemsize
 
 DEFAULT_AXIS_NAMES = {1: ("x",), 2: ("x", "y")}
@@ -55,8 +56,14 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
               aliases: Sequence[tuple[int, int]] = (),
               axis_names: Sequence[str] | None = None,
               devices_per_host: int | None = None,
-              cluster: ClusterCosts | None = None) -> ShardingPlan:
+              cluster: ClusterCosts | None = None,
+              fixed_in_specs: Sequence[PartitionSpec | None] | None = None) -> ShardingPlan:
     """Plan every array of ``closed_jaxpr`` over ``num_devices`` devices (no devices needed).
+
+    ``fixed_in_specs``: per input, the PartitionSpec it arrives in (over ``axis_names``, or
+    the default names of each candidate mesh), or None to let the planner choose: e.g. the
+    layout a producer gives a value, so the plan reshards it where the cost model sees it.
+    A program with nothing to place (no inputs, outputs or equations) gets the trivial plan.
 
     ``devices_per_host``: how many consecutive devices share a host (None: one host); axes
     that cross hosts cost the inter-host link. ``cluster`` (an ``autoshard.Cluster``) gives
@@ -80,6 +87,9 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                              f"{n_out} outputs.")
     if num_devices < 1:
         raise ValueError(f"num_devices ({num_devices}) must be at least 1.")
+    if fixed_in_specs is not None and len(fixed_in_specs) != n_in:
+        raise ValueError(f"fixed_in_specs has {len(fixed_in_specs)} entries but the jaxpr has "
+                         f"{n_in} inputs; give one PartitionSpec or None per flat leaf.")
     if cluster is not None:
         if cluster.num_devices != num_devices:
             raise ValueError(
@@ -110,10 +120,12 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             if shape in pruned:
                 continue
             bar.set_postfix_str(f"mesh {shape}")
+            names = _axis_names(axis_names, shape)
             prob = build_problem(graph, shape, shape_option, batch_invars=batch_invars,
                                  aliases=aliases, warned=warned,
-                                 devices_per_host=devices_per_host,
-                                 axis_names=_axis_names(axis_names, shape))
+                                 devices_per_host=devices_per_host, axis_names=names,
+                                 fixed_in_specs=_fixed_specs(fixed_in_specs, closed_jaxpr,
+                                                             names))
             prob.notes.append(
                 f"{tie_repeated(prob, batch_invars)} variables tied to identical ones")
             if best is not None:
@@ -123,11 +135,18 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                                      f"{best[2].objective_s * 1e3:.4f} ms")
                     continue
             try:
-                sol = build_and_solve(prob, time_limit_s=option.solver_time_limit_s,
-                                      memory_budget=shape_option.memory_budget_per_device,
-                                      node_limit=option.solver_node_limit)
+                sol = (build_and_solve(prob, time_limit_s=option.solver_time_limit_s,
+                                       memory_budget=shape_option.memory_budget_per_device,
+                                       node_limit=option.solver_node_limit,
+                                       cutoff_s=None if best is None else best[2].objective_s)
+                       if graph.nodes else Solution(choice={}, status="optimal",
+                                                    objective_s=0.0, solve_s=0.0))
             except ValueError as err:
                 errors.append((prob, err))
+                continue
+            if sol.bound_s is not None:  # the ILP showed no plan of this mesh can win
+                pruned[shape] = (f"ILP bound {sol.bound_s * 1e3:.4f} ms >= best "
+                                 f"{best[2].objective_s * 1e3:.4f} ms ({sol.status})")
                 continue
             tried.append((shape, sol.objective_s))
             if best is None or sol.objective_s < best[2].objective_s * (1 - 1e-9) - 1e-15:
@@ -141,10 +160,31 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     return plan if cluster is None else dataclasses.replace(plan, cluster=cluster.describe())
 
 
+def _fixed_specs(fixed_in_specs, closed_jaxpr, names):
+    """``fixed_in_specs`` in the planner's form (axis indices) for a mesh of ``names``."""
+    if fixed_in_specs is None:
+        return None
+    out = []
+    for i, (pspec, v) in enumerate(zip(fixed_in_specs, closed_jaxpr.jaxpr.invars, strict=True)):
+        if pspec is None:
+            out.append(None)
+            continue
+        unknown = sorted({n for e in pspec if e is not None
+                          for n in ((e,) if isinstance(e, str) else e)} - set(names))
+        rank = len(getattr(v.aval, "shape", ()))
+        if unknown or len(pspec) > rank:
+            raise ValueError(
+                f"fixed_in_specs entry {i} ({pspec}) does not fit input {i} of rank {rank} on "
+                f"a mesh with axes {names}: it names {unknown or 'more dims than the input'}. "
+                "Use the mesh's axis names (axis_names=) and at most one entry per dim.")
+        out.append(from_partition_spec(pspec, rank, names))
+    return out
+
+
 def _finish(best, tried, pruned, option, batch_invars, axis_names, graph) -> ShardingPlan:
     shape, prob, sol = best
     names = _axis_names(axis_names, shape)
-    dp = (best[2].objective_s if option.force_data_parallel
+    dp = (best[2].objective_s if option.force_data_parallel or not graph.nodes
           else _data_parallel_objective(prob, batch_invars, option))
     plan = make_plan(prob, sol, names, dp_objective=dp)
     objective = dataclasses.replace(

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import autoshard
 from autoshard import Cluster, ShardingPlan, ShardParallel
@@ -166,3 +167,59 @@ def test_plan_rejects_methods_it_does_not_cover():
     with pytest.raises(ValueError, match="plan or manual_sharding_option, not both"):
         ShardParallel(plan=autoshard.plan(train_step, *shapes()),
                       manual_sharding_option=autoshard.ManualShardingOption(("x",)))
+
+
+# Pricing a hand-written plan -----------------------------------------------------------------
+def megatron_method(in_axis_resources, shape=(2, 4), **manual):
+    return ShardParallel(
+        manual_sharding_option=autoshard.ManualShardingOption(
+            ("data", "model"), in_axis_resources=in_axis_resources, **manual),
+        auto_sharding_option=dataclasses.replace(QUIET, logical_mesh_shape=shape))
+
+
+MEGATRON = ({"w1": P(None, "model"), "w2": P("model", None)}, P("data", None))
+
+
+def test_hand_written_plan_is_priced_by_the_same_model_and_runs():
+    cluster = Cluster.a100_80gb(1)
+    priced = autoshard.plan(train_step, *shapes(), cluster=cluster,
+                            method=megatron_method(MEGATRON))
+    assert priced.method == "ShardParallel(manual, priced)"
+    specs = dict(zip((leaf.path for leaf in priced.inputs), priced.in_specs, strict=True))
+    assert specs["arg0['w1']"] == P(None, "model") and specs["arg0['w2']"] == P("model")
+    assert specs["arg1[0]"] == P("data")
+    # The automatic plan on the same mesh searches a superset: it is never rated slower.
+    auto = autoshard.plan(train_step, *shapes(), cluster=cluster, method=ShardParallel(
+        auto_sharding_option=dataclasses.replace(QUIET, logical_mesh_shape=(2, 4))))
+    assert auto.objective.total_s <= priced.objective.total_s * (1 + 1e-9)
+    # Everything arriving replicated: the planner must slice and reshard around it, and the
+    # price says so.
+    replicated = autoshard.plan(train_step, *shapes(), cluster=cluster,
+                                method=megatron_method(P()))
+    assert all(s == P() for s in replicated.in_specs)
+    assert replicated.objective.total_s > 1.2 * priced.objective.total_s
+    # The priced plan is a plan: it runs on 8 devices and matches jax.jit.
+    priced = dataclasses.replace(priced, fingerprint=dataclasses.replace(
+        priced.fingerprint, devices_per_host=None))
+    step = autoshard.parallelize(train_step, method=ShardParallel(plan=priced))
+    params, batch = real(shapes())
+    new, loss = step(params, batch)
+    want_new, want_loss = jax.jit(train_step)(params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(new["w2"], want_new["w2"], rtol=1e-5, atol=1e-6)
+    assert step.get_last_executable().plan.in_specs[0] == P(None, "model")
+
+
+def test_pricing_a_hand_written_plan_names_what_is_missing_or_wrong():
+    cluster = Cluster.a100_80gb(1)
+    with pytest.raises(ValueError, match=r"logical_mesh_shape is \(4, 4\); give one size per "
+                                         r"axis with a product of 8"):
+        autoshard.plan(train_step, *shapes(), cluster=cluster,
+                       method=megatron_method(MEGATRON, shape=(4, 4)))
+    with pytest.raises(ValueError, match=r"out_axis_resources .* is not priced"):
+        autoshard.plan(train_step, *shapes(), cluster=cluster,
+                       method=megatron_method(MEGATRON, out_axis_resources=P()))
+    with pytest.raises(ValueError, match=r"in_axis_resources for arg0\['w1'\]: spec .* names "
+                                         r"mesh axis 'tensor'"):
+        autoshard.plan(train_step, *shapes(), cluster=cluster, method=megatron_method(
+            ({"w1": P(None, "tensor"), "w2": P()}, P())))

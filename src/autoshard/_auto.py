@@ -46,10 +46,15 @@ def compile_auto(method, program: Program) -> Compiled:
     return Compiled(plan=plan, mesh=mesh, fn=program.step(hooks))
 
 
-def plan_program(method, program: Program, cluster: Cluster) -> sharding.ShardingPlan:
-    """ShardParallel's automatic plan of ``program`` for ``cluster`` (no device needed)."""
+def plan_program(method, program: Program, cluster: Cluster, *,
+                 axis_names: tuple[str, ...] | None = None,
+                 fixed_in_specs=None) -> sharding.ShardingPlan:
+    """ShardParallel's automatic plan of ``program`` for ``cluster`` (no device needed).
+
+    ``axis_names`` and ``fixed_in_specs`` (a PartitionSpec or None per input leaf) price a
+    hand-written plan: the inputs keep those specs, the planner places everything else.
+    """
     option = method.auto_sharding_option or AutoShardingOption()
-    axis_names = None
     if isinstance(method.devices, Mesh):
         user_mesh = method.devices
         if option.logical_mesh_shape not in (None, tuple(user_mesh.devices.shape)):
@@ -69,7 +74,7 @@ def plan_program(method, program: Program, cluster: Cluster) -> sharding.Shardin
         program.closed, num_devices=cluster.num_devices, option=option,
         in_paths=program.in_paths, out_paths=program.out_paths,
         batch_invars=program.batch_invars, aliases=program.aliases, axis_names=axis_names,
-        cluster=cluster)
+        cluster=cluster, fixed_in_specs=fixed_in_specs)
     return dataclasses.replace(plan, fingerprint=PlanFingerprint(
         program=program_fingerprint(program), num_equations=len(program.closed.jaxpr.eqns),
         num_devices=cluster.num_devices,

@@ -10,20 +10,30 @@
 
 The step is traced exactly as ``parallelize`` traces it (same static, batch and donated
 arguments), so the plan's fingerprint matches the program the real run traces.
+
+A hand-written plan is priced by the same cost model: pass ``ShardParallel(
+manual_sharding_option=ManualShardingOption(names, in_axis_resources=...),
+auto_sharding_option=AutoShardingOption(logical_mesh_shape=shape))``. The inputs keep the
+given specs, the planner places every other value at its cheapest given them, and
+``explain()`` gives the estimated step time to set beside the automatic plan's.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 from ._api import _DEFAULT_BATCH, _argnums
 from ._auto import plan_program
 from ._jaxpr import flatten_args
+from ._manual import _UNSET, _leaf_specs, validate_spec
 from ._mesh import resolve_devices
 from ._method_base import ParallelMethod
 from ._methods import ShardParallel
-from ._program import trace_program
+from ._program import Program, trace_program
 from .cluster import Cluster
+from .sharding.options import AutoShardingOption
 from .sharding.plan import ShardingPlan
 
 
@@ -38,6 +48,10 @@ def plan(fun: Callable, *args, method: ParallelMethod | None = None,
     hardware to cost for (default: the devices of ``method``, ``Cluster.from_devices``).
     ``static_argnums``, ``batch_argnums``, ``donate_argnums``: as in ``parallelize``, so the
     plan fits the program ``parallelize`` traces with the same arguments.
+
+    With a ``manual_sharding_option`` the method's plan is priced instead of searched: its
+    inputs keep their specs on the mesh ``auto_sharding_option.logical_mesh_shape`` (1-D for
+    one axis name), everything else is placed by the planner around them.
     """
     if not callable(fun):
         raise TypeError(f"autoshard.plan expects a function, got {fun!r}.")
@@ -47,10 +61,11 @@ def plan(fun: Callable, *args, method: ParallelMethod | None = None,
             f"autoshard.plan plans ShardParallel (got {type(method).__name__}). "
             "PipeshardParallel's stage search on a described cluster is not wired to "
             "autoshard.plan yet; plan each stage's sub-mesh with ShardParallel meanwhile.")
-    if method.manual_sharding_option is not None or method.plan is not None:
+    if method.plan is not None:
         raise ValueError(
-            "autoshard.plan: the method already fixes its plan (manual_sharding_option or "
-            "plan). Pass ShardParallel() or ShardParallel(auto_sharding_option=...).")
+            "autoshard.plan: the method already carries a plan (ShardParallel(plan=...)); its "
+            "estimate is plan.explain(). Pass ShardParallel() to plan again, or "
+            "ShardParallel(manual_sharding_option=...) to price hand-written specs.")
     if cluster is None:
         cluster = Cluster.from_devices(resolve_devices(method.devices)[0])
     if not isinstance(cluster, Cluster):
@@ -80,7 +95,46 @@ def plan(fun: Callable, *args, method: ParallelMethod | None = None,
         raise ValueError(
             f"The method's devices ({len(resolve_devices(method.devices)[0])}) and the cluster "
             f"({cluster.num_devices} devices, {cluster.name}) differ. Give one of the two.")
+    if method.manual_sharding_option is not None:
+        return _price_manual(method, program, cluster)
     return plan_program(method, program, cluster)
+
+
+def _price_manual(method, program: Program, cluster: Cluster) -> ShardingPlan:
+    """The manual option's input specs priced on its mesh, the rest placed by the planner."""
+    manual = method.manual_sharding_option
+    names = manual.mesh_axis_names
+    option = method.auto_sharding_option or AutoShardingOption()
+    shape = option.logical_mesh_shape
+    if shape is None and len(names) == 1:
+        shape = (cluster.num_devices,)
+    if shape is None or len(shape) != len(names) or math.prod(shape) != cluster.num_devices:
+        raise ValueError(
+            f"autoshard.plan: manual_sharding_option names the mesh axes {names} but "
+            f"auto_sharding_option.logical_mesh_shape is {shape}; give one size per axis with "
+            f"a product of {cluster.num_devices} (the cluster's devices), e.g. "
+            f"AutoShardingOption(logical_mesh_shape=({cluster.num_devices // cluster.devices_per_host}, "
+            f"{cluster.devices_per_host})).")
+    if manual.out_axis_resources is not None:
+        raise ValueError(
+            "autoshard.plan prices a manual plan by its inputs: out_axis_resources "
+            f"({manual.out_axis_resources}) is not priced (donated state follows its input, the "
+            "other outputs are placed by the planner). Drop out_axis_resources to price it.")
+    sizes = dict(zip(names, shape, strict=True))
+    specs = _leaf_specs(manual.in_axis_resources, program.args_shape, "in_axis_resources",
+                        len(program.in_avals))
+    specs = [None if s is _UNSET else s for s in specs]
+    for spec, aval, path in zip(specs, program.in_avals, program.in_paths, strict=True):
+        if spec is not None:
+            validate_spec(spec, aval.shape, sizes, where=f"in_axis_resources for {path}")
+    option = dataclasses.replace(option, logical_mesh_shape=tuple(shape))
+    auto = dataclasses.replace(method, manual_sharding_option=None, auto_sharding_option=option)
+    plan = plan_program(auto, program, cluster, axis_names=names, fixed_in_specs=specs)
+    fixed = sum(s is not None for s in specs)
+    return dataclasses.replace(plan, method="ShardParallel(manual, priced)", notes=(
+        f"hand-written plan priced: {fixed} of {len(specs)} inputs keep the "
+        "manual_sharding_option's specs; every other value is placed by the planner",
+        *plan.notes))
 
 
 __all__ = ["plan"]

@@ -222,3 +222,18 @@ def test_memory_budget_that_nothing_fits_names_budget_estimate_and_largest_array
                                          r"the smallest estimate found is [\d,]+ B per device "
                                          r"\(mesh .*\). The largest arrays: in\d+ \("):
         _plan(memory_budget_per_device=1000)
+
+
+def test_ilp_cutoff_skips_meshes_that_cannot_win_without_changing_the_plan(monkeypatch):
+    from autoshard.sharding import solver
+    full = _plan()
+    monkeypatch.setattr(solver, "CUTOFF_MIN_COLUMNS", 0)  # the cutoff on this small ILP too
+    cut = _plan()
+    assert cut.mesh_shape == full.mesh_shape and cut.in_specs == full.in_specs
+    assert cut.objective.total_s == full.objective.total_s
+    skipped = {s: why for s, why in cut.objective.meshes_pruned if why.startswith("ILP bound")}
+    assert skipped, cut.objective.meshes_pruned
+    solved = dict(full.objective.meshes_tried)
+    for shape, why in skipped.items():  # each was indeed no better once solved in full
+        assert solved[shape] >= full.objective.total_s * (1 - 1e-9), why
+        assert "LP relaxation bound" in why or "no plan below it" in why

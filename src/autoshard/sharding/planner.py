@@ -137,11 +137,16 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             try:
                 sol = (build_and_solve(prob, time_limit_s=option.solver_time_limit_s,
                                        memory_budget=shape_option.memory_budget_per_device,
-                                       node_limit=option.solver_node_limit)
+                                       node_limit=option.solver_node_limit,
+                                       cutoff_s=None if best is None else best[2].objective_s)
                        if graph.nodes else Solution(choice={}, status="optimal",
                                                     objective_s=0.0, solve_s=0.0))
             except ValueError as err:
                 errors.append((prob, err))
+                continue
+            if sol.bound_s is not None:  # the ILP showed no plan of this mesh can win
+                pruned[shape] = (f"ILP bound {sol.bound_s * 1e3:.4f} ms >= best "
+                                 f"{best[2].objective_s * 1e3:.4f} ms ({sol.status})")
                 continue
             tried.append((shape, sol.objective_s))
             if best is None or sol.objective_s < best[2].objective_s * (1 - 1e-9) - 1e-15:

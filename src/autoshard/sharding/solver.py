@@ -25,6 +25,9 @@ from .spec import axis_place
 from .strategy import itemsize
 
 OBJECTIVE_SCALE = 1e6
+CUTOFF_MIN_COLUMNS = 2_000
+"""ILPs with fewer columns are solved outright even under a cutoff: the LP bound would cost
+about as much as the solve, and the solved cost is what ``explain()`` lists per mesh."""
 MOVED = ("elsewhere",)
 """A place different from any other: prices moving a split (all-to-all)."""
 
@@ -38,6 +41,10 @@ class Solution:
     solve_s: float
     num_ilp_vars: int = 0
     info: dict = field(default_factory=dict)
+    bound_s: float | None = None
+    """Set when the problem was not solved because no plan of it can beat ``cutoff_s``: the
+    lower bound that showed it (the LP relaxation's objective, or the cutoff itself when the
+    branch and bound found no plan below it). ``choice`` is empty then."""
 
     def k(self, prob: Problem, node_id: int) -> int:
         return self.choice[prob.var(node_id)]
@@ -75,7 +82,17 @@ class _Edges:
 
 def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
                     extra_allowed: dict[int, set[int]] | None = None,
-                    node_limit: int | None = None) -> Solution:
+                    node_limit: int | None = None, cutoff_s: float | None = None) -> Solution:
+    """Solve ``prob``'s ILP; with ``cutoff_s`` (the best objective found on another mesh), stop
+    early when no plan of this one can cost less (``Solution.bound_s`` is then set); an ILP
+    under ``CUTOFF_MIN_COLUMNS`` columns is solved outright.
+
+    The cutoff is deterministic: the LP relaxation is solved first (a lower bound of every
+    plan, a second or so), and when it is below the cutoff the branch and bound runs with the
+    objective bounded by it, so it proves "nothing cheaper" instead of finding this mesh's
+    optimum. Both compare the ILP's objective, which is exact unless the pairwise resharding
+    costs fell back to per-axis terms (``exact_resharding_columns``).
+    """
     t0 = time.perf_counter()
     g = prob.graph
     roots = sorted({prob.var(n.id) for n in g.nodes})
@@ -215,10 +232,33 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
                "disp": bool(os.environ.get("AUTOSHARD_SOLVER_LOG"))}
     if node_limit is not None:
         options["node_limit"] = int(node_limit)
+    info = {"rows": nrows + nub, "edge_vars": num_edge,
+            "approximate_pairs": len(reduced) - len(exact)}
+    bounds = (np.zeros(total), upper)
+    if cutoff_s is not None and total < CUTOFF_MIN_COLUMNS:
+        cutoff_s = None
+    if cutoff_s is not None:
+        relaxed = milp(c * OBJECTIVE_SCALE, integrality=np.zeros(total), bounds=bounds,
+                       constraints=constraints,
+                       options={k: v for k, v in options.items() if k != "node_limit"})
+        if relaxed.x is not None:
+            bound = float(relaxed.fun) / OBJECTIVE_SCALE
+            if bound >= cutoff_s:
+                return Solution({}, "LP relaxation bound", bound,
+                                time.perf_counter() - t0, num_ilp_vars=total, info=info,
+                                bound_s=bound)
+            info["lp_bound_s"] = bound
+        constraints.append(LinearConstraint(sp.csr_array(c[None, :] * OBJECTIVE_SCALE),
+                                            -np.inf, cutoff_s * OBJECTIVE_SCALE))
     t_solve = time.perf_counter()
-    res = milp(c * OBJECTIVE_SCALE, integrality=integrality, bounds=(np.zeros(total), upper),
+    res = milp(c * OBJECTIVE_SCALE, integrality=integrality, bounds=bounds,
                constraints=constraints, options=options)
     hit_clock = time.perf_counter() - t_solve >= 0.95 * time_limit_s
+    if res.x is None and cutoff_s is not None and not hit_clock:
+        # Infeasible under the cutoff, or no plan below it within node_limit: none can win.
+        return Solution({}, "branch and bound found no plan below it", cutoff_s,
+                        time.perf_counter() - t0, num_ilp_vars=total, info=info,
+                        bound_s=cutoff_s)
     if res.x is None:
         if res.status == 2:
             raise ValueError(
@@ -251,8 +291,6 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
     else:
         status = "node limit: best incumbent" + gap_text
     choice = {r: int(np.argmax(res.x[col0[r]:col0[r] + K[r]])) for r in roots}
-    info = {"rows": nrows + nub, "edge_vars": num_edge,
-            "approximate_pairs": len(reduced) - len(exact)}
     # With per-axis fallbacks the ILP saw an approximation: report the plan's exact cost.
     objective = (_evaluate(prob, choice, edges) if len(exact) < len(reduced)
                  else float(res.fun) / OBJECTIVE_SCALE)

@@ -1,10 +1,12 @@
 """The hidden token chain that keeps MPI calls in program order (see _lowering for why).
 
-Within one block every MPI custom call consumes the token the previous one produced. While
-and case ops holding MPI calls are tied into the enclosing chain through optimization
-barriers. When JAX finishes a module (its lowering event listener, set only while a module
-holding an MPI call lowers), calls to functions holding MPI calls are inlined, result-less
-conds rebuilt to return the chain, manual regions threaded, and every block re-chained.
+While a module lowers, each MPI call consumes the token of the previous call in its block.
+When JAX has finished the module (its lowering event listener, set only while a module
+holding an MPI call lowers), calls to functions holding MPI calls are inlined and the chain
+is threaded through the whole program as data: every while, case and shard_map region that
+holds MPI calls is rebuilt to take the chain in and hand it out (a loop-carried value, a
+captured value and an extra result, an extra operand and result). No ordering rests on
+optimization barriers, which XLA's CPU pipeline removes before it schedules.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import atexit
 import threading
 from collections import OrderedDict
+
+from jax.extend.mlir.dialects import sdy
 
 from .._compat import lowering_event_listener, mpi_internals, set_lowering_event_listener
 
@@ -29,7 +33,6 @@ class _ModuleState:
     def __init__(self):
         self.containers: set = set()  # ops with regions (while, case) that hold MPI calls
         self.funcs: set[str] = set()  # non-main functions that hold MPI calls
-        self.folds: dict = {}  # container op -> the token that follows it in its block
 
 
 _states: OrderedDict[int, tuple[object, _ModuleState]] = OrderedDict()
@@ -90,16 +93,19 @@ def _on_lowering_event(name, *args) -> None:
 def chain_type():
     """The type of the values that order MPI calls: a one-byte scalar, not an XLA token.
 
-    An ordinary array can be threaded wherever data can (optimization barriers, operands
-    and results of shard_map regions, see _thread_manual_region) with no special cases in
-    XLA or Shardy. The handlers never read it; it costs one byte per call.
+    An ordinary array can be threaded wherever data can (loop-carried values, results of
+    branches, operands and results of shard_map regions, see _thread_op) with no special
+    cases in XLA or Shardy. The handlers never read it; it costs one byte per call.
     """
     return ir.RankedTensorType.get([], ir.IntegerType.get_signless(8))
 
 
 def _chain_start():
-    return hlo.constant(ir.DenseElementsAttr.get_splat(chain_type(), ir.IntegerAttr.get(
-        ir.IntegerType.get_signless(8), 0)))
+    return hlo.constant(
+        ir.DenseElementsAttr.get_splat(
+            chain_type(), ir.IntegerAttr.get(ir.IntegerType.get_signless(8), 0)
+        )
+    )
 
 
 def _is_mpi_call(op) -> bool:
@@ -110,8 +116,7 @@ def _is_mpi_call(op) -> bool:
 
 def _is_process_region(op) -> bool:
     """True for the manual region _lowering wraps a multi-device call in (once per process)."""
-    return (op.name == "sdy.manual_computation"
-            and PROCESS_AXIS in str(op.attributes["manual_axes"]))
+    return op.name == "sdy.manual_computation" and PROCESS_AXIS in str(op.attributes["manual_axes"])
 
 
 def _callee(op) -> str | None:
@@ -154,82 +159,25 @@ def _mark(state: _ModuleState, module_op) -> None:
         _walk(module_op, visit)
 
 
-def _insert_after(block, op):
-    ops = [o.operation for o in block.operations]
-    i = ops.index(op)
-    return ir.InsertionPoint(ops[i + 1]) if i + 1 < len(ops) else ir.InsertionPoint(block)
+def current_token(module_context):
+    """The token the next MPI call at the current insertion point consumes while lowering.
 
-
-def _chain(state: _ModuleState, block, token=None):
-    """Walks ``block`` in order, tying new MPI-holding ops into its token chain.
-
-    Returns the token after the last MPI-related op of the block (None if there is none).
+    The previous MPI call's token if the current block has one, else a fresh start. This
+    provisional chain only orders calls within one block; once the module is complete,
+    ``_finish`` threads the chain through every block and control-flow op.
     """
-    for child in list(block.operations):
+    _state(module_context)  # has _finish run on this module once it is lowered
+    point = ir.InsertionPoint.current
+    token = None
+    for child in point.block.operations:
         op = child.operation
+        if point.ref_operation is not None and op == point.ref_operation:
+            break
         if _is_mpi_call(op):
-            if token is not None:
-                op.operands[0] = token  # a call inlined by _finish joins this chain
             token = op.results[len(op.results) - 1]
         elif _is_process_region(op):
-            # Its first operand and result are the chain itself (see _thread_manual_region).
-            if token is not None:
-                op.operands[0] = token
             token = op.results[0]
-        elif op in state.folds:
-            token = state.folds[op]
-        elif (op in state.containers or _callee(op) in state.funcs) and len(op.results):
-            if token is not None and len(op.operands):
-                with ir.InsertionPoint(op):
-                    before = hlo.OptimizationBarrierOp([token, op.operands[0]])
-                op.operands[0] = before.results[1]
-            with _insert_after(block, op):
-                if token is None:
-                    token = _chain_start()
-                after = hlo.OptimizationBarrierOp([token, op.results[0]])
-            token = state.folds[op] = after.results[0]
-    return token
-
-
-def _blocks_outside_in(block):
-    """The blocks enclosing ``block`` up to its function, outermost first, then ``block``."""
-    path = [block]
-    owner = block.owner
-    while owner is not None and owner.operation.name != "func.func":
-        block = owner.operation.block
-        path.append(block)
-        owner = block.owner
-    return path[::-1]
-
-
-def current_token(module_context):
-    """The token the next MPI call at the current insertion point must consume."""
-    state = _state(module_context)
-    module_op = module_context.module.operation
-    _mark(state, module_op)
-    # Tie MPI-holding ops everywhere (function calls are only visible after their callee
-    # is lowered), outer blocks before inner ones.
-    for block in _all_blocks(module_op):
-        _chain(state, block)
-    token = None
-    for block in _blocks_outside_in(ir.InsertionPoint.current.block):
-        token = _chain(state, block)
-    if token is None:
-        token = _chain_start()
-    return token
-
-
-def _all_blocks(module_op) -> list:
-    blocks = []
-
-    def collect(op):
-        for region in op.regions:
-            for block in region:
-                blocks.append(block)
-
-    collect(module_op)
-    _walk(module_op, collect)
-    return blocks
+    return token if token is not None else _chain_start()
 
 
 def _inline(call, callee) -> None:
@@ -255,65 +203,143 @@ def _inline(call, callee) -> None:
     call.erase()
 
 
-def _add_token_result(state: _ModuleState, case) -> None:
-    """Rebuilds a result-less ``case`` holding MPI calls to return its branches' last token.
+def _thread(state: _ModuleState, block, token):
+    """Threads the chain through ``block`` in program order, starting from ``token``.
 
-    Without a result nothing can depend on it, so later MPI calls could overtake it.
+    Every MPI call consumes the token the previous one produced. An op with regions that
+    holds MPI calls is rebuilt to carry the chain as data, in and out (see _thread_op), so
+    that no XLA pass can reorder or drop the ordering: the optimization barriers a chain
+    could also pass through are removed by XLA's CPU pipeline before scheduling. Returns
+    the token after the block's last MPI-related op (``token`` itself if there is none).
     """
-    with ir.InsertionPoint(case), case.location:
-        new = hlo.CaseOp([chain_type()], case.operands[0], num_branches=len(case.regions))
-    for old_region, new_region in zip(case.regions, new.regions, strict=True):
-        (old_block,) = old_region
-        token = _chain(state, old_block)
-        new_block = new_region.blocks.append()
-        ops = [child.operation for child in old_block.operations]
-        with ir.InsertionPoint(new_block), case.location:
-            if token is None:
-                token = _chain_start()
-            end = hlo.ReturnOp([token]).operation
-        for op in ops[:-1]:
-            op.move_before(end)
-    state.containers.discard(case)
-    state.folds.pop(case, None)
-    case.erase()
+    for child in list(block.operations):
+        op = child.operation
+        if _is_mpi_call(op):
+            op.operands[0] = token = _start_if_none(token, op)
+            token = op.results[len(op.results) - 1]
+        elif op in state.containers:
+            token = _thread_op(state, op, _start_if_none(token, op))
+    return token
 
 
-def _thread_manual_region(state: _ModuleState, region_op) -> None:
-    """Threads the chain through a shard_map region (``sdy.manual_computation``).
+def _start_if_none(token, op):
+    if token is not None:
+        return token
+    with ir.InsertionPoint(op), op.location:
+        return _chain_start()
 
-    Shardy inlines the region's body when it exports the module, so, as for a function
-    call, only data dependencies order its MPI calls after that: the first one waits for
-    the region's first operand (which _chain gates with the outer token) and the region's
-    first result waits for the last one (which _chain's barrier after the region consumes).
+
+def _thread_op(state: _ModuleState, op, token):
+    """Rebuilds ``op`` (a while, case or shard_map region holding MPI calls) to carry the chain.
+
+    * while: the token becomes one more loop-carried value; the body's calls continue the
+      chain from it and the body returns its last token.
+    * case: every branch continues the chain from ``token`` (regions see the values of the
+      enclosing block) and returns its last token as one more result.
+    * shard_map region (``sdy.manual_computation``): the token is one more operand and
+      result (replicated), as the once-per-process region of _lowering carries it from the
+      start (its first operand and result).
+
+    Returns the op's token result, which the enclosing block's chain continues from.
     """
-    (block,) = region_op.regions[0]
-    ops = [child.operation for child in block.operations]
-    if not len(block.arguments) or not len(ops[-1].operands):
+    if _is_process_region(op):
+        op.operands[0] = token
+        (body,) = op.regions[0]
+        _set_return(body, _thread(state, body, body.arguments[0]), index=0)
+        return op.results[0]
+    if op.name == "stablehlo.while":
+        cond, body = (region.blocks[0] for region in op.regions)
+        cond.add_argument(chain_type(), op.location)
+        _set_return(body, _thread(state, body, body.add_argument(chain_type(), op.location)))
+        return _rebuild(op, [*op.operands, token])
+    if op.name == "stablehlo.case":
+        for region in op.regions:
+            (branch,) = region
+            _set_return(branch, _thread(state, branch, token))
+        return _rebuild(op, list(op.operands))
+    if op.name == "sdy.manual_computation":
+        (body,) = op.regions[0]
+        _set_return(body, _thread(state, body, body.add_argument(chain_type(), op.location)))
+        attributes = {
+            name: _with_replicated_scalar(op.attributes[name], module_op=_module_of(op))
+            for name in ("in_shardings", "out_shardings")
+        }
+        return _rebuild(op, [*op.operands, token], attributes)
+    raise NotImplementedError(
+        f"autoshard.mpi: MPI calls inside a {op.name} op cannot be ordered (only while, case "
+        f"and shard_map regions can hold them). Move the MPI calls out of it."
+    )
+
+
+def _set_return(block, token, index=None) -> None:
+    """Makes ``block``'s terminator return ``token`` too (last, or in place of ``index``)."""
+    end = [child.operation for child in block.operations][-1]
+    if index is not None:
+        end.operands[index] = token
         return
-    if _is_process_region(region_op):
-        # The once-per-process region (_lowering): its anchor operand and result carry the chain as
-        # plain data (barriers over constants do not survive XLA's simplifications).
-        token = _chain(state, block, block.arguments[0])
-        ops[-1].operands[0] = token
-        return
-    with ir.InsertionPoint(ops[0]):
-        start = hlo.OptimizationBarrierOp([_chain_start(), block.arguments[0]]).results[0]
-    token = _chain(state, block, start)
-    with ir.InsertionPoint(ops[-1]):
-        end = hlo.OptimizationBarrierOp([token, ops[-1].operands[0]])
-    ops[-1].operands[0] = end.results[1]
+    with ir.InsertionPoint(end), end.location:
+        ir.Operation.create(end.name, operands=[*end.operands, token])
+    end.erase()
+
+
+def _rebuild(op, operands, attributes=None):
+    """Replaces ``op`` by a copy with ``operands`` and one more result (the chain), moving its
+    regions' blocks over; returns that result."""
+    types = [result.type for result in op.results]
+    merged = {name: op.attributes[name] for name in op.attributes}
+    merged.update(attributes or {})
+    if "sdy.sharding" in merged:  # per-result shardings (set by sharding rules)
+        merged["sdy.sharding"] = _with_replicated_scalar(merged["sdy.sharding"], _module_of(op))
+    with ir.InsertionPoint(op), op.location:
+        new = ir.Operation.create(
+            op.name,
+            results=[*types, chain_type()],
+            operands=operands,
+            attributes=merged,
+            regions=len(op.regions),
+        )
+    for old_region, new_region in zip(op.regions, new.regions, strict=True):
+        for block in list(old_region.blocks):
+            block.append_to(new_region)
+    for old, result in zip(op.results, list(new.results)[:-1], strict=True):
+        old.replace_all_uses_with(result)
+    op.erase()
+    return new.results[len(types)]
+
+
+def _module_of(op):
+    while op.parent is not None:
+        op = op.parent
+    return op
+
+
+def _with_replicated_scalar(shardings, module_op):
+    """``shardings`` (a per-value sharding list) with a replicated scalar's sharding appended."""
+    values = list(sdy.TensorShardingPerValueAttr(shardings).shardings)
+    meshes = [sdy.TensorShardingAttr(v).mesh_or_ref for v in values]
+    if not meshes:  # no value to take the mesh from: the module's only mesh
+        meshes = [
+            ir.FlatSymbolRefAttr.get(ir.StringAttr(o.attributes["sym_name"]).value)
+            for o in (c.operation for c in module_op.regions[0].blocks[0].operations)
+            if o.name == "sdy.mesh"
+        ][:1]
+    assert meshes, "a shard_map region without a mesh"
+    return sdy.TensorShardingPerValueAttr.get([*values, sdy.TensorShardingAttr.get(meshes[0], [])])
 
 
 def _finish(module) -> None:
-    """Inlines the calls to functions holding MPI calls, then rebuilds the chain everywhere."""
+    """Inlines the calls to functions holding MPI calls, then threads the chain everywhere."""
     entry = _states.get(id(module))
     if entry is None or entry[0] is not module:
         return  # evicted by more than 8 modules lowering at once (see _state)
     state = entry[1]
     module_op = module.operation
     _mark(state, module_op)
-    funcs = {ir.StringAttr(op.attributes["sym_name"]).value: op
-             for op in (o.operation for o in module.body.operations) if op.name == "func.func"}
+    funcs = {
+        ir.StringAttr(op.attributes["sym_name"]).value: op
+        for op in (o.operation for o in module.body.operations)
+        if op.name == "func.func"
+    }
     calls: list = []
 
     def find_calls(op):
@@ -326,25 +352,16 @@ def _finish(module) -> None:
         if not calls:
             break
         for call in calls:
-            state.folds.pop(call, None)
             _inline(call, funcs[_callee(call)])
     for name in state.funcs:
         funcs[name].erase()
     state.funcs.clear()
+    state.containers.clear()
     _mark(state, module_op)
-    cases = []
-    _walk(module_op, lambda op: cases.append(op) if op.name == "stablehlo.case"
-          and op in state.containers and not len(op.results) else None)
-    for case in reversed(cases):  # inner ones first
-        _add_token_result(state, case)
-    _mark(state, module_op)
-    regions = []
-    _walk(module_op, lambda op: regions.append(op) if op.name == "sdy.manual_computation"
-          and op in state.containers else None)
-    for region in reversed(regions):
-        _thread_manual_region(state, region)
-    for block in _all_blocks(module_op):
-        _chain(state, block)
+    for func in (o.operation for o in module.body.operations):
+        if func.name == "func.func":
+            (block,) = func.regions[0]
+            _thread(state, block, None)
 
 
 __all__ = ["PROCESS_AXIS", "chain_type", "current_token"]

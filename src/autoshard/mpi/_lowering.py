@@ -1,6 +1,6 @@
 """Lowering shared by all operations: an MPI custom call ordered by a hidden token chain.
 
-The "token" here is a one-byte scalar threaded through the calls (see _chain_type).
+The "token" here is a one-byte scalar threaded through the calls (see _chain.chain_type).
 
 Why no JAX effect: any effect on a jitted function takes JAX off its C++ dispatch fast
 path (measured here: 10 us for an effect-free jitted call, 125 us with an unordered
@@ -9,25 +9,21 @@ primitives, and ordering is established while lowering to StableHLO instead:
 
 * Within one block, every MPI custom call consumes the token produced by the previous one
   (a data dependency XLA must respect).
-* Control flow (while, case) that contains MPI calls is tied into the enclosing block's
-  chain: its first operand is routed through an optimization barrier together with the
-  current token (it cannot start before earlier MPI calls finish), and the chain continues
-  from a barrier over its first result (later MPI calls wait for it). XLA runs a while or
-  conditional as one instruction, so this orders everything inside.
-* Function calls (nested jits, cached lowerings) are different: XLA inlines them, after
-  which only data dependencies order their contents. When the module is complete (see
-  ``_finish``), every call to a function that holds MPI calls is therefore inlined here and
-  the chain is rebuilt over the result, so the inlined calls join the caller's chain. That
-  final pass also ties in whatever came last in the program, after which no further MPI
-  call would have triggered the tying. JAX reports the finished module through its lowering
-  event listener; the first MPI call lowered into a module sets that listener (chained to
-  any listener already set) and it is restored as soon as that module is finished, so the
-  lowering of every program without MPI calls is untouched (see _listen). A result-less cond
-  holding MPI calls is rebuilt there to return the chain.
+* When the module is complete (see ``_chain._finish``), calls to functions holding MPI
+  calls (nested jits, cached lowerings) are inlined, since XLA inlines them too, after
+  which only data dependencies order their contents. The chain is then threaded through
+  the whole program as data: a while loop holding MPI calls carries the token as one more
+  loop-carried value, a case takes it in (its branches see the enclosing block's values)
+  and returns the token of the branch taken, and a shard_map region takes and returns it
+  as one more operand and result. Optimization barriers would not do: XLA's CPU pipeline
+  removes them before it schedules (a loop's sends once ran after later sends that way).
+  JAX reports the finished module through its lowering event listener; the first MPI call
+  lowered into a module sets that listener (chained to any listener already set) and it
+  is restored as soon as that module is finished, so the lowering of every program without
+  MPI calls is untouched (see _chain._listen).
 * In a jit over several devices each call runs inside a manual (shard_map) region, on its
-  first device only (one MPI call per process, see _once_per_process); the chain is
-  threaded through such regions (and through a user's shard_map) by data dependencies, as
-  Shardy inlines them.
+  first device only (one MPI call per process, see _once_per_process); the region's first
+  operand and result carry the chain.
 * A DCE rule keeps every MPI equation even when its results are unused (send, barrier). An
   equation of a higher-order primitive (cond, while, scan, jit, ...) that holds MPI calls but
   has no used output would still be removed by that primitive's DCE rule; those rules are
@@ -59,8 +55,14 @@ def _attr(value):
     return mlir.i64_attr(int(value))
 
 
-def emit(ctx: mlir.LoweringRuleContext, op: str, operands, *,
-         attrs: dict[str, int | tuple[int, ...]], aliases: dict[int, int] | None = None):
+def emit(
+    ctx: mlir.LoweringRuleContext,
+    op: str,
+    operands,
+    *,
+    attrs: dict[str, int | tuple[int, ...]],
+    aliases: dict[int, int] | None = None,
+):
     """Emits the custom call for ``op``; returns its array results (the token is chained).
 
     ``attrs`` are int64 scalars or tuples (int64 arrays). ``aliases`` maps an array operand
@@ -105,8 +107,10 @@ def _comm_table(ctx: mlir.LoweringRuleContext, device_table: int) -> int:
     table); everywhere else the process makes one call, through the communicator itself.
     """
     axis_context = ctx.module_context.axis_context
-    if (isinstance(axis_context, SPMDAxisContext)
-            and PROCESS_AXIS not in axis_context.mesh.axis_names):
+    if (
+        isinstance(axis_context, SPMDAxisContext)
+        and PROCESS_AXIS not in axis_context.mesh.axis_names
+    ):
         return device_table
     leader = _leaders[-1] if isinstance(axis_context, SPMDAxisContext) else None
     key = (device_table, leader)
@@ -122,10 +126,16 @@ def _sharding(ctx: mlir.LoweringRuleContext) -> SdyArrayList:
     one _once_per_process wraps them in); see _once_per_process.
     """
     ndims = [len(a.shape) for a in ctx.avals_out] + [0]
-    return SdyArrayList(tuple(
-        SdyArray(mesh_shape=(), dim_shardings=(SdyDim(axes=(), is_open=False),) * n,
-                 logical_device_ids=())
-        for n in ndims))
+    return SdyArrayList(
+        tuple(
+            SdyArray(
+                mesh_shape=(),
+                dim_shardings=(SdyDim(axes=(), is_open=False),) * n,
+                logical_device_ids=(),
+            )
+            for n in ndims
+        )
+    )
 
 
 def _keep_dce_rule(used_outputs, eqn):
@@ -147,13 +157,13 @@ def _once_per_process(primitive, lowering):
     shardings only on the custom calls it knows. So the call runs in a manual region
     (``shard_map``) over the jit's devices, on the replicated operands. Every device runs
     the custom call, but only the first one (the leader) finds the communicator in its
-    table entry and calls MPI; the others find MPI_COMM_NULL and return zeros (a
-    conditional around the call would be simpler, but XLA then drops the ordering
-    barriers around it). A sum over the devices (bit-exact, see _from_first_device) then
+    table entry and calls MPI; the others find MPI_COMM_NULL and return zeros (no
+    conditional around the call: the devices' programs stay identical). A sum over the devices (bit-exact, see _from_first_device) then
     hands every device the result.
     Inside a user's shard_map, by contrast, each device makes its own call, through its own
     communicator (see _comm.py).
     """
+
     def rule(ctx, *args, **params):
         axis_context = ctx.module_context.axis_context
         if isinstance(axis_context, SPMDAxisContext):
@@ -182,8 +192,13 @@ def _once_per_process(primitive, lowering):
             outs = out if primitive.multiple_results else [out]
             return anchor, *(_from_first_device(o) for o in outs)
 
-        region = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * (len(args) + 1),
-                               out_specs=(spec,) * (len(ctx.avals_out) + 1), check_vma=False)
+        region = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(spec,) * (len(args) + 1),
+            out_specs=(spec,) * (len(ctx.avals_out) + 1),
+            check_vma=False,
+        )
 
         def whole(*xs):
             outs = region(jax.numpy.zeros((), jax.numpy.int8), *xs)[1:]
@@ -218,9 +233,11 @@ def _from_first_device(value):
 
 
 def _holds_mpi(jaxpr) -> bool:
-    return any(eqn.primitive in _primitives
-               or any(_holds_mpi(sub) for sub in _core.jaxprs_in_params(eqn.params))
-               for eqn in jaxpr.eqns)
+    return any(
+        eqn.primitive in _primitives
+        or any(_holds_mpi(sub) for sub in _core.jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns
+    )
 
 
 def _keep_holders(rule):
@@ -259,8 +276,9 @@ def register(primitive, lowering) -> None:
     """Registers the CPU lowering and the keep-alive DCE rule of an MPI primitive."""
     # Not cacheable: a cached lowering is emitted into a scratch function, out of the block
     # whose token chain it must join.
-    mlir.register_lowering(primitive, _once_per_process(primitive, lowering), platform="cpu",
-                           cacheable=False)
+    mlir.register_lowering(
+        primitive, _once_per_process(primitive, lowering), platform="cpu", cacheable=False
+    )
     _pe.dce_rules[primitive] = _keep_dce_rule
     _primitives.add(primitive)
 

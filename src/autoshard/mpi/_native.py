@@ -25,7 +25,7 @@ try:
     lib = ctypes.CDLL(str(_install.LIBRARY), mode=ctypes.RTLD_GLOBAL)
 except OSError as err:
     raise ImportError(_install.unloadable_extension(err)) from err
-_ABI_VERSION = 2  # autoshard_mpi_abi_version() in _ffi.cc
+_ABI_VERSION = 3  # autoshard_mpi_abi_version() in _ffi.cc
 if getattr(lib, "autoshard_mpi_abi_version", lambda: 1)() != _ABI_VERSION:
     raise ImportError(_install.stale_extension())
 lib.autoshard_mpi_abi_version.restype = ctypes.c_int64
@@ -38,10 +38,26 @@ lib.autoshard_mpi_num_calls.restype = ctypes.c_int64
 lib.autoshard_mpi_set_debug.argtypes = [ctypes.c_int64]
 # AUTOSHARD_MPI_DEBUG=1: every native call logs "r{rank} | {op} {bytes} B ..." on entry and exit.
 lib.autoshard_mpi_set_debug(int(_config.debug()))
+lib.autoshard_mpi_set_huge_pages.argtypes = [ctypes.c_int64]
+lib.autoshard_mpi_num_collapsed.restype = ctypes.c_int64
+# Buffers of 4 MiB and more go onto transparent huge pages (AUTOSHARD_MPI_HUGE_PAGES=0: not).
+lib.autoshard_mpi_set_huge_pages(int(_config.huge_pages()))
 
 TARGETS = (
-    "allreduce", "reduce", "scan", "bcast", "gather", "scatter", "allgather",
-    "allgatherv", "alltoall", "alltoallv", "send", "recv", "sendrecv", "barrier",
+    "allreduce",
+    "reduce",
+    "scan",
+    "bcast",
+    "gather",
+    "scatter",
+    "allgather",
+    "allgatherv",
+    "alltoall",
+    "alltoallv",
+    "send",
+    "recv",
+    "sendrecv",
+    "barrier",
 )
 
 

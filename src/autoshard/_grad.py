@@ -7,12 +7,12 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from .markers import Reduction, mark_gradient, mark_parameters
+from .markers import Reduction, mark_gradient, mark_parameters, pipeline_marker
 
 
 def _marked(transform, fun, argnums, has_aux, holomorphic, allow_int, reductions) -> Callable:
-    g = transform(fun, argnums=argnums, has_aux=has_aux, holomorphic=holomorphic,
-                  allow_int=allow_int)
+    g = transform(_loss_marked(fun, has_aux), argnums=argnums, has_aux=has_aux,
+                  holomorphic=holomorphic, allow_int=allow_int)
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
     @functools.wraps(fun)
@@ -22,6 +22,22 @@ def _marked(transform, fun, argnums, has_aux, holomorphic, allow_int, reductions
             if -len(args) <= i < len(args):
                 args[i] = mark_parameters(args[i])
         return mark_gradient(g(*args, **kwargs), reductions(has_aux))
+    return marked
+
+
+def _loss_marked(fun: Callable, has_aux: bool) -> Callable:
+    """``fun`` with its loss through a ``loss`` marker of type ``end``: differentiated, its
+    transpose (type ``start``) is the first equation of the backward, so a pipeline splits
+    forward from backward exactly where they meet (Alpa's layer markers)."""
+    @functools.wraps(fun)
+    def marked(*args, **kwargs):
+        out = fun(*args, **kwargs)
+        pair = has_aux and isinstance(out, tuple | list) and len(out) == 2
+        loss = out[0] if pair else out
+        if has_aux and not pair or not isinstance(loss, jax.Array):
+            return out  # jax.grad reports what is wrong with it
+        (loss,) = pipeline_marker(loss, name="loss", mark_type="end")
+        return (loss, out[1]) if pair else loss
     return marked
 
 

@@ -8,8 +8,16 @@ from dataclasses import dataclass
 from .._compat import Var
 from .._mesh import resolve_devices
 from ..markers import pipeline_p
+from .compile import stage_auto_option
 from .layers import AutoLayerOption, auto_layers, check_no_nested_markers, manual_layers
-from .partition import Partition, boundary_positions, build_partition, forward_end, split_pre_post
+from .partition import (
+    Partition,
+    boundary_positions,
+    build_partition,
+    forward_end,
+    is_loss_marker,
+    split_pre_post,
+)
 from .profile import StageProfiler, cache_file_of
 from .stages import (
     AutoStageOption,
@@ -61,14 +69,15 @@ class PipelinePlan:
 
 
 def inline_identity_markers(closed):
-    """The step with parameter/layer markers removed (their outputs renamed to their inputs)."""
+    """The step with parameter/layer markers removed (their outputs renamed to their inputs);
+    the ``loss`` markers of ``autoshard.grad`` stay: they split forward from backward."""
     jaxpr = closed.jaxpr
     rename: dict = {}
     eqns = []
     for e in jaxpr.eqns:
         invars = [rename.get(v, v) if isinstance(v, Var) else v for v in e.invars]
-        if e.primitive is pipeline_p and e.params["mark_type"] in (
-                "params", "start", "end", "jvp_start", "jvp_end", "hook"):
+        if (e.primitive is pipeline_p and not is_loss_marker(e) and e.params["mark_type"] in (
+                "params", "start", "end", "jvp_start", "jvp_end", "hook")):
             rename.update(zip(e.outvars, invars, strict=True))
             continue
         eqns.append(e.replace(invars=invars) if invars != list(e.invars) else e)
@@ -166,9 +175,14 @@ def _auto_stages(option: AutoStageOption, num_layers, num_devices, k, layer_cost
             "enable remat (layer_option remat).")
     stage_of_layer = [s for s, (i, j, _) in enumerate(stages) for _ in range(i, j)]
     per = [sizes[c] for _, _, c in stages]
-    logical = [logical_choices(option, n)[0] for n in per]
-    return stage_of_layer, per, [(n,) if shape[0] in (1, n) else shape for n, shape in zip(
-        per, logical, strict=True)], [{} for _ in per]
+    return stage_of_layer, per, [auto_logical_shape(option, n) for n in per], [{} for _ in per]
+
+
+def auto_logical_shape(option: AutoStageOption, n: int) -> tuple[int, ...]:
+    """The logical shape AutoStageOption gives a sub-mesh of ``n`` devices (1-D if one axis
+    would have one device)."""
+    shape = logical_choices(option, n)[0]
+    return (n,) if shape[0] in (1, n) else tuple(shape)
 
 
 def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, list, list]:
@@ -191,9 +205,13 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
     if isinstance(method.stage_option, AutoStageOption) and method.stage_option.profile:
         batch_vars = [v for v, b in zip(closed.jaxpr.invars, program.batch_invars, strict=True)
                       if b]
-        layer_cost = StageProfiler(closed, pre, fwd_end, layer_of, num_layers, devices,
-                                   batch_vars,
-                                   cache_file=cache_file_of(method.stage_option)).measure_all
+        option = method.stage_option
+        layer_cost = StageProfiler(
+            closed, pre, fwd_end, layer_of, num_layers, devices, batch_vars,
+            cache_file=cache_file_of(option),
+            logical_shape=lambda n: auto_logical_shape(option, n),
+            option_of=lambda mesh: stage_auto_option(method.default_auto_sharding_option,
+                                                     mesh, {})).measure_all
     virtual = _virtual(method)
     stage_of_layer, sizes, logical, dicts = choose_stages(
         method.stage_option, num_layers, len(devices) * virtual, program.num_micro_batches,

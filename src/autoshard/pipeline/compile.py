@@ -8,8 +8,12 @@ sub-mesh, with the stage's options (``default_auto_sharding_option`` updated wit
 is jitted with the plan's input and output shardings. Accumulators are aliased to the
 accumulated outputs (same spec), parameters to their updates in the apply tasks.
 
-Tasks are planned one at a time, so two tasks may want one value in different layouts; the
-runtime reshards it on the devices that hold it before copying (see ``runtime.Mover``).
+Tasks are planned in the order values flow, each with its inputs pinned (``plan_auto``'s
+``fixed_in_specs``) to the layout their producer gives them when the producer's sub-mesh has
+the consumer's shape: a backward task takes its residuals as its forward task left them, a
+stage its activations as the previous stage sent them, and any reshard is priced by the
+planner and predicted in the plan. Across sub-meshes of other shapes the runtime reshards on
+the source devices before copying (see ``runtime.Mover``).
 
 If the planner fails on a task, the task falls back to data parallelism (``Specs``): a value
 computed per micro-batch whose dim 0 is the micro-batch's rows is split on dim 0 over every
@@ -106,9 +110,9 @@ class CompiledTask:
 
     ``option``: planner options (None: the data-parallel ``fallback`` specs). ``rows``: the
     values whose dim 0 is the micro-batch's rows (the planner's batch inputs). ``aliases``:
-    (input, output) positions of values the task replaces (same spec). ``input_specs``: specs
-    to take the inputs in (None: the plan's), e.g. the layout their producer gives them: XLA
-    then reshards inside this task's program rather than in a separate dispatch.
+    (input, output) positions of values the task replaces (same spec). ``input_specs``: per
+    input the spec it arrives in (None: the plan chooses), e.g. the layout its producer gives
+    it; the planner plans the task around them.
     """
 
     def __init__(self, task: Task, part: Partition, mesh, *, with_index: bool, option,
@@ -131,19 +135,20 @@ class CompiledTask:
         n_args = len(abstract)
         acc_aliases = [(n + i, len(self.outvars) + i) for i in range(n_acc)]
         run, in_specs, out_specs = fn, None, None
-        closed = jax.make_jaxpr(fn)(*abstract) if option is not None else None
-        if closed is not None and closed.jaxpr.eqns:  # nothing to plan in an empty task
+        if option is not None:
+            closed = jax.make_jaxpr(fn)(*abstract)
+            batch = [v in rows for v in self.invars] + [False] * (n_args - n)
+            fixed = None if input_specs is None else [
+                None if s is None else _spec(s) for s in input_specs] + [None] * (n_args - n)
             try:
-                batch = [v in rows for v in self.invars] + [False] * (n_args - n)
-                self.plan = plan_auto(
-                    closed, num_devices=mesh.devices.size, option=option,
-                    in_paths=[f"{task.name}.in{i}" for i in range(n_args)],
-                    out_paths=[f"{task.name}.out{i}" for i in range(len(closed.out_avals))],
-                    batch_invars=batch, aliases=list(aliases) + acc_aliases,
-                    axis_names=tuple(mesh.axis_names))
+                self.plan = self._plan(closed, mesh, option, batch, list(aliases) + acc_aliases,
+                                       fixed)
                 run = apply_plan(closed, self.plan, mesh)
                 in_specs, out_specs = list(self.plan.in_specs), list(self.plan.out_specs)
             except Exception as err:  # the planner's failure must not stop the pipeline
+                if isinstance(err, ValueError) and "memory_budget_per_device" in str(err):
+                    raise ValueError(f"Stage {task.stage} does not fit in memory: its task "
+                                     f"{task.name} {_shrink_hint(err)}") from err
                 self.plan, run = None, fn
                 self.note = (f"{task.name}: planner failed ({type(err).__name__}: {err}); "
                              "data parallel instead")
@@ -167,9 +172,70 @@ class CompiledTask:
         self.lowered = self.jitted.lower(*[jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
                                            for a, s in zip(abstract, in_sh, strict=True)])
         self.compiled = self.lowered.compile()
+        self._check_memory(option, mesh)
+
+    def _check_memory(self, option, mesh):
+        """A task XLA compiled to more bytes per device than the budget (the option's, else
+        what the device reports) does not fit: an error naming the stage and the fixes."""
+        budget = getattr(option, "memory_budget_per_device", None)
+        if budget is None or self.plan is not None:  # a plan already kept its estimate in it
+            budget = _device_memory(mesh.devices.flat[0])
+            what = "the device's memory (bytes_limit)"
+        else:
+            what = "memory_budget_per_device"
+        if budget is None:
+            return
+        m = self.compiled.memory_analysis()
+        need = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                   - m.alias_size_in_bytes)
+        if need > budget:
+            raise ValueError(
+                f"Stage {self.stage} does not fit in memory: its task {self.task.name} needs "
+                f"{need:,} B per device as compiled, over {what} ({int(budget):,} B). "
+                + _FIXES)
 
     def __call__(self, args):
         return self.compiled(*args)
+
+    def _plan(self, closed, mesh, option, batch, aliases, fixed):
+        """The task's plan with its inputs pinned to ``fixed`` (the layouts its producers give
+        them), so the planner prices any reshard of an input; unpinned if no plan takes them."""
+        name, n_args = self.task.name, len(closed.in_avals)
+
+        def plan(fixed_in_specs):
+            return plan_auto(
+                closed, num_devices=mesh.devices.size, option=option,
+                in_paths=[f"{name}.in{i}" for i in range(n_args)],
+                out_paths=[f"{name}.out{i}" for i in range(len(closed.out_avals))],
+                batch_invars=batch, aliases=aliases, axis_names=tuple(mesh.axis_names),
+                fixed_in_specs=fixed_in_specs)
+        if fixed is None or all(s is None for s in fixed):
+            return plan(None)
+        try:
+            return plan(fixed)
+        except ValueError as err:
+            self.note = (f"{name}: planned without its producers' layouts ({err}); its inputs "
+                         "are resharded inside the task")
+            return plan(None)
+
+
+_FIXES = ("Use more stages (UniformStageOption(num_stages=...) or ManualStageOption), more "
+          "devices per stage, remat (ManualLayerOption(remat_layer=True) or "
+          "AutoLayerOption(remat_mode='coarse_grained_remat')), more num_micro_batches, or a "
+          "larger default_auto_sharding_option.memory_budget_per_device.")
+
+
+def _device_memory(device) -> int | None:
+    """Bytes the device reports it can allocate (None where it does not say, as on CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # backends without memory statistics
+        return None
+    return (stats or {}).get("bytes_limit")
+
+
+def _shrink_hint(err) -> str:
+    return f"has no plan within its budget ({err}). " + _FIXES
 
 
 def _spec(s) -> P:

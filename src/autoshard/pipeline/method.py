@@ -38,7 +38,8 @@ class PipeshardParallel(ParallelMethod):
     stage_input_shardings: Any = None
     """Per stage, input specs to reproduce (``executable.stage_input_shard_specs``)."""
     manual_sharding_option: Any = None
-    """User-given specs (``ManualShardingOption``)."""
+    """Not supported yet (an error): stages are planned; pin inputs with
+    ``stage_input_shardings``."""
     virtual_stages: int = 2
     """Model stages per sub-mesh with ``interleaved_1f1b`` (Megatron's chunks); else unused."""
     blocking: bool = False
@@ -51,6 +52,13 @@ class PipeshardParallel(ParallelMethod):
         if self.pipeline_schedule not in SCHEDULES:
             raise ValueError(f"pipeline_schedule ({self.pipeline_schedule!r}) must be one of "
                              f"{SCHEDULES}.")
+        if self.manual_sharding_option is not None:
+            raise ValueError(
+                f"PipeshardParallel does not take manual_sharding_option yet (got "
+                f"{self.manual_sharding_option!r}): every stage is planned by ShardParallel's "
+                "planner on its sub-mesh. Pin stage inputs with stage_input_shardings=... "
+                "(executable.stage_input_shard_specs), or give per-stage planner options with "
+                "ManualStageOption(submesh_autosharding_option_dicts=...).")
         v = self.virtual_stages
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"virtual_stages ({v!r}) must be a positive int.")

@@ -94,13 +94,21 @@ def boundary_positions(pre) -> list[int]:
 
 
 def forward_end(pre, inference: bool) -> int:
-    """Index after the loss: the first float scalar after the last boundary that nothing reads.
+    """Index after the forward: exact after ``autoshard.grad``'s loss marker.
 
-    ``jax.grad`` emits the whole forward (the loss last) before the backward. Without a loss
-    (or for inference) everything is forward.
+    ``jax.grad`` emits the whole forward (the loss last) before the backward, and
+    ``autoshard.grad`` passes the loss through a marker of type ``end`` (whose transpose, of
+    type ``start``, seeds the backward). Without it (plain ``jax.grad``) the forward ends at
+    the first float scalar after the last boundary that nothing reads. Without a loss (or for
+    inference) everything is forward.
     """
     if inference:
         return len(pre)
+    marks = [(i, e.params["mark_type"]) for i, e in enumerate(pre) if is_loss_marker(e)]
+    if marks:
+        seed = next((i for i, kind in marks if kind == "start"), len(pre))
+        ends = [i for i, kind in marks if kind == "end" and i < seed]
+        return ends[-1] + 1 if ends else seed
     bounds = boundary_positions(pre)
     start = bounds[-1] + 1 if bounds else 0
     used = {v for e in pre for v in e.invars if isinstance(v, Var)}
@@ -344,6 +352,12 @@ def _nbytes(v) -> int:
     return size * getattr(getattr(aval, "dtype", None), "itemsize", 1)
 
 
+def is_loss_marker(e) -> bool:
+    """``autoshard.grad``'s marker on the loss (``end``) or on its cotangent (``start``)."""
+    return (e.primitive is pipeline_p and e.params["name"] == "loss"
+            and e.params["mark_type"] in ("start", "end"))
+
+
 def _is_boundary(e) -> bool:
     return e.primitive is pipeline_p and e.params["mark_type"] == "boundary"
 
@@ -353,4 +367,4 @@ def _is_dropped(v) -> bool:
 
 
 __all__ = ["Partition", "Task", "assign_backward", "boundary_positions", "build_partition",
-           "forward_end", "split_pre_post"]
+           "forward_end", "is_loss_marker", "split_pre_post"]

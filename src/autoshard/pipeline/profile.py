@@ -2,11 +2,14 @@
 
 A candidate stage (layers ``[i, j)`` on a sub-mesh of ``n`` devices) is the forward equations
 of those layers plus the backward equations the partition would give them, as one jit on the
-first ``n`` devices: rows of the micro-batch split over the devices, the rest replicated (XLA
-propagates). It is compiled, run once to warm up and ``repeats`` more times; its time is the
-median, its memory what XLA allocated per device. Results are kept in a JSON file keyed by a
-hash of the candidate's program, the device count and kind and the JAX version, so a second
-search over the same model compiles nothing.
+first ``n`` devices in the layout the stage would run: planned by ShardParallel's planner on
+the sub-mesh's logical shape with the stage's options (``logical_shape(n)``, ``option_of``),
+the micro-batch's rows as batch inputs. If the planner fails, rows are split over the
+devices and the rest replicated (the plan's note says so). It is compiled, run once to warm
+up and ``repeats`` more times; its time is the median, its memory what XLA allocated per
+device. Results are kept in a JSON file keyed by a hash of the candidate's program, its
+layout, the device count and kind and the JAX version, so a second search over the same model
+compiles nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -28,6 +32,7 @@ from tqdm.auto import tqdm
 
 from .. import _compat
 from .._jaxpr import Env
+from ..sharding import apply_plan, plan_auto
 from .partition import _task, assign_backward, free_eqns
 
 
@@ -35,8 +40,13 @@ class StageProfiler:
     """``measure(i, j, n) -> (seconds, bytes per device)`` of a candidate stage, cached."""
 
     def __init__(self, closed, pre, fwd_end: int, layer_of: dict, num_layers: int, devices,
-                 batch_vars, *, cache_file: str | None, repeats: int = 3):
+                 batch_vars, *, cache_file: str | None, repeats: int = 3,
+                 logical_shape=None, option_of=None):
         self.closed, self.devices, self.repeats = closed, devices, repeats
+        self.logical_shape = logical_shape or (lambda n: (n,))
+        self.option_of = option_of
+        self.plans: dict = {}
+        """(i, j, n) -> the ShardingPlan a candidate ran (absent: it ran data parallel)."""
         self.consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
         self.layer_eqns: list[list] = [[] for _ in range(num_layers)]
         bwd = assign_backward(pre, fwd_end, layer_of, num_layers, closed.jaxpr.invars)
@@ -85,27 +95,54 @@ class StageProfiler:
             return [env.values[v] for v in outvars]
 
         abstract = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
-        key = self._key(fn, abstract, n)
+        closed = jax.make_jaxpr(fn)(*abstract)
+        mesh, run, shardings, plan = self._layout(closed, fn, invars, n, f"profile{i}:{j}")
+        if plan is not None:
+            self.plans[(i, j, n)] = plan
+        key = self._key(closed, shardings, n)
         hit = self.cache.get(key)
         if hit is not None:
             return float(hit["seconds"]), int(hit["bytes"])
-        seconds, nbytes = self._run(fn, invars, abstract, n)
-        self.cache[key] = {"seconds": seconds, "bytes": nbytes, "layers": [i, j], "devices": n}
+        seconds, nbytes = self._run(run, abstract, shardings)
+        self.cache[key] = {"seconds": seconds, "bytes": nbytes, "layers": [i, j], "devices": n,
+                           "mesh": list(mesh.devices.shape), "planned": plan is not None}
         return seconds, nbytes
 
-    def _key(self, fn, abstract, n) -> str:
-        text = str(jax.make_jaxpr(fn)(*abstract))
+    def _layout(self, closed, fn, invars, n, name):
+        """(mesh, function, input shardings, plan): the candidate as the stage would run it."""
+        shape = tuple(self.logical_shape(n))
+        names = ("x",) if len(shape) == 1 else tuple(f"x{a}" for a in range(len(shape)))
+        mesh = _compat.make_auto_mesh(
+            np.array(self.devices[:n], dtype=object).reshape(shape), names)
+        rows = [bool(getattr(v.aval, "shape", ())) and v.aval.shape[0] == self.mb_rows
+                for v in invars]
+        if self.option_of is not None:
+            try:
+                plan = plan_auto(closed, num_devices=n, option=self.option_of(mesh),
+                                 in_paths=[f"{name}.in{a}" for a in range(len(invars))],
+                                 out_paths=[f"{name}.out{a}" for a in range(
+                                     len(closed.out_avals))],
+                                 batch_invars=rows, axis_names=names)
+                return (mesh, jax.jit(apply_plan(closed, plan, mesh), out_shardings=[
+                    NamedSharding(mesh, s) for s in plan.out_specs]),
+                        [NamedSharding(mesh, s) for s in plan.in_specs], plan)
+            except Exception as err:  # a candidate the planner cannot plan still gets a time
+                warnings.warn(f"autoshard pipeline: {name} on {n} devices profiled data "
+                              f"parallel: the planner failed ({type(err).__name__}: {err})",
+                              stacklevel=2)
+        split = P(names if len(names) > 1 else names[0])
+        shardings = [NamedSharding(mesh, split if r and v.aval.shape[0] % n == 0 else P())
+                     for r, v in zip(rows, invars, strict=True)]
+        return mesh, fn, shardings, None
+
+    def _key(self, closed, shardings, n) -> str:
         dev = self.devices[0]
-        blob = f"{text}|{n}|{dev.platform}|{dev.device_kind}|{jax.__version__}|{self.repeats}"
+        layout = [(tuple(s.mesh.devices.shape), str(s.spec)) for s in shardings]
+        blob = (f"{closed}|{layout}|{n}|{dev.platform}|{dev.device_kind}|{jax.__version__}|"
+                f"{self.repeats}")
         return hashlib.sha256(blob.encode()).hexdigest()
 
-    def _run(self, fn, invars, abstract, n) -> tuple[float, int]:
-        mesh = _compat.make_auto_mesh(np.array(self.devices[:n], dtype=object), ("x",))
-        shardings = []
-        for v in invars:
-            shape = getattr(v.aval, "shape", ())
-            rows = bool(shape) and shape[0] == self.mb_rows and shape[0] % n == 0
-            shardings.append(NamedSharding(mesh, P("x") if rows else P()))
+    def _run(self, fn, abstract, shardings) -> tuple[float, int]:
         compiled = jax.jit(fn, in_shardings=shardings).lower(*[
             jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
             for a, s in zip(abstract, shardings, strict=True)]).compile()

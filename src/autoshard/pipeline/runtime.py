@@ -26,6 +26,7 @@ from .._compat import Literal, Var
 from .._executable import MISS, deleted_error, select_dynamic
 from .._jaxpr import flatten_args
 from . import _cross_process
+from .audit import PipelineAudit, task_audit
 from .compile import CompiledTask, Specs, acc_dtype, finalize_fn, make_submeshes
 from .schedules import get_schedule
 from .simulate import simulate
@@ -349,6 +350,25 @@ class PipelineExecutable:
             best = max(best, int(m.argument_size_in_bytes + m.output_size_in_bytes +
                                  m.temp_size_in_bytes - m.alias_size_in_bytes))
         return best
+
+    def audit(self) -> PipelineAudit:
+        """Per task, the plan's predicted collectives and memory against the compiled program,
+        with step totals (``pipeline.audit.PipelineAudit``)."""
+        runs: dict = {}
+        for a in self.order:
+            runs[(a.kind, a.stage)] = runs.get((a.kind, a.stage), 0) + 1
+        keys = {id(t): key for key, t in self.tasks.items()}
+        return PipelineAudit(tasks=tuple(
+            task_audit(t, runs.get(keys[id(t)], 0) if id(t) in keys else 1)
+            for t in self._ordered_tasks()))
+
+    def explain(self) -> str:
+        """The pipeline plan, each task's plan, then the audit of the compiled tasks."""
+        parts = [self.plan.explain()]
+        for name, plan in self.task_plans.items():
+            parts.append(f"task {name}:\n" + plan.explain())
+        parts.append(self.audit().explain())
+        return "\n".join(parts)
 
     @property
     def stage_input_shard_specs(self) -> list[list]:

@@ -1,0 +1,286 @@
+"""Tasks planned in their producers' layouts, the pipeline audit, the exact forward/backward
+split and profiling in the planned layout.
+
+Every test runs with ``blocking=True`` (see test_pipeshard.py).
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+from pipeline_models import assert_trees_close, mlp_batch, mlp_loss, mlp_params, sgd_step
+
+import autoshard
+from autoshard.pipeline import (
+    AutoLayerOption,
+    AutoStageOption,
+    ManualStageOption,
+    PipeshardParallel,
+    UniformStageOption,
+)
+from autoshard.pipeline.partition import forward_end
+from autoshard.sharding import plan_auto
+from autoshard.sharding.options import AutoShardingOption
+
+OPTION = AutoShardingOption(logical_mesh_shape=(2, 2), show_progress=False)
+
+
+def run_steps(step, method, args, num_steps=3):
+    f = autoshard.parallelize(step, method=method)
+    ref = jax.jit(step)
+    got, want = args[0], args[0]
+    for _ in range(num_steps):
+        got, want = f(got, *args[1:]), ref(want, *args[1:])
+    return got, want, f.get_last_executable()
+
+
+# plan_auto: pinned inputs, the empty program ---------------------------------------------------
+def _mlp_jaxpr():
+    return jax.make_jaxpr(lambda x, w: jnp.tanh(x @ w) @ w.T)(jnp.ones((16, 32)),
+                                                             jnp.ones((32, 64)))
+
+
+def _plan(closed, fixed, aliases=()):
+    return plan_auto(closed, num_devices=4, option=OPTION, in_paths=["x", "w"],
+                     out_paths=[f"o{i}" for i in range(len(closed.out_avals))],
+                     batch_invars=[True, False], axis_names=("a", "b"), aliases=aliases,
+                     fixed_in_specs=fixed)
+
+
+def test_plan_auto_takes_inputs_in_the_fixed_specs():
+    closed = _mlp_jaxpr()
+    free = _plan(closed, None)
+    assert free.in_specs[1] == P()              # alone, the planner replicates the weight
+    pinned = _plan(closed, [P(None, "a"), P("b")])
+    assert pinned.in_specs == (P(None, "a"), P("b"))
+    half = _plan(closed, [None, P(None, ("a", "b"))])
+    assert half.in_specs[1] == P(None, ("a", "b"))
+    # A donated input and its replacement share the pinned spec.
+    step = jax.make_jaxpr(lambda x, w: (w - 0.1 * (x.T @ jnp.tanh(x @ w)),))(
+        jnp.ones((16, 32)), jnp.ones((32, 64)))
+    donated = _plan(step, [None, P("a", "b")], aliases=[(1, 0)])
+    assert donated.in_specs[1] == donated.out_specs[0] == P("a", "b")
+
+
+@pytest.mark.parametrize("fixed, match", [
+    ([P("z"), None], r"fixed_in_specs entry 0 \(P\('z',\)\) does not fit input 0 "
+                     r".* it names \['z'\]"),
+    ([P(None, None, "a"), None], "entry 0 .* more dims than the input"),
+    ([None, P(None, ("b", "a"))], r"fixed_in_specs entry 1 .* is not a layout of input w "
+                                  r"\(shape \(32, 64\)\) on mesh \(2, 2\)"),
+    ([P("a", "b")], "fixed_in_specs has 1 entries but the jaxpr has 2 inputs"),
+])
+def test_plan_auto_rejects_bad_fixed_specs(fixed, match):
+    with pytest.raises(ValueError, match=match):
+        _plan(_mlp_jaxpr(), fixed)
+
+
+def test_plan_auto_gives_an_empty_program_the_trivial_plan():
+    plan = plan_auto(jax.make_jaxpr(lambda: [])(), num_devices=4, option=OPTION, in_paths=[],
+                     out_paths=[], batch_invars=[], axis_names=("a", "b"))
+    assert plan.in_specs == () and plan.out_specs == () and plan.objective.total_s == 0.0
+    assert plan.mesh_shape == (2, 2) and plan.collectives == ()
+
+
+def test_a_task_without_equations_is_planned_too():
+    """A parameter-free first stage has a backward with nothing to compute."""
+    def loss(p, x, y):
+        h = jnp.tanh(2.0 * x)
+        autoshard.mark_pipeline_boundary()
+        return jnp.mean((jnp.tanh(h @ p["w0"]) @ p["w1"] - y) ** 2)
+    method = PipeshardParallel(num_micro_batches=2, layer_option="manual", blocking=True,
+                               stage_option=UniformStageOption(num_stages=2))
+    got, want, ex = run_steps(sgd_step(loss), method, (mlp_params(widths=(8, 16, 4)),
+                                                       mlp_batch()), 2)
+    assert_trees_close(got, want)
+    assert ex.part.backward[0].eqns == []
+    assert set(ex.task_plans) == {"F0", "F1", "B0", "B1", "apply1.0"}
+
+
+# Producer-aware plans --------------------------------------------------------------------------
+def _entry_params_resharded(hlo_text: str) -> list[str]:
+    """Collectives of the entry computation that read an entry parameter directly."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    params = set(re.findall(r"%([\w.\-]+) = [^=]*? parameter\(", entry))
+    found = []
+    for line in entry.splitlines():
+        m = re.search(r"(all-gather|all-to-all|collective-permute|all-reduce)(-start)?\((.*)",
+                      line)
+        if m and set(re.findall(r"%([\w.\-]+)", m.group(3))) & params:
+            found.append(line.strip())
+    return found
+
+
+@pytest.fixture(scope="module")
+def two_stages_2x2():
+    """Two stages on (2, 2) sub-meshes, 2 micro-batches, 3 SGD steps against jax.jit."""
+    stage = ManualStageOption([[0, 1], [2, 3]], [(1, 4), (1, 4)], [(2, 2), (2, 2)], [{}, {}])
+    method = PipeshardParallel(num_micro_batches=2, layer_option="manual", stage_option=stage,
+                               blocking=True)
+    params = mlp_params(widths=(8, 32, 32, 32, 4))
+    return run_steps(sgd_step(mlp_loss), method, (params, mlp_batch()))
+
+
+def test_backward_and_next_stage_take_the_layouts_their_producers_give(two_stages_2x2):
+    got, want, ex = two_stages_2x2
+    assert_trees_close(got, want)
+    made = {}
+    for t in ex._ordered_tasks():
+        for v, sh in zip(t.invars, t.in_shardings, strict=False):
+            if v in made:  # a value from another task: taken as its producer left it
+                assert sh.spec == made[v][1], (t.task.name, made[v][0], v)
+        for v, sh in zip(t.outvars, t.out_shardings, strict=False):
+            made[v] = (t.task.name, sh.spec)
+    params = {}                                    # step inputs: one layout per stage
+    for t in ex._ordered_tasks():
+        for v, sh in zip(t.invars, t.in_shardings, strict=False):
+            if v in ex.part.jaxpr.invars and v not in ex.batch_vars:
+                assert params.setdefault((v, t.stage), sh.spec) == sh.spec, t.task.name
+    residuals = set(ex.tasks[("F", 1)].outvars) & set(ex.tasks[("B", 1)].invars)
+    assert residuals                              # B1 reads what F1 kept for it
+    for t in ex._ordered_tasks():
+        assert t.plan is not None
+        assert tuple(s.spec for s in t.in_shardings) == tuple(t.plan.in_specs)
+        assert _entry_params_resharded(t.compiled.as_text()) == [], t.task.name
+    audit = ex.audit()
+    assert audit.unpredicted == ()                # every reshard is in a task's plan
+    for t in audit.tasks:
+        assert t.audit.compiled_bytes <= t.audit.predicted_bytes, t.name
+
+
+# Audit and explain -----------------------------------------------------------------------------
+def test_pipeline_audit_weights_tasks_by_runs_and_explains(two_stages_2x2):
+    _, _, ex = two_stages_2x2
+    audit = ex.audit()
+    names = [t.name for t in audit.tasks]
+    assert names == ["F0", "F1", "B1", "B0", "apply0.0", "apply1.0"]
+    assert [t.runs for t in audit.tasks] == [2, 2, 2, 2, 1, 1]
+    assert audit.predicted_bytes == sum(t.runs * t.audit.predicted_bytes for t in audit.tasks)
+    assert audit.compiled_bytes == sum(t.runs * t.audit.compiled_bytes for t in audit.tasks)
+    assert audit.compiled_bytes > 0 and audit.has_prediction and audit.within(0.10)
+    b1 = audit.tasks[2].audit
+    assert b1.compiled_bytes == b1.predicted_bytes > 0  # the weight gradient's all-reduce
+    memory = audit.stage_memory()
+    assert set(memory) == {0, 1}
+    for stage, (predicted, compiled) in memory.items():
+        largest = max(t.audit.compiled_memory for t in audit.tasks if t.stage == stage)
+        assert compiled == largest and predicted > 0
+    text = ex.explain()
+    assert text.startswith("PipeshardParallel: 2 stages")
+    assert "task B1:" in text and "pipeline audit" in text
+    assert re.search(r"B1\s+1\s+2\s+[\d,]+\s+[\d,]+", text)
+
+
+def test_audit_lists_a_task_without_a_plan(monkeypatch):
+    from autoshard.pipeline import compile as pipeline_compile
+
+    real = pipeline_compile.plan_auto
+
+    def fail_b0(closed, **kw):
+        if kw["in_paths"] and kw["in_paths"][0].startswith("B0."):
+            raise RuntimeError("no plan for this test")
+        return real(closed, **kw)
+    monkeypatch.setattr(pipeline_compile, "plan_auto", fail_b0)
+    method = PipeshardParallel(num_micro_batches=2, layer_option="manual", blocking=True,
+                               stage_option=UniformStageOption(num_stages=2))
+    with pytest.warns(UserWarning, match="B0: planner failed"):
+        got, want, ex = run_steps(sgd_step(mlp_loss), method, (mlp_params(), mlp_batch()), 1)
+    assert_trees_close(got, want)
+    audit = ex.audit()
+    b0 = next(t for t in audit.tasks if t.name == "B0")
+    assert not b0.audit.has_prediction and not audit.has_prediction
+    assert b0.audit.compiled_bytes > 0            # the data-parallel gradient all-reduce
+    assert "(no plan)" in audit.explain()
+
+
+# The exact forward/backward split --------------------------------------------------------------
+def _rmse(p, x, y):
+    # sqrt's derivative reads its output: the loss is read by the backward, so "the first
+    # float scalar nothing reads" is no longer the loss.
+    return jnp.sqrt(mlp_loss(p, x, y))
+
+
+def test_forward_ends_at_the_loss_marker_where_the_heuristic_fails():
+    def step(p, x, y, grad):
+        return grad(_rmse)(p, x, y)
+    args = (mlp_params(), *mlp_batch())
+    marked = jax.make_jaxpr(functools.partial(step, grad=autoshard.grad))(*args).jaxpr
+    plain = jax.make_jaxpr(functools.partial(step, grad=jax.grad))(*args).jaxpr
+    loss_at = next(i for i, e in enumerate(marked.eqns) if e.primitive.name == "pipeline_marker"
+                   and e.params["name"] == "loss" and e.params["mark_type"] == "end")
+    assert "sqrt" in [e.primitive.name for e in marked.eqns[loss_at - 3:loss_at]]
+    assert forward_end(marked.eqns, False) == loss_at + 1
+    backward = [e.primitive.name for e in marked.eqns[loss_at + 1:]]
+    assert backward[0] == "pipeline_marker" and backward.count("dot_general") == 7
+    # Without the marker the heuristic counts the whole backward as forward.
+    assert forward_end(plain.eqns, False) == len(plain.eqns)
+
+
+def test_exact_split_pipelines_a_loss_the_backward_reads():
+    method = PipeshardParallel(num_micro_batches=1, layer_option="manual", blocking=True,
+                               stage_option=UniformStageOption(num_stages=2))
+    got, want, ex = run_steps(sgd_step(_rmse), method, (mlp_params(), mlp_batch()), 2)
+    assert_trees_close(got, want)
+    assert ex.plan.schedule == "1f1b"
+    part = ex.part
+    assert all(b.eqns for b in part.backward)      # each stage runs its own backward
+    dots = [e for e in part.forward[1].eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 2                          # F1: the forward of layers 2 and 3 only
+    w0_grad = part.marker.invars[0]
+    assert w0_grad in part.backward[0].outvars     # w0's gradient is made on stage 0
+
+
+# Profiling in the planned layout ---------------------------------------------------------------
+def test_profiled_candidates_run_in_their_planned_layout(tmp_path, monkeypatch):
+    from autoshard.pipeline.profile import StageProfiler
+
+    seen = []
+    real_layout = StageProfiler._layout
+
+    def spy(self, closed, fn, invars, n, name):
+        out = real_layout(self, closed, fn, invars, n, name)
+        seen.append((n, out))
+        return out
+    monkeypatch.setattr(StageProfiler, "_layout", spy)
+    option = AutoStageOption(profile=True, profile_cache_dir=str(tmp_path),
+                             submesh_physical_shape_space="manual",
+                             manually_specified_submeshes=[(1, 2)])
+    default = AutoShardingOption(allow_replicated_parameters=False)
+    method = PipeshardParallel(num_micro_batches=2, blocking=True, devices=jax.devices()[:4],
+                               layer_option=AutoLayerOption(layer_num=2), stage_option=option,
+                               default_auto_sharding_option=default)
+    step = sgd_step(functools.partial(mlp_loss, markers=False))
+    got, want, _ = run_steps(step, method, (mlp_params(), mlp_batch(batch=48)), 1)
+    assert_trees_close(got, want)
+    assert len(seen) == 3                            # 3 layer ranges on 2 devices
+    for n, (_, _, shardings, plan) in seen:
+        assert plan is not None and plan.mesh_shape == (n,)
+        assert [s.spec for s in shardings] == list(plan.in_specs)
+        # allow_replicated_parameters=False reached the profile: no weight is replicated,
+        # where the data-parallel layout replicated every one of them (micro-batch: 24 rows).
+        weights = [s for s, leaf in zip(shardings, plan.inputs, strict=True)
+                   if len(leaf.shape) == 2 and leaf.shape[0] != 24]
+        assert weights and all(not s.is_fully_replicated for s in weights)
+
+
+# Bad input -------------------------------------------------------------------------------------
+def test_a_stage_over_the_memory_budget_names_the_stage_and_the_fixes():
+    method = PipeshardParallel(
+        num_micro_batches=2, layer_option="manual", blocking=True,
+        stage_option=UniformStageOption(num_stages=2),
+        default_auto_sharding_option=AutoShardingOption(memory_budget_per_device=1000))
+    with pytest.raises(ValueError, match=r"Stage 0 does not fit in memory: its task F0 has no "
+                                         r"plan within its budget \(No plan fits "
+                                         r"memory_budget_per_device \(1,000 B\).*Use more "
+                                         r"stages.*remat.*num_micro_batches"):
+        autoshard.parallelize(sgd_step(mlp_loss), method=method)(mlp_params(), mlp_batch())
+
+
+def test_manual_sharding_option_is_refused_not_ignored():
+    with pytest.raises(ValueError, match="does not take manual_sharding_option yet.*"
+                                         "stage_input_shardings"):
+        PipeshardParallel(manual_sharding_option=autoshard.ManualShardingOption(("x",)))

@@ -54,7 +54,7 @@ def copy_replicated(x, mesh):
     src = list(x.sharding._device_assignment)
     dst = list(mesh.devices.flat)
     local = {s.device: s.data for s in x.addressable_shards}
-    pieces, targets, places = [], [], []
+    pieces, targets, received = [], [], []
     for i, d in enumerate(dst):
         near = [s for s in src if s.process_index == d.process_index]
         s = near[i % len(near)] if near else src[i % len(src)]
@@ -64,13 +64,34 @@ def copy_replicated(x, mesh):
         if piece is None:
             piece = placeholder(x.shape, x.dtype, SingleDeviceSharding(s))
         pieces.append(piece)
-        targets.append(SingleDeviceSharding(d))
-        places.append(d)
-    moved = jax.device_put(pieces, targets) if pieces else []
-    mine = [p for p, d in zip(moved, places, strict=True) if d.process_index == me]
+        targets.append(d)
+        received.append(d.process_index == me != s.process_index)
+    moved = jax.device_put(pieces, [SingleDeviceSharding(d) for d in targets]) if pieces else []
+    settle([p for p, r in zip(moved, received, strict=True) if r])
+    mine = [p for p, d in zip(moved, targets, strict=True) if d.process_index == me]
     return jax.make_array_from_single_device_arrays(
         x.shape, NamedSharding(mesh, P()), mine, dtype=x.dtype
     )
+
+
+def crosses(src, target) -> bool:
+    """Whether a move from sharding ``src`` to ``target`` goes between processes."""
+    return multi_process() and (
+        {d.process_index for d in src.device_set} != {d.process_index for d in target.device_set}
+    )
+
+
+def settle(received) -> None:
+    """Wait until arrays this process receives from another process have arrived (XLA:CPU).
+
+    On XLA:CPU (jaxlib 0.10) a computation dispatched on a buffer that is still arriving from
+    another process can stall both processes for good: seen as a hang of a 2-process pipeline
+    whose stages differ in size, gone once the receiver waits. The sender does not wait, so
+    sending stays asynchronous; other backends (NCCL transfers on GPU) do not wait either.
+    """
+    arrays = [a for a in received if a.addressable_shards]
+    if arrays and arrays[0].addressable_shards[0].device.platform == "cpu":
+        jax.block_until_ready(arrays)
 
 
 def job_mesh(meshes):
@@ -171,4 +192,4 @@ def _stages(plan) -> dict:
     return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name in keep}
 
 
-__all__ = ["agree", "copy_replicated", "multi_process", "readable_outputs"]
+__all__ = ["agree", "copy_replicated", "crosses", "multi_process", "readable_outputs", "settle"]

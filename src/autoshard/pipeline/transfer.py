@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import _compat
-from ._cross_process import copy_replicated
+from ._cross_process import copy_replicated, crosses, settle
 
 
 class Mover:
@@ -50,7 +50,10 @@ class Mover:
             if not src.is_equivalent_to(like, x.ndim):
                 x = self.reshard(x, like)
             self.counts["copy"] += 1
-            return jax.device_put(x, target)
+            moved = jax.device_put(x, target)
+            if crosses(src, target):
+                settle([moved])
+            return moved
         x = self.reshard(x, NamedSharding(src.mesh, P()))
         self.counts["copy"] += 1
         x = copy_replicated(x, target.mesh)

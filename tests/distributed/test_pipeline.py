@@ -1,0 +1,66 @@
+"""PipeshardParallel across processes: 2 processes x 2 CPU devices, one stage per process.
+
+Every process walks the same action list and moves activations and gradients between the
+processes with JAX's cross-host ``jax.device_put``; the runs must equal the one-process run of
+the same pipeline on 4 devices and a single-device ``jax.jit`` run.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pipeline_workers as pw
+import pytest
+
+import autoshard
+from autoshard.distributed import PlanMismatchError
+
+TIMEOUT_S = 240
+
+
+def launch(*args):
+    return autoshard.launch(
+        pw.train_pipeline, *args, num_processes=2, devices_per_process=2, timeout_s=TIMEOUT_S
+    )
+
+
+def test_two_stage_pipeline_across_two_processes_equals_one_process_run():
+    layouts = ("uniform", "2+1")
+    results = launch(layouts)
+    reference = pw.train_pipeline(("uniform",), devices=jax.devices()[:4])["uniform"]
+    jitted = pw.train_jit()
+    assert jitted["grad_norm"] > 0.5  # clipping by the global norm (over both stages) acts
+    assert [r["process"] for r in results] == [0, 1]
+    for layout in layouts:
+        runs = [r[layout] for r in results]
+        # stage 0 on process 0's devices, stage 1 on process 1's
+        sizes = [len(d) for d in runs[0]["stage_devices"]]
+        assert sizes == ([2, 2] if layout == "uniform" else [2, 1])
+        assert {d // 2048 for d in runs[0]["stage_devices"][0]} == {0}
+        assert {d // 2048 for d in runs[0]["stage_devices"][1]} == {1}
+        for run in runs:  # the loss is on every device: both processes read all of it
+            np.testing.assert_allclose(run["losses"], jitted["losses"], rtol=1e-5)
+            assert run["moves"]["copy"] > 0
+        # each process reads the parameters of its own stage; together, every parameter once
+        mine = [set(run["params"]) for run in runs]
+        assert mine[0] and mine[1] and not mine[0] & mine[1]
+        assert mine[0] | mine[1] == set(jitted["params"])
+        assert "['params']['Embed_0']['embedding']" in mine[0]  # tied: used by both stages
+        for run in runs:
+            for path, value in run["params"].items():
+                np.testing.assert_allclose(value, jitted["params"][path], rtol=1e-4, atol=1e-5)
+                if layout == "uniform":  # the same pipeline in one process: same arithmetic
+                    np.testing.assert_allclose(
+                        value, reference["params"][path], rtol=1e-5, atol=1e-6
+                    )
+            if layout == "uniform":
+                np.testing.assert_allclose(run["losses"], reference["losses"], rtol=1e-6)
+
+
+def test_processes_that_cut_different_pipelines_get_an_error_naming_both():
+    with pytest.raises(
+        PlanMismatchError,
+        match=r"process 1 cut the pipeline differently from process 0 for the same program: "
+        r"submesh_shapes \(\(1, 2\), \(1,\)\) here, \(\(2,\), \(1,\)\) on process 0",
+    ):
+        launch({0: ("2+1",), 1: ("1x2+1",)}, 1)

@@ -9,7 +9,9 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from pipeline_models import assert_trees_close, mlp_batch, mlp_loss, mlp_params, sgd_step
 
@@ -150,6 +152,50 @@ def test_backward_and_next_stage_take_the_layouts_their_producers_give(two_stage
     assert audit.unpredicted == ()                # every reshard is in a task's plan
     for t in audit.tasks:
         assert t.audit.compiled_bytes <= t.audit.predicted_bytes, t.name
+
+
+def test_carried_spec_finds_the_same_shards_on_a_sub_mesh_of_another_shape():
+    from autoshard import _compat
+    from autoshard.pipeline.runtime import carried_spec
+
+    devs = np.array(jax.devices()[:4], dtype=object)
+    square = _compat.make_auto_mesh(devs.reshape(2, 2), ("x0", "x1"))
+    line = _compat.make_auto_mesh(np.array(jax.devices()[4:8], dtype=object), ("x",))
+    pair = _compat.make_auto_mesh(np.array(jax.devices()[4:6], dtype=object), ("x",))
+    on = functools.partial(NamedSharding, square)
+    assert carried_spec(on(P(("x0", "x1"))), line, (8, 4)) == P("x")
+    assert carried_spec(on(P(None, ("x0", "x1"))), line, (8, 4)) == P(None, "x")
+    assert carried_spec(on(P("x0")), line, (8, 4)) is None      # halves held twice: no match
+    assert carried_spec(on(P()), pair, (8, 4)) == P()              # replicated: any count
+    assert carried_spec(on(P("x0", "x1")), pair, (8, 4)) is None
+
+
+def test_values_cross_to_another_sub_mesh_shape_in_their_producers_layout():
+    """(4,) -> (2, 2): stage 1 takes stage 0's activations shard for shard: no reshard."""
+    from autoshard.pipeline.runtime import carried_spec
+
+    stage = ManualStageOption([[0, 1], [2, 3]], [(1, 4), (1, 4)], [(4,), (2, 2)], [{}, {}])
+    method = PipeshardParallel(num_micro_batches=2, layer_option="manual", stage_option=stage,
+                               blocking=True)
+    step = sgd_step(mlp_loss)
+    f = autoshard.parallelize(step, method=method)
+    params, batch = f.preshard_dynamic_args(mlp_params(widths=(8, 32, 32, 32, 4)), mlp_batch())
+    got = f(params, batch)
+    ex = f.get_last_executable()
+    before = dict(ex.move.counts)
+    got = f(got, batch)
+    moved = {k: ex.move.counts[k] - before[k] for k in before}
+    assert moved == {"reshard": 0, "copy": 4, "placed": 0}  # 2 micro-batches x (act, cotangent)
+    ref = jax.jit(step)
+    assert_trees_close(got, ref(ref(mlp_params(widths=(8, 32, 32, 32, 4)), mlp_batch()),
+                                mlp_batch()))
+    f0, f1 = ex.tasks[("F", 0)], ex.tasks[("F", 1)]
+    (act,) = set(f0.outvars) & set(f1.invars)
+    src = f0.out_shardings[f0.outvars.index(act)]
+    dst = f1.in_shardings[f1.invars.index(act)]
+    assert src.spec == P("x") and dst.spec == P(("x0", "x1"))
+    assert carried_spec(src, f1.mesh, act.aval.shape) == dst.spec
+    assert ex.audit().unpredicted == ()
 
 
 # Audit and explain -----------------------------------------------------------------------------

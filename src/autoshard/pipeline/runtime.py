@@ -18,6 +18,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -25,6 +26,7 @@ from .. import _compat
 from .._compat import Literal, Var
 from .._executable import MISS, deleted_error, select_dynamic
 from .._jaxpr import flatten_args
+from ..sharding.spec import candidate_specs, to_partition_spec
 from . import _cross_process
 from .audit import PipelineAudit, task_audit
 from .compile import CompiledTask, Specs, acc_dtype, finalize_fn, make_submeshes
@@ -77,11 +79,12 @@ class PipelineExecutable:
 
         # Tasks are compiled in the order values flow (forward stages, backward stages in
         # reverse, apply). A task takes a value in the layout its producer (or, for a step
-        # input, its first reader) gave it when its sub-mesh has that sub-mesh's shape.
-        layout: dict = {}   # var -> (sub-mesh shape, spec)
+        # input, its first reader) gave it, carried over to its own sub-mesh where one holds
+        # the same shards device for device (``carried_spec``).
+        layout: dict = {}   # var -> the NamedSharding its producer or first reader gave it
 
         def compile_task(t, with_index, aliases=(), given=None):
-            shape = tuple(self.meshes[t.stage].devices.shape)
+            mesh = self.meshes[t.stage]
             consts = set(jaxpr.constvars)
             invars = [v for v in t.invars if v not in consts]
             if given is not None and len(given) != len(invars):
@@ -90,13 +93,14 @@ class PipelineExecutable:
                     f"its forward task has {len(invars)} inputs; pass "
                     "executable.stage_input_shard_specs of the same step and options.")
             want = list(given) if given is not None else [
-                layout[v][1] if v in layout and layout[v][0] == shape else None for v in invars]
-            c = CompiledTask(t, part, self.meshes[t.stage], with_index=with_index,
+                carried_spec(layout[v], mesh, v.aval.shape) if v in layout else None
+                for v in invars]
+            c = CompiledTask(t, part, mesh, with_index=with_index,
                              option=options[t.stage], fallback=self.specs, rows=rows,
                              aliases=aliases, input_specs=want)
             for v, sh in zip(c.invars + c.outvars, c.in_shardings[:len(c.invars)] +
                              c.out_shardings[:len(c.outvars)], strict=True):
-                layout.setdefault(v, (shape, sh.spec))
+                layout.setdefault(v, sh)
             return c
         self.tasks: dict = {}
         for s in range(part.num_stages):
@@ -112,7 +116,7 @@ class PipelineExecutable:
         for t in self.tasks.values():  # accumulated gradients: their finalised values too
             for v, sh in zip(t.accumulated, t.acc_shardings, strict=True):
                 o = part.marker.outvars[list(part.marker.invars).index(v)]
-                layout.setdefault(o, (tuple(self.meshes[t.stage].devices.shape), sh.spec))
+                layout.setdefault(o, sh)
         self.apply = [compile_task(t, False, _step_aliases(t, jaxpr, program.aliases))
                       for t in part.apply]
         self.finalize = []
@@ -399,6 +403,22 @@ class PipelineExecutable:
         with open(path, "w") as f:
             json.dump({"traceEvents": events}, f)
         return path
+
+
+def carried_spec(src: NamedSharding, mesh, shape) -> P | None:
+    """The spec on ``mesh`` whose shards are ``src``'s, device i of ``src``'s mesh standing for
+    device i of ``mesh`` (so the move is one device-to-device copy), or None if none is."""
+    if tuple(src.mesh.devices.shape) == tuple(mesh.devices.shape):
+        return src.spec
+    if src.mesh.devices.size != mesh.devices.size:
+        return P() if src.is_fully_replicated else None
+    like = _compat.make_auto_mesh(np.array(list(src.mesh.devices.flat), dtype=object).reshape(
+        mesh.devices.shape), mesh.axis_names)
+    for spec in candidate_specs(tuple(shape), tuple(mesh.devices.shape)):
+        pspec = to_partition_spec(spec, tuple(mesh.axis_names))
+        if NamedSharding(like, pspec).is_equivalent_to(src, len(shape)):
+            return pspec
+    return None
 
 
 def _step_aliases(task, jaxpr, aliases) -> list[tuple[int, int]]:

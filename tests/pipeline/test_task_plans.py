@@ -280,6 +280,30 @@ def test_exact_split_pipelines_a_loss_the_backward_reads():
     assert w0_grad in part.backward[0].outvars     # w0's gradient is made on stage 0
 
 
+def test_split_backward_computes_each_equation_once_and_passes_cotangents():
+    """zero_bubble: Ba and Bw share no work; Bw reads the cotangents Ba computed."""
+    from autoshard.pipeline.partition import free_eqns, split_pre_post
+
+    method = PipeshardParallel(num_micro_batches=2, layer_option="manual", blocking=True,
+                               pipeline_schedule="zero_bubble",
+                               stage_option=UniformStageOption(num_stages=2))
+    got, want, ex = run_steps(sgd_step(mlp_loss), method, (mlp_params(), mlp_batch()), 1)
+    assert_trees_close(got, want)
+    part = ex.part
+    pre, _, post = split_pre_post(part.jaxpr)
+    free = free_eqns(pre, post, part.jaxpr.constvars)
+    for b, (ba, bw) in zip(part.backward, part.split_backward, strict=True):
+        work = {id(e) for e in b.eqns if id(e) not in free}
+        a = {id(e) for e in ba.eqns if id(e) not in free}
+        w = {id(e) for e in bw.eqns if id(e) not in free}
+        assert w and not a & w and a | w == work
+        handed = set(ba.outvars) & set(bw.invars)
+        assert not handed & set(b.outvars)         # intermediate cotangents, not outputs
+        assert bool(handed) == (b.stage > 0)       # stage 0 sends no input cotangent
+        dots = sum(e.primitive.name == "dot_general" for e in ba.eqns + bw.eqns)
+        assert dots == sum(e.primitive.name == "dot_general" for e in b.eqns)
+
+
 # Profiling in the planned layout ---------------------------------------------------------------
 def test_profiled_candidates_run_in_their_planned_layout(tmp_path, monkeypatch):
     from autoshard.pipeline.profile import StageProfiler

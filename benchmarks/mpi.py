@@ -1,7 +1,13 @@
 """autoshard.mpi vs mpi4py (and mpi4jax when installed); run with `make bench-mpi` (mpirun -np 2).
 
-Settings: (a) one op per jitted call, (b) 200 ops in one jitted fori_loop (per-op cost).
-Writes benchmarks/results/mpi.json and mpi.md.
+Settings: (a) one op per jitted call, (b) many ops in one jitted fori_loop (per-op cost).
+Writes benchmarks/results/mpi.json and mpi.md. mpi4jax is measured when importable: `make
+bench-mpi` installs it (CPU extension only, see mk/mpi.mk), and its column is skipped with the
+reason otherwise.
+
+At 4 MiB and more, the loop is also timed with huge pages switched off for its buffers
+(AUTOSHARD_MPI_HUGE_PAGES=0's switch, set around those calls only): the cost of the 4 KiB
+pages XLA allocates, against the huge pages NumPy's arrays (so mpi4py's buffers) get.
 
 The machine is small and shared, so the competitors are interleaved: each round times every
 competitor once (same conditions for all), and the report gives the median over rounds, the
@@ -15,8 +21,10 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
-                           " intra_op_parallelism_threads=1").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+    " intra_op_parallelism_threads=1"
+).strip()
 
 import json  # noqa: E402
 import pathlib  # noqa: E402
@@ -29,6 +37,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from autoshard import mpi  # noqa: E402
+from autoshard.mpi._native import lib  # noqa: E402
 
 try:
     import mpi4jax
@@ -40,8 +49,22 @@ else:
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 SIZES = [int(s) for s in os.environ.get("BENCH_SIZES", "").split(",") if s] or [
-    8, 1024, 1 << 20, 16 << 20, 64 << 20]
-LOOP = 200
+    8,
+    1024,
+    1 << 20,
+    16 << 20,
+    64 << 20,
+]
+# Per size class: (ops per sample of one-op competitors, ops in one jitted loop). At 16 MiB
+# and up an op takes milliseconds; each loop sample still runs at least 2 x loop ops.
+SAMPLE_OPS = {
+    0: (400, 200),
+    1 << 20: (20, 200),
+    4 << 20: (32, 32),
+    16 << 20: (32, 16),
+    64 << 20: (16, 8),
+}
+HUGE_MIN = 4 << 20  # buffers from this size are put on huge pages (PreferHugePages, _ffi.cc)
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "7"))
 OUT = pathlib.Path(__file__).parent / "results"
 
@@ -68,8 +91,11 @@ def measure(competitors, repeats):
     stats = {}
     for name, values in samples.items():
         median = statistics.median(values)
-        stats[name] = {"median": median, "min": min(values),
-                       "spread": (max(values) - min(values)) / median}
+        stats[name] = {
+            "median": median,
+            "min": min(values),
+            "spread": (max(values) - min(values)) / median,
+        }
     return stats
 
 
@@ -87,18 +113,24 @@ def ops():
     peer = (RANK + 1) % SIZE
     m4j = mpi4jax
     return {
-        "allreduce": (lambda v: mpi.allreduce(v, MPI.SUM)[0],
-                      lambda c: (mpi.allreduce(c[0], MPI.SUM)[0], c[1]),
-                      m4j and (lambda c: (_result(m4j.allreduce(c[0], MPI.SUM)), c[1])),
-                      lambda a, b: COMM.Allreduce(a, b, MPI.SUM)),
-        "bcast": (lambda v: mpi.bcast(v, 0)[0],
-                  lambda c: (mpi.bcast(c[0], 0)[0], c[1]),
-                  m4j and (lambda c: (_result(m4j.bcast(c[0], 0)), c[1])),
-                  lambda a, b: COMM.Bcast(a, 0)),
-        "sendrecv": (lambda v: mpi.sendrecv(v, v, peer, peer)[0],
-                     lambda c: (c[0], mpi.sendrecv(c[0], c[1], peer, peer)[0]),
-                     m4j and (lambda c: (c[0], _result(m4j.sendrecv(c[0], c[1], peer, peer)))),
-                     lambda a, b: COMM.Sendrecv(a, peer, 0, b, peer, 0)),
+        "allreduce": (
+            lambda v: mpi.allreduce(v, MPI.SUM)[0],
+            lambda c: (mpi.allreduce(c[0], MPI.SUM)[0], c[1]),
+            m4j and (lambda c: (_result(m4j.allreduce(c[0], MPI.SUM)), c[1])),
+            lambda a, b: COMM.Allreduce(a, b, MPI.SUM),
+        ),
+        "bcast": (
+            lambda v: mpi.bcast(v, 0)[0],
+            lambda c: (mpi.bcast(c[0], 0)[0], c[1]),
+            m4j and (lambda c: (_result(m4j.bcast(c[0], 0)), c[1])),
+            lambda a, b: COMM.Bcast(a, 0),
+        ),
+        "sendrecv": (
+            lambda v: mpi.sendrecv(v, v, peer, peer)[0],
+            lambda c: (c[0], mpi.sendrecv(c[0], c[1], peer, peer)[0]),
+            m4j and (lambda c: (c[0], _result(m4j.sendrecv(c[0], c[1], peer, peer)))),
+            lambda a, b: COMM.Sendrecv(a, peer, 0, b, peer, 0),
+        ),
     }
 
 
@@ -109,16 +141,16 @@ def main():
         n = max(nbytes // 4, 1)
         x = jnp.ones(n, jnp.float32)
         a, b = np.ones(n, np.float32), np.empty(n, np.float32)
-        repeats = 400 if nbytes < 1 << 20 else (20 if nbytes < 16 << 20 else 2)
-        loop_n = LOOP if nbytes < 16 << 20 else 4
+        repeats, loop_n = SAMPLE_OPS[max(k for k in SAMPLE_OPS if k <= nbytes)]
         for name, (ours, body, m4j_body, ref) in ops().items():
             single = jax.jit(ours)
 
             def make_loop(body, k=loop_n):
                 # The loop carries its state across calls (donated), as a solver would; mpi4py
                 # likewise reuses its buffers.
-                loop = jax.jit(lambda c: jax.lax.fori_loop(0, k, lambda i, c: body(c), c),
-                               donate_argnums=0)
+                loop = jax.jit(
+                    lambda c: jax.lax.fori_loop(0, k, lambda i, c: body(c), c), donate_argnums=0
+                )
                 state = [(jnp.ones(n, jnp.float32), jnp.ones(n, jnp.float32))]
 
                 def run_loop():
@@ -137,46 +169,84 @@ def main():
                 "autoshard_call": (lambda: single(x).block_until_ready(), 1),
                 "autoshard_loop": (make_loop(body), loop_n),
             }
+            if nbytes >= HUGE_MIN:
+                small_pages = make_loop(body)  # its own buffers, never advised
+
+                def run_small_pages(run=small_pages):
+                    lib.autoshard_mpi_set_huge_pages(0)
+                    try:
+                        run()
+                    finally:
+                        lib.autoshard_mpi_set_huge_pages(1)
+
+                competitors["autoshard_loop_4k"] = (run_small_pages, loop_n)
             if m4j_body is not None:
                 competitors["mpi4jax_loop"] = (make_loop(m4j_body), loop_n)
             stats = measure(competitors, repeats)
-            row = {"op": name, "bytes": nbytes, "loop_ops": loop_n, **{
-                f"{k}_{s}": v for k, st in stats.items() for s, v in st.items()}}
+            row = {
+                "op": name,
+                "bytes": nbytes,
+                "loop_ops": loop_n,
+                **{f"{k}_{s}": v for k, st in stats.items() for s, v in st.items()},
+            }
             ref_us = min(row["mpi4py_median"], row["mpi4py_loop_median"])
             row["loop_ratio"] = row["autoshard_loop_median"] / ref_us
-            row["loop_ratio_min"] = row["autoshard_loop_min"] / min(row["mpi4py_min"],
-                                                                    row["mpi4py_loop_min"])
+            row["loop_ratio_min"] = row["autoshard_loop_min"] / min(
+                row["mpi4py_min"], row["mpi4py_loop_min"]
+            )
             row["loop_excess_us"] = row["autoshard_loop_median"] - ref_us
             row["call_ratio"] = row["autoshard_call_median"] / (row["jit_noop_median"] + ref_us)
             if m4j_body is not None:
                 row["mpi4jax_loop_ratio"] = row["mpi4jax_loop_median"] / ref_us
+            if nbytes >= HUGE_MIN:
+                row["loop_4k_ratio"] = row["autoshard_loop_4k_median"] / ref_us
             results.append(row)
             if RANK == 0:
-                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
-                                  for k, v in row.items()}), flush=True)
+                print(
+                    json.dumps(
+                        {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+                    ),
+                    flush=True,
+                )
     if RANK == 0:
         write(results)
 
 
 def write(results):
     OUT.mkdir(exist_ok=True)
-    meta = {"ranks": SIZE, "jax": jax.__version__, "mpi": MPI.Get_library_version().split(",")[0],
-            "mpi4jax": getattr(mpi4jax, "__version__", None), "mpi4jax_missing": MPI4JAX_MISSING,
-            "loop_ops": LOOP, "rounds": ROUNDS,
-            "cpus": os.cpu_count(), "load_average": os.getloadavg()}
+    meta = {
+        "ranks": SIZE,
+        "jax": jax.__version__,
+        "mpi": MPI.Get_library_version().split(",")[0],
+        "mpi4jax": getattr(mpi4jax, "__version__", None),
+        "mpi4jax_missing": MPI4JAX_MISSING,
+        "sample_ops": {str(k): v for k, v in SAMPLE_OPS.items()},
+        "rounds": ROUNDS,
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+    }
     (OUT / "mpi.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    m4j = meta["mpi4jax"] or f"skipped ({MPI4JAX_MISSING})"
     lines = [
-        "# autoshard.mpi benchmark", "",
+        "# autoshard.mpi benchmark",
+        "",
         f"{SIZE} ranks on {meta['cpus']} CPUs (load average at the end "
         f"{meta['load_average'][0]:.1f}, shared machine), {meta['mpi']}, jax {meta['jax']}, "
-        f"mpi4jax: {meta['mpi4jax'] or 'skipped (' + str(MPI4JAX_MISSING) + ')'}. "
-        "XLA single-threaded. Times in "
-        f"microseconds per op: median over {ROUNDS} interleaved rounds (each sample the max over "
-        "ranks), with the minimum and the spread (max - min) / median.", "",
+        f"mpi4jax: {m4j}. XLA single-threaded. Times in microseconds per op: median over "
+        f"{ROUNDS} interleaved rounds (each sample the max over ranks), with the minimum and the "
+        "spread (max - min) / median.",
+        "",
         "- mpi4py: the better of a single call and a Python loop of calls, on NumPy buffers.",
-        "- loop: per-op time inside one jitted fori_loop (200 ops; 4 at >= 16 MiB) whose carry "
-        "is donated and fed back, call after call (steady state, no input copy); target "
-        "<= mpi4py + 1 us at 8 B and <= 1.05x mpi4py from 1 MiB.",
+        "- loop: per-op time inside one jitted fori_loop (200 ops; 32 from 4 MiB, 16 from "
+        "16 MiB, 8 at 64 MiB; "
+        "each sample runs the loop at least twice) whose carry is donated and fed back, call "
+        "after call (steady state, no input copy); target <= mpi4py + 1 us at 8 B and <= 1.05x "
+        "mpi4py from 1 MiB.",
+        "- 4 KiB pages: the same loop with huge pages switched off for its buffers. XLA "
+        "allocates on 4 KiB pages, NumPy asks for transparent huge pages from 4 MiB, and MPI's "
+        "shared-memory transfers of large messages are slower over small pages; autoshard.mpi "
+        "therefore advises its buffers of 4 MiB and more onto huge pages (AUTOSHARD_MPI_HUGE_PAGES"
+        "=0 opts out).",
         "- call: one op per jitted call; target <= 2x (jitted no-op + mpi4py).",
         "- The loop carries a send and a receive buffer, like mpi4py's two buffers: sendrecv "
         "receives into the second in place, allreduce and bcast work on the first in place (no "
@@ -184,18 +254,20 @@ def write(results):
         "- mpi4jax: the same loop with mpi4jax's operations (registry version), when installed.",
         "",
         "| op | bytes | mpi4py | loop (min, spread) | loop/mpi4py | loop - mpi4py | "
-        "mpi4jax loop/mpi4py | call | no-op jit | call/(no-op+mpi4py) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "4 KiB pages loop/mpi4py | mpi4jax loop/mpi4py | call | no-op jit | call/(no-op+mpi4py) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         ref = min(r["mpi4py_median"], r["mpi4py_loop_median"])
         m4j = f"{r['mpi4jax_loop_ratio']:.2f}" if "mpi4jax_loop_ratio" in r else "-"
+        small = f"{r['loop_4k_ratio']:.2f}" if "loop_4k_ratio" in r else "-"
         lines.append(
             f"| {r['op']} | {r['bytes']} | {ref:.1f} | {r['autoshard_loop_median']:.1f} "
             f"({r['autoshard_loop_min']:.1f}, {r['autoshard_loop_spread']:.0%}) | "
-            f"{r['loop_ratio']:.2f} | {r['loop_excess_us']:+.1f} | {m4j} | "
+            f"{r['loop_ratio']:.2f} | {r['loop_excess_us']:+.1f} | {small} | {m4j} | "
             f"{r['autoshard_call_median']:.1f} | "
-            f"{r['jit_noop_median']:.1f} | {r['call_ratio']:.2f} |")
+            f"{r['jit_noop_median']:.1f} | {r['call_ratio']:.2f} |"
+        )
     (OUT / "mpi.md").write_text("\n".join(lines) + "\n")
 
 

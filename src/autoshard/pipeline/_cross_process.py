@@ -94,6 +94,38 @@ def settle(received) -> None:
         jax.block_until_ready(arrays)
 
 
+class RemoteTask:
+    """A compiled task whose sub-mesh has no device of this process (another one runs it).
+
+    Calling it dispatches nothing and returns the outputs as arrays with no shards here, as
+    calling the compiled executable would, without compiling it: each process compiles only
+    the tasks of its own stages. Anything else (``as_text``, ``memory_analysis``) compiles it
+    on first use.
+    """
+
+    def __init__(self, lowered):
+        self._lowered, self._compiled = lowered, None
+        self._outs = jax.tree.leaves(lowered.out_info)
+
+    def __call__(self, *args):
+        return [placeholder(o.shape, o.dtype, o.sharding) for o in self._outs]
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self._compiled is None:
+            self._compiled = self._lowered.compile()
+        return getattr(self._compiled, name)
+
+
+def compile_task(lowered, mesh):
+    """``lowered.compile()``, or a ``RemoteTask`` when no device of ``mesh`` is this process's."""
+    me = jax.process_index()
+    if multi_process() and all(d.process_index != me for d in mesh.devices.flat):
+        return RemoteTask(lowered)
+    return lowered.compile()
+
+
 def job_mesh(meshes):
     """A 1-D mesh over every device of the pipeline's sub-meshes, in stage order."""
     devices = list(dict.fromkeys(d for m in meshes for d in m.devices.flat))
@@ -192,4 +224,5 @@ def _stages(plan) -> dict:
     return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name in keep}
 
 
-__all__ = ["agree", "copy_replicated", "crosses", "multi_process", "readable_outputs", "settle"]
+__all__ = ["RemoteTask", "agree", "compile_task", "copy_replicated", "crosses", "multi_process",
+           "readable_outputs", "settle"]

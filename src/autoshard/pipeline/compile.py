@@ -39,6 +39,7 @@ from .._local import LocalEval
 from ..grad_accum import KEY_USERS, reductions_of
 from ..sharding import apply_plan, plan_auto
 from ..sharding.options import AutoShardingOption
+from . import _cross_process
 from .partition import Partition, Task
 
 
@@ -171,7 +172,7 @@ class CompiledTask:
                               donate_argnums=tuple(range(n, n + n_acc)))
         self.lowered = self.jitted.lower(*[jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
                                            for a, s in zip(abstract, in_sh, strict=True)])
-        self.compiled = self.lowered.compile()
+        self.compiled = _cross_process.compile_task(self.lowered, mesh)  # own stages only
         self._check_memory(option, mesh)
 
     def _check_memory(self, option, mesh):

@@ -1,19 +1,21 @@
 """A pipeline whose sub-meshes belong to different processes (multi-controller JAX).
 
 Every process builds the same executable and walks the same global action list. A task whose
-sub-mesh has no device of this process is still called: JAX dispatches nothing for it and hands
-back an array with no local shards, so every process keeps the same values, in the same
-shardings, in the same order. Values move between sub-meshes with ``jax.device_put``; between
-processes it is JAX's cross-host transfer, which both ends must issue, in the same order (the
-order of the action list), and which needs the two layouts to match shard for shard (the mover
-lays the value out on the source first). On CPU the transfer goes through the socket address
-that ``autoshard.init`` sets per process (``jax_cross_host_transfer_socket_address``).
+sub-mesh has no device of this process is not compiled there (``RemoteTask``): calling it
+dispatches nothing and hands back its outputs as arrays with no local shards, so every process
+holds the same values, in the same shardings, in the same order. Values move between sub-meshes
+with ``jax.device_put``; between processes it is JAX's cross-host transfer, which both ends
+must issue, in the same order (the order of the action list), and which needs the two layouts
+to match shard for shard (the mover lays the value out on the source first). On CPU the
+transfer goes through the socket address that ``autoshard.init`` sets per process
+(``jax_cross_host_transfer_socket_address``).
 
-Three things differ from one process:
+What else differs from one process:
 
 * Copies between sub-meshes of different sizes go as single-device pieces: each process issues
   the pieces it sends or receives, and the ones between two devices of another process are
   left to that process (``copy_replicated``).
+* On XLA:CPU a process waits for the arrays it receives from another process (``settle``).
 * Outputs that do not replace a step input (the loss, metrics) are replicated over every device
   of the pipeline, so each process can read them (``readable_outputs``); the new train state
   stays on the stages that hold it for the next step.
@@ -224,5 +226,13 @@ def _stages(plan) -> dict:
     return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name in keep}
 
 
-__all__ = ["RemoteTask", "agree", "compile_task", "copy_replicated", "crosses", "multi_process",
-           "readable_outputs", "settle"]
+__all__ = [
+    "RemoteTask",
+    "agree",
+    "compile_task",
+    "copy_replicated",
+    "crosses",
+    "multi_process",
+    "readable_outputs",
+    "settle",
+]

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat
+from ._walk import Walker
 from .markers import pipeline_p
 
 
@@ -173,23 +174,32 @@ def used_vars(eqns) -> set:
 
 
 # Evaluation ------------------------------------------------------------------------------------
-class Env:
-    """Values of jaxpr variables while re-evaluating a jaxpr equation by equation."""
+class Env(Walker):
+    """Values of jaxpr variables while re-evaluating equations one by one (calls, loops and
+    identities are bound as they are)."""
+
+    inline_calls = False
+    forward_identities = False
 
     def __init__(self):
         self.values: dict = {}
+        self._on_eqn: Callable | None = None
 
     def read(self, v):
-        return v.val if isinstance(v, _compat.Literal) else self.values[v]
+        return self.lookup(self.values, v)
 
     def write(self, v, value):
         if not isinstance(v, _compat.DropVar):
             self.values[v] = value
 
+    def equation(self, eqn, ins, path):
+        outs = _compat.bind_eqn(eqn, ins)
+        return outs if self._on_eqn is None else self._on_eqn(eqn, outs)
+
     def run(self, eqns, on_eqn: Callable | None = None):
-        for e in eqns:
-            outs = _compat.bind_eqn(e, [self.read(v) for v in e.invars])
-            if on_eqn is not None:
-                outs = on_eqn(e, outs)
-            for v, o in zip(e.outvars, outs, strict=True):
-                self.write(v, o)
+        """Evaluate ``eqns`` on ``values``; ``on_eqn(eqn, outs)`` may replace the outputs."""
+        self._on_eqn = on_eqn
+        try:
+            self.run_eqns(eqns, self.values)
+        finally:
+            self._on_eqn = None

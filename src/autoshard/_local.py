@@ -21,7 +21,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from ._compat import Literal, bind_eqn
+from ._compat import bind_eqn
+from ._walk import INLINE_CALLS, Walker
 
 R = "R"
 P = "P"
@@ -47,9 +48,6 @@ LINEAR_IN = {"add": (0, 1), "add_any": (0, 1), "sub": (0, 1), "neg": (0,), "mul"
              "convert_element_type": (0,), "copy": (0,), "copy_p": (0,),
              "reduce_precision": (0,), "real": (0,), "imag": (0,), "conj": (0,),
              "select_n": "branches"}
-INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-          "remat": "jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr",
-          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
 DROPPED = {"sharding_constraint"}  # global specs name the manual axes; propagation decides
 IDENTITY = {"pipeline_marker", "optimization_barrier"}
 AXIS_OPS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
@@ -57,8 +55,14 @@ AXIS_OPS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "ax
             "argmax": "axes", "argmin": "axes"}
 
 
-class LocalEval:
-    """Evaluates equations on local values with kinds, over the manual ``axes`` of ``size``."""
+class LocalEval(Walker):
+    """Evaluates equations on local values with kinds, over the manual ``axes`` of ``size``.
+
+    A walked value is an ``(array, kind)`` pair; calls are inlined (their bodies keep kinds),
+    identities and loops are bound (a loop's operands are made replicated first).
+    """
+
+    forward_identities = False
 
     def __init__(self, axes: tuple[str, ...], size: int, key_hook=None):
         self.axes = axes
@@ -91,25 +95,36 @@ class LocalEval:
 
     # Walking ---------------------------------------------------------------------------------
     def run(self, eqns, env: dict, kinds: dict):
-        for e in eqns:
-            ins = [a.val if isinstance(a, Literal) else env[a] for a in e.invars]
-            ks = [R if isinstance(a, Literal) else kinds.get(a, R) for a in e.invars]
-            if self.key_hook is not None:
-                ins = self.key_hook(e, ins)
-            outs, out_kinds = self.eqn(e, ins, ks)
-            for v, o, k in zip(e.outvars, outs, out_kinds, strict=True):
-                env[v], kinds[v] = o, k
+        """Evaluate ``eqns``: ``env`` maps vars to local arrays, ``kinds`` to their kinds (R
+        when absent); both receive the outputs."""
+        pairs = {v: (x, kinds.get(v, R)) for v, x in env.items()}
+        self.run_eqns(eqns, pairs)
+        for v, (x, k) in pairs.items():
+            env[v], kinds[v] = x, k
+
+    def literal(self, lit):
+        return (lit.val, R)
+
+    def constant(self, var, value, path):
+        return (value, R)
+
+    def equation(self, e, ins, path):
+        xs, ks = [x for x, _ in ins], [k for _, k in ins]
+        if self.key_hook is not None:
+            xs = self.key_hook(e, xs)
+        outs, out_kinds = self.eqn(e, xs, ks)
+        return list(zip(outs, out_kinds, strict=True))
 
     def eqn(self, e, ins, ks):
         name = e.primitive.name
-        if all(k == R for k in ks) and name not in INLINE:
+        if all(k == R for k in ks):
             return bind_eqn(e, ins), [R] * len(e.outvars)
         if name in IDENTITY:
             return bind_eqn(e, ins), list(ks)
         if name in DROPPED:
             return list(ins), list(ks)
-        if name in INLINE:
-            return self._inline(e, ins, ks)
+        if name in INLINE_CALLS:   # reached only with the walk's inlining turned off
+            return self._fallback(e, ins, ks)
         rule = getattr(self, "_" + name, None)
         if rule is None and name in ELEMENTWISE:
             rule = self._elementwise
@@ -128,16 +143,6 @@ class LocalEval:
             self.gathered.add(e.primitive.name)
         ins = [self.to_r(x, k) for x, k in zip(ins, ks, strict=True)]
         return bind_eqn(e, ins), [R] * len(e.outvars)
-
-    def _inline(self, e, ins, ks):
-        sub = e.params[INLINE[e.primitive.name]]
-        jaxpr, consts = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (sub, ())
-        env, kinds = dict(zip(jaxpr.constvars, consts, strict=True)), {}
-        for v, x, k in zip(jaxpr.invars, ins, ks, strict=True):
-            env[v], kinds[v] = x, k
-        self.run(jaxpr.eqns, env, kinds)
-        outs = [a.val if isinstance(a, Literal) else env[a] for a in jaxpr.outvars]
-        return outs, [R if isinstance(a, Literal) else kinds.get(a, R) for a in jaxpr.outvars]
 
     # Rules: each returns (output(s), kind(s)) or None for "gather and run replicated" ---------
     def _elementwise(self, e, ins, ks):

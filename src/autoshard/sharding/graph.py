@@ -9,9 +9,10 @@ spec for all iterations:
 * ``carry_back``: consumes the body's new carry and is tied to ``carry`` (same ILP variable).
 * ``xs``: a per-iteration slice of a scanned input; ``ys``: the stacked per-iteration outputs.
 
-Costs inside a scan body count ``length`` times (``Node.mult``). Every node and value gets its
-id in program order, so two builds of the same jaxpr give the same ids (``apply_plan`` relies
-on it through ``Graph.eqn_outputs`` and ``Graph.loops``).
+Costs inside a scan body count ``length`` times (``Node.mult``). The walk is ``_walk.Walker``'s;
+every value an equation produces gets a ``site`` (its equation's path and output position),
+the key plans pin it by: ``apply_plan`` walks the program again and finds the pins by site,
+without building the graph a second time.
 """
 
 from __future__ import annotations
@@ -22,15 +23,8 @@ from typing import Any
 import numpy as np
 from jax.extend import core
 
-INLINE_CALLS = {
-    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr",
-    "remat": "jaxpr", "custom_vmap_call": "call",
-}
-IDENTITIES = {"pipeline_marker", "optimization_barrier", "device_put", "mesh_cast", "reshard"}
-"""Forwarded as their operands. A user's ``sharding_constraint`` is a node of its own: the
-planner keeps it as a pin (``rules.user_constraint``)."""
+from .._walk import IDENTITIES, INLINE_CALLS, Walker, eqn_site, site
+
 WHILE_TRIPS = 1
 """Iterations assumed for a while loop (unknown statically)."""
 
@@ -72,10 +66,10 @@ class Graph:
     """Node id of each flat output."""
     ties: list[tuple[int, int]] = field(default_factory=list)
     """Node pairs that must choose the same strategy (same strategy lists)."""
-    eqn_outputs: dict[tuple, list[Ref]] = field(default_factory=dict)
-    """(context, equation index) -> refs of its outputs."""
-    loops: dict[tuple, dict] = field(default_factory=dict)
-    """(context, equation index) -> value ids of carries and scanned slices of a loop."""
+    sites: dict[int, str] = field(default_factory=dict)
+    """Value id -> its site (``_walk.site``) for every value an equation or a loop makes."""
+    node_sites: dict[int, str] = field(default_factory=dict)
+    """Node id -> the path (``_walk.site`` without the output) of its equation."""
     labels: dict[int, str] = field(default_factory=dict)
     """Structural label per node (cache of ``repeats``)."""
     memo: dict = field(default_factory=dict)
@@ -119,7 +113,7 @@ def build_graph(closed_jaxpr: core.ClosedJaxpr, in_paths, out_paths) -> Graph:
         node = g.add_node("input", [], [], [var.aval], {}, 1.0, in_paths[i], index=i)
         g.inputs.append(node.id)
         refs.append(node.outputs[0])
-    outs = _walk(g, closed_jaxpr.jaxpr, closed_jaxpr.consts, refs, (), 1.0)
+    outs = _Builder(g).walk(closed_jaxpr.jaxpr, closed_jaxpr.consts, refs)
     for j, ref in enumerate(outs):
         operand = _materialize(g, ref, 1.0)
         aval = g.aval(operand)
@@ -135,120 +129,122 @@ def _materialize(g: Graph, ref: Ref, mult: float) -> int:
     return ref
 
 
-def _walk(g: Graph, jaxpr: core.Jaxpr, consts, in_refs, ctx: tuple, mult: float) -> list[Ref]:
-    env: dict[Any, Ref] = {}
-    for var in jaxpr.constvars[: len(consts)]:
-        env[var] = g.add_node("const", [], [], [var.aval], {}, mult, "constant").outputs[0]
-    assert len(jaxpr.invars) == len(in_refs), (len(jaxpr.invars), len(in_refs))
-    for var, ref in zip(jaxpr.invars, in_refs, strict=False):
-        env[var] = ref
-
-    def read(atom):
-        return atom if isinstance(atom, core.Literal) else env[atom]
-
-    for i, eqn in enumerate(jaxpr.eqns):
-        name = eqn.primitive.name
-        ins = [read(a) for a in eqn.invars]
-        key = ctx + (i,)
-        if name in INLINE_CALLS:
-            sub = eqn.params[INLINE_CALLS[name]]
-            if isinstance(sub, core.ClosedJaxpr):
-                outs = _walk(g, sub.jaxpr, sub.consts, ins, key, mult)
-            else:
-                outs = _walk(g, sub, (), ins, key, mult)
-        elif name in IDENTITIES:
-            outs = ins[: len(eqn.outvars)]
-        elif name == "scan":
-            outs = _scan(g, eqn, ins, key, mult)
-        elif name == "while":
-            outs = _while(g, eqn, ins, key, mult)
-        elif name == "cond":
-            outs = _cond(g, eqn, ins, key, mult)
-        else:
-            node = g.add_node(name, [None if isinstance(r, core.Literal) else r for r in ins],
-                              [g.aval(r) for r in ins], [v.aval for v in eqn.outvars],
-                              eqn.params, mult, _where(eqn, name))
-            outs = list(node.outputs)
-        g.eqn_outputs[key] = list(outs)
-        for var, ref in zip(eqn.outvars, outs, strict=False):
-            env[var] = ref
-    return [read(a) for a in jaxpr.outvars]
-
-
 def _where(eqn, name: str) -> str:
     shapes = ",".join("x".join(map(str, v.aval.shape)) or "()" for v in eqn.invars
                       if hasattr(v.aval, "shape"))
     return f"{name}[{shapes}]"
 
 
-def _carries(g: Graph, init_refs, mult: float, where: str) -> list[int]:
-    values = []
-    for ref in init_refs:
-        aval = g.aval(ref)
-        operand = None if isinstance(ref, core.Literal) else ref
-        node = g.add_node("carry", [operand], [aval], [aval], {}, mult, where)
-        values.append(node.outputs[0])
-    return values
+class _Builder(Walker):
+    """Interprets a jaxpr symbolically: a value is a value id (or a Literal), an equation a
+    node. ``mult`` is how many times the current body runs per step."""
+
+    def __init__(self, g: Graph):
+        self.g = g
+        self.mult = 1.0
+
+    def literal(self, lit):
+        return lit
+
+    def constant(self, var, value, path):
+        return self.g.add_node("const", [], [], [var.aval], {}, self.mult,
+                               "constant").outputs[0]
+
+    def equation(self, eqn, ins, path):
+        g, name = self.g, eqn.primitive.name
+        node = g.add_node(name, [None if isinstance(r, core.Literal) else r for r in ins],
+                          [g.aval(r) for r in ins], [v.aval for v in eqn.outvars],
+                          eqn.params, self.mult, _where(eqn, name))
+        self._sites(path, node.outputs)
+        g.node_sites[node.id] = eqn_site(path)
+        return list(node.outputs)
+
+    def _sites(self, path, value_ids, prefix: str = ""):
+        for j, vid in enumerate(value_ids):
+            self.g.sites[vid] = site(path, f"{prefix}{j}")
+
+    def loop(self, eqn, ins, path):
+        outs = {"scan": self._scan, "while": self._while, "cond": self._cond}[
+            eqn.primitive.name](eqn, ins, path)
+        self._sites(path, [r for r in outs if isinstance(r, int)])
+        return outs
+
+    def _inner(self, mult, jaxpr, consts, ins, path):
+        outer, self.mult = self.mult, mult
+        try:
+            return self.walk(jaxpr, consts, ins, path)
+        finally:
+            self.mult = outer
+
+    def _carries(self, init_refs, where: str) -> list[int]:
+        g, values = self.g, []
+        for ref in init_refs:
+            aval = g.aval(ref)
+            operand = None if isinstance(ref, core.Literal) else ref
+            node = g.add_node("carry", [operand], [aval], [aval], {}, self.mult, where)
+            values.append(node.outputs[0])
+        return values
+
+    def _close_loop(self, carry_values, new_refs, mult: float, where: str):
+        g = self.g
+        for value_id, ref in zip(carry_values, new_refs, strict=False):
+            operand = _materialize(g, ref, mult)
+            node = g.add_node("carry_back", [operand], [g.aval(operand)], [], {}, mult, where)
+            g.ties.append((g.values[value_id].producer, node.id))
+
+    def _scan(self, eqn, ins, path):
+        g, p = self.g, eqn.params
+        nc, ncar, length = p["num_consts"], p["num_carry"], p["length"]
+        body = p["jaxpr"]
+        consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
+        carry = self._carries(init, f"scan carry (length {length})")
+        slices = []
+        for ref in xs:
+            aval = g.aval(ref)
+            operand = None if isinstance(ref, core.Literal) else ref
+            node = g.add_node("xs", [operand], [aval], [_Aval(aval.shape[1:], aval.dtype)], {},
+                              self.mult, "scan input slice")
+            slices.append(node.outputs[0])
+        self._sites(path, slices, prefix="xs")
+        inner = self.mult * length
+        outs = self._inner(inner, body.jaxpr, body.consts, list(consts) + carry + slices, path)
+        self._close_loop(carry, outs[:ncar], inner, "scan carry")
+        stacked = []
+        for ref in outs[ncar:]:
+            operand = _materialize(g, ref, inner)
+            aval = g.aval(operand)
+            node = g.add_node("ys", [operand], [aval],
+                              [_Aval((length,) + aval.shape, aval.dtype)], {}, inner,
+                              "scan stacked output")
+            stacked.append(node.outputs[0])
+        return carry + stacked
+
+    def _while(self, eqn, ins, path):
+        p = eqn.params
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+        carry = self._carries(init, "while carry")
+        inner = self.mult * WHILE_TRIPS
+        cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
+        self._inner(inner, cj.jaxpr, cj.consts, list(cconsts) + carry, path + (0,))
+        outs = self._inner(inner, bj.jaxpr, bj.consts, list(bconsts) + carry, path + (1,))
+        self._close_loop(carry, outs, inner, "while carry")
+        return list(carry)
+
+    def _cond(self, eqn, ins, path):
+        g = self.g
+        ops = ins[1:]
+        branch_outs = [
+            [_materialize(g, r, self.mult)
+             for r in self._inner(self.mult, br.jaxpr, br.consts, ops, path + (b,))]
+            for b, br in enumerate(eqn.params["branches"])]
+        outs = []
+        for j, var in enumerate(eqn.outvars):
+            operands = [bo[j] for bo in branch_outs]
+            node = g.add_node("cond_out", operands, [g.aval(o) for o in operands], [var.aval],
+                              {}, self.mult, "cond output")
+            outs.append(node.outputs[0])
+        return outs
 
 
-def _close_loop(g: Graph, carry_values, new_refs, mult: float, where: str):
-    for value_id, ref in zip(carry_values, new_refs, strict=False):
-        operand = _materialize(g, ref, mult)
-        node = g.add_node("carry_back", [operand], [g.aval(operand)], [], {}, mult, where)
-        g.ties.append((g.values[value_id].producer, node.id))
-
-
-def _scan(g: Graph, eqn, ins, key, mult):
-    p = eqn.params
-    nc, ncar, length = p["num_consts"], p["num_carry"], p["length"]
-    body = p["jaxpr"]
-    consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
-    carry = _carries(g, init, mult, f"scan carry (length {length})")
-    slices = []
-    for ref in xs:
-        aval = g.aval(ref)
-        operand = None if isinstance(ref, core.Literal) else ref
-        node = g.add_node("xs", [operand], [aval], [_Aval(aval.shape[1:], aval.dtype)], {},
-                          mult, "scan input slice")
-        slices.append(node.outputs[0])
-    inner = mult * length
-    outs = _walk(g, body.jaxpr, body.consts, list(consts) + carry + slices, key, inner)
-    _close_loop(g, carry, outs[:ncar], inner, "scan carry")
-    stacked = []
-    for ref in outs[ncar:]:
-        operand = _materialize(g, ref, inner)
-        aval = g.aval(operand)
-        node = g.add_node("ys", [operand], [aval], [_Aval((length,) + aval.shape, aval.dtype)],
-                          {}, inner, "scan stacked output")
-        stacked.append(node.outputs[0])
-    g.loops[key] = {"carry": carry, "xs": slices}
-    return carry + stacked
-
-
-def _while(g: Graph, eqn, ins, key, mult):
-    p = eqn.params
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
-    carry = _carries(g, init, mult, "while carry")
-    inner = mult * WHILE_TRIPS
-    cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
-    _walk(g, cj.jaxpr, cj.consts, list(cconsts) + carry, key + (0,), inner)
-    outs = _walk(g, bj.jaxpr, bj.consts, list(bconsts) + carry, key + (1,), inner)
-    _close_loop(g, carry, outs, inner, "while carry")
-    g.loops[key] = {"carry": carry, "xs": []}
-    return list(carry)
-
-
-def _cond(g: Graph, eqn, ins, key, mult):
-    branches = eqn.params["branches"]
-    ops = ins[1:]
-    branch_outs = [
-        [_materialize(g, r, mult) for r in _walk(g, br.jaxpr, br.consts, ops, key + (b,), mult)]
-        for b, br in enumerate(branches)]
-    outs = []
-    for j, var in enumerate(eqn.outvars):
-        operands = [bo[j] for bo in branch_outs]
-        node = g.add_node("cond_out", operands, [g.aval(o) for o in operands], [var.aval], {},
-                          mult, "cond output")
-        outs.append(node.outputs[0])
-    return outs
+__all__ = ["IDENTITIES", "INLINE_CALLS", "Graph", "Node", "Value", "build_graph"]

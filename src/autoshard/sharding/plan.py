@@ -145,10 +145,13 @@ class ShardingPlan:
     """One entry per flattened input leaf (static arguments excluded)."""
     outputs: tuple[LeafPlan, ...]
     """One entry per flattened output leaf."""
-    intermediates: tuple[tuple[int, PartitionSpec], ...] = ()
-    """(value id in the planner's graph, spec) for every constrained intermediate."""
-    operand_specs: tuple[tuple[int, int, PartitionSpec], ...] = ()
-    """(node id, operand index, spec) where an operand is resharded before its consumer."""
+    intermediates: tuple[tuple[str, PartitionSpec], ...] = ()
+    """(site, spec) for every constrained intermediate. A site (``autoshard._walk.site``) is
+    the path of the equation that makes the value and its output position, e.g. ``"12/3:0"``:
+    the same on every trace of the same program."""
+    operand_specs: tuple[tuple[str, int, PartitionSpec], ...] = ()
+    """(equation path, operand index, spec) where an operand is resharded before its
+    consumer."""
     collectives: tuple[Collective, ...] = ()
     """Collectives the plan expects."""
     objective: Objective | None = None

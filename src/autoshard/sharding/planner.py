@@ -391,7 +391,7 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
         if (node.kind not in PINNED_KINDS_EXCLUDED
                 and node.id not in prob.free):
             for vid, spec in zip(node.outputs, s.out_specs, strict=False):
-                pinned.append((vid, pspec(spec)))
+                pinned.append((g.sites[vid], pspec(spec)))
         for p, u in enumerate(node.operands):
             if u is None:
                 continue
@@ -409,7 +409,7 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
             # slices by itself, and every extra constraint costs compile time).
             if steps and node.kind not in PINNED_KINDS_EXCLUDED and node.kind not in (
                     "carry", "xs", "ys", "cond_out"):
-                operand_specs.append((node.id, p, pspec(dst)))
+                operand_specs.append((g.node_sites[node.id], p, pspec(dst)))
     objective = Objective(communication_s=comm, resharding_s=reshard, compute_s=compute,
                           data_parallel_s=dp_objective,
                           peak_bytes_per_device=peak_bytes(prob, sol.choice),

@@ -93,6 +93,26 @@ def test_user_shard_map_chained_by_data(rank, size):
     np.testing.assert_allclose(b, [[r] * 4 for r in range(size)])
 
 
+def test_calls_in_a_loop_condition_and_a_branch_in_the_body(rank, size):
+    def f(x):
+        start, _ = mpi.allreduce(x, MPI.MIN)  # 0 on every rank
+
+        def cond(c):
+            return mpi.allreduce(c[0], MPI.SUM)[0] < 4 * size
+
+        def body(c):
+            v, i = c
+            v = jax.lax.cond(i % 2 == 0, lambda u: mpi.bcast(u + 1, 0)[0], lambda u: u + 1, v)
+            return v, i + 1
+
+        return jax.lax.while_loop(cond, body, (start, 0))
+
+    x = jnp.asarray(float(rank))
+    _assert_one_chain(f, x, num_calls=3)
+    v, i = jax.jit(f)(x)
+    assert (float(v), int(i)) == (4.0, 4)  # 1, 2, 3, 4 on every rank: sum 4 * size stops it
+
+
 def test_sends_arrive_in_program_order(rank, size):
     # Each rank sends 1, 2 (a loop), 3 (a branch), 4 (a nested jit) to the next rank and then
     # receives four messages. MPI keeps messages between two ranks with one tag in send

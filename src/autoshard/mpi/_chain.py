@@ -31,7 +31,7 @@ class _ModuleState:
     """Token-chain bookkeeping for one module being lowered."""
 
     def __init__(self):
-        self.containers: set = set()  # ops with regions (while, case) that hold MPI calls
+        self.containers: set = set()  # ops with regions (while, case, shard_map) holding MPI calls
         self.funcs: set[str] = set()  # non-main functions that hold MPI calls
 
 
@@ -232,8 +232,8 @@ def _start_if_none(token, op):
 def _thread_op(state: _ModuleState, op, token):
     """Rebuilds ``op`` (a while, case or shard_map region holding MPI calls) to carry the chain.
 
-    * while: the token becomes one more loop-carried value; the body's calls continue the
-      chain from it and the body returns its last token.
+    * while: the token becomes one more loop-carried value; the calls of the condition and
+      of the body continue the chain from it and the body returns its last token.
     * case: every branch continues the chain from ``token`` (regions see the values of the
       enclosing block) and returns its last token as one more result.
     * shard_map region (``sdy.manual_computation``): the token is one more operand and
@@ -249,7 +249,9 @@ def _thread_op(state: _ModuleState, op, token):
         return op.results[0]
     if op.name == "stablehlo.while":
         cond, body = (region.blocks[0] for region in op.regions)
-        cond.add_argument(chain_type(), op.location)
+        # Calls in the condition run between iterations; it cannot hand a token on (it
+        # returns the predicate alone), which XLA's strict cond-body alternation makes moot.
+        _thread(state, cond, cond.add_argument(chain_type(), op.location))
         _set_return(body, _thread(state, body, body.add_argument(chain_type(), op.location)))
         return _rebuild(op, [*op.operands, token])
     if op.name == "stablehlo.case":

@@ -138,6 +138,12 @@ def test_crossing_values_stay_on_devices_between_sub_meshes_of_other_shapes(monk
     got = f(params, batch)
     assert calls == []
     assert_trees_close(got, jax.jit(sgd_step(mlp_loss))(mlp_params(), mlp_batch()))
+    # Between 2 and 4 devices no layout holds the same shards: the audit says which values
+    # are resharded before their copy (a cost outside every task's plan).
+    audit = f.get_last_executable().audit()
+    crossing = {(t.src, t.dst): t.resharded for t in audit.transfers}
+    assert set(crossing) == {("F0", "F1"), ("F1", "F2"), ("B2", "B1"), ("B1", "B0")}
+    assert any(crossing.values()) and "resharded: " in audit.explain()
 
 
 def test_stage_input_shardings_round_trip():

@@ -195,7 +195,13 @@ def test_values_cross_to_another_sub_mesh_shape_in_their_producers_layout():
     dst = f1.in_shardings[f1.invars.index(act)]
     assert src.spec == P("x") and dst.spec == P(("x0", "x1"))
     assert carried_spec(src, f1.mesh, act.aval.shape) == dst.spec
-    assert ex.audit().unpredicted == ()
+    audit = ex.audit()
+    assert audit.unpredicted == ()
+    # The audit's transfers are the runtime's copies: 2 values x 2 micro-batches, none resharded.
+    assert [(t.src, t.dst, t.runs, t.resharded) for t in audit.transfers] == [
+        ("F0", "F1", 2, False), ("B1", "B0", 2, False)]
+    assert audit.transfer_bytes == 2 * 2 * 16 * 32 * 4  # (16, 32) f32 per micro-batch
+    assert "4 copies of 8,192 B in all; 0 of 2 values resharded" in audit.explain()
 
 
 # Audit and explain -----------------------------------------------------------------------------

@@ -31,11 +31,37 @@ class TaskAudit:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Transfer:
+    """A value one task sends to a task on another sub-mesh."""
+
+    value: str
+    """The value (its jaxpr variable and shape)."""
+    src: str
+    """Producing task."""
+    dst: str
+    """Consuming task."""
+    num_bytes: int
+    """Bytes of the whole array (each destination device receives its shard)."""
+    runs: int
+    """Copies per step (once per micro-batch for per-micro-batch values)."""
+    resharded: bool
+    """True when the consumer's layout holds other shards than the producer's, so the value
+    is resharded on the source devices before the copy (a cost no task plan prices)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class PipelineAudit:
     """What the per-task plans predicted against what runs, per task and per step."""
 
     tasks: tuple[TaskAudit, ...]
     """Tasks in the order of ``get_hlo_text()`` (forward, backward in reverse, apply)."""
+    transfers: tuple[Transfer, ...] = ()
+    """Values crossing between sub-meshes, with their copies per step."""
+
+    @property
+    def transfer_bytes(self) -> int:
+        """Bytes of the arrays copied between sub-meshes per step."""
+        return sum(t.runs * t.num_bytes for t in self.transfers)
 
     @property
     def predicted_bytes(self) -> int:
@@ -95,6 +121,14 @@ class PipelineAudit:
             est = f"estimated {pred:,} B, " if pred else ""
             lines.append(f"  stage {s} memory per device: {est}compiled {comp:,} B (largest "
                          "task; activations in flight between tasks not included)")
+        if self.transfers:
+            copies = sum(t.runs for t in self.transfers)
+            resharded = [t for t in self.transfers if t.resharded]
+            lines.append(f"  transfers between sub-meshes per step: {copies} copies of "
+                         f"{self.transfer_bytes:,} B in all; {len(resharded)} of "
+                         f"{len(self.transfers)} values resharded before their copy")
+            for t in resharded:
+                lines.append(f"    resharded: {t.value} {t.src} -> {t.dst} x{t.runs}")
         for name, c in self.unpredicted:
             axes = "?" if c.axes is None else "+".join(c.axes)
             lines.append(f"  unpredicted in {name}: {c.kind} {c.shape} over {axes} x{c.count}")
@@ -124,4 +158,4 @@ def task_audit(task, runs: int) -> TaskAudit:
     return TaskAudit(name=task.task.name, stage=task.stage, runs=runs, audit=result)
 
 
-__all__ = ["PipelineAudit", "TaskAudit", "task_audit"]
+__all__ = ["PipelineAudit", "TaskAudit", "Transfer", "task_audit"]

@@ -28,7 +28,7 @@ from .._executable import MISS, deleted_error, select_dynamic
 from .._jaxpr import flatten_args
 from ..sharding.spec import candidate_specs, to_partition_spec
 from . import _cross_process
-from .audit import PipelineAudit, task_audit
+from .audit import PipelineAudit, Transfer, task_audit
 from .compile import CompiledTask, Specs, acc_dtype, finalize_fn, make_submeshes
 from .schedules import get_schedule
 from .simulate import simulate
@@ -78,10 +78,16 @@ class PipelineExecutable:
         self.order = simulate(self.schedule).order()
 
         # Tasks are compiled in the order values flow (forward stages, backward stages in
-        # reverse, apply). A task takes a value in the layout its producer (or, for a step
-        # input, its first reader) gave it, carried over to its own sub-mesh where one holds
-        # the same shards device for device (``carried_spec``).
-        layout: dict = {}   # var -> the NamedSharding its producer or first reader gave it
+        # reverse, apply). A task takes a value in a layout it already has on its sub-mesh
+        # (a copy an earlier reader received is kept for the step), else in the layout its
+        # producer (or, for a step input, its first reader) gave it, carried over to its own
+        # sub-mesh where one holds the same shards device for device (``carried_spec``).
+        layout: dict = {}   # var -> its shardings, the producer's (or first reader's) first
+
+        def wanted(v, mesh):
+            here = next((sh for sh in layout[v] if sh.mesh == mesh), None)
+            return here.spec if here is not None else carried_spec(layout[v][0], mesh,
+                                                                    v.aval.shape)
 
         def compile_task(t, with_index, aliases=(), given=None):
             mesh = self.meshes[t.stage]
@@ -93,14 +99,14 @@ class PipelineExecutable:
                     f"its forward task has {len(invars)} inputs; pass "
                     "executable.stage_input_shard_specs of the same step and options.")
             want = list(given) if given is not None else [
-                carried_spec(layout[v], mesh, v.aval.shape) if v in layout else None
-                for v in invars]
+                wanted(v, mesh) if v in layout else None for v in invars]
             c = CompiledTask(t, part, mesh, with_index=with_index,
                              option=options[t.stage], fallback=self.specs, rows=rows,
                              aliases=aliases, input_specs=want)
             for v, sh in zip(c.invars + c.outvars, c.in_shardings[:len(c.invars)] +
                              c.out_shardings[:len(c.outvars)], strict=True):
-                layout.setdefault(v, sh)
+                if sh not in layout.setdefault(v, [sh]):
+                    layout[v].append(sh)
             return c
         self.tasks: dict = {}
         for s in range(part.num_stages):
@@ -116,7 +122,7 @@ class PipelineExecutable:
         for t in self.tasks.values():  # accumulated gradients: their finalised values too
             for v, sh in zip(t.accumulated, t.acc_shardings, strict=True):
                 o = part.marker.outvars[list(part.marker.invars).index(v)]
-                layout.setdefault(o, sh)
+                layout.setdefault(o, [sh])
         self.apply = [compile_task(t, False, _step_aliases(t, jaxpr, program.aliases))
                       for t in part.apply]
         self.finalize = []
@@ -362,9 +368,26 @@ class PipelineExecutable:
         for a in self.order:
             runs[(a.kind, a.stage)] = runs.get((a.kind, a.stage), 0) + 1
         keys = {id(t): key for key, t in self.tasks.items()}
+        tasks = self._ordered_tasks()
+        made = {v: (t, sh) for t in tasks
+                for v, sh in zip(t.outvars, t.out_shardings, strict=False)}
+        transfers, seen = [], set()
+        for t in tasks:
+            for v, dst in zip(t.invars, t.in_shardings, strict=False):
+                src_task, src = made.get(v, (None, None))
+                if src_task is None or src.device_set == dst.device_set or (v, dst) in seen:
+                    continue  # a copy in one sharding serves every reader that takes it
+                seen.add((v, dst))
+                moved = carried_spec(src, t.mesh, v.aval.shape)
+                same = moved is not None and NamedSharding(t.mesh, moved).is_equivalent_to(
+                    dst, len(v.aval.shape))
+                transfers.append(Transfer(
+                    value=f"{v} {v.aval.str_short()}", src=src_task.task.name, dst=t.task.name,
+                    num_bytes=v.aval.size * getattr(v.aval.dtype, "itemsize", 4),
+                    runs=runs.get(keys[id(t)], 0) if id(t) in keys else 1, resharded=not same))
         return PipelineAudit(tasks=tuple(
-            task_audit(t, runs.get(keys[id(t)], 0) if id(t) in keys else 1)
-            for t in self._ordered_tasks()))
+            task_audit(t, runs.get(keys[id(t)], 0) if id(t) in keys else 1) for t in tasks),
+            transfers=tuple(transfers))
 
     def explain(self) -> str:
         """The pipeline plan, each task's plan, then the audit of the compiled tasks."""

@@ -143,6 +143,8 @@ def stage_plans(k=8, width=64, repeats=5) -> dict:
                      "audit_compiled_bytes": audit.compiled_bytes,
                      "audit_unpredicted": len(audit.unpredicted),
                      "audit_within_10pct": audit.within(0.10),
+                     "transfer_bytes_per_step": audit.transfer_bytes,
+                     "transfers_resharded": sum(t.resharded for t in audit.transfers),
 "model_stages": stages, "sub_meshes": ex.schedule.num_ranks,
                      "compile_s": round(ex.timings["compile_s"], 2),
                      "tasks_planned": len(ex.task_plans),
@@ -174,13 +176,14 @@ def main():
               "## Stage plans (MLP width 64, 8 micro-batches, blocking)", "",
               "| schedule | model stages | sub-meshes | tasks planned | compile (s) | "
               "step (ms) | reshards/step | d2d copies/step | collective B/step predicted | "
-              "compiled | unpredicted |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "compiled | unpredicted | transfer B/step |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in result["stage_plans"].items():
         lines.append(f"| {name} | {r['model_stages']} | {r['sub_meshes']} | "
                      f"{r['tasks_planned']}/{r['tasks']} | {r['compile_s']} | {r['step_ms']} | "
                      f"{r['reshards_per_step']:g} | {r['copies_per_step']:g} | "
                      f"{r['audit_predicted_bytes']:,} | {r['audit_compiled_bytes']:,} | "
-                     f"{r['audit_unpredicted']} |")
+                     f"{r['audit_unpredicted']} | {r['transfer_bytes_per_step']:,} |")
     (RESULTS / "pipeline.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -197,6 +197,10 @@ def test_hand_written_plan_is_priced_by_the_same_model_and_runs():
     replicated = autoshard.plan(train_step, *shapes(), cluster=cluster,
                                 method=megatron_method(P()))
     assert all(s == P() for s in replicated.in_specs)
+    # An input the option leaves unset is priced replicated, as the manual plan runs it.
+    partial = autoshard.plan(train_step, *shapes(), cluster=cluster, method=megatron_method(
+        ({"w1": P(None, "model"), "w2": None}, P("data", None))))
+    assert partial.in_specs[:2] == (P(None, "model"), P())
     assert replicated.objective.total_s > 1.2 * priced.objective.total_s
     # The priced plan is a plan: it runs on 8 devices and matches jax.jit.
     priced = dataclasses.replace(priced, fingerprint=dataclasses.replace(

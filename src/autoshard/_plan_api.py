@@ -24,6 +24,8 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
+from jax.sharding import PartitionSpec as P
+
 from ._api import _DEFAULT_BATCH, _argnums
 from ._auto import plan_program
 from ._jaxpr import flatten_args
@@ -50,8 +52,9 @@ def plan(fun: Callable, *args, method: ParallelMethod | None = None,
     plan fits the program ``parallelize`` traces with the same arguments.
 
     With a ``manual_sharding_option`` the method's plan is priced instead of searched: its
-    inputs keep their specs on the mesh ``auto_sharding_option.logical_mesh_shape`` (1-D for
-    one axis name), everything else is placed by the planner around them.
+    inputs keep their specs (unset ones replicated, as when the manual plan runs) on the mesh
+    ``auto_sharding_option.logical_mesh_shape`` (1-D for one axis name); every other value is
+    placed by the planner around them (``with_sharding_constraint`` in the step pins more).
     """
     if not callable(fun):
         raise TypeError(f"autoshard.plan expects a function, got {fun!r}.")
@@ -113,7 +116,7 @@ def _price_manual(method, program: Program, cluster: Cluster) -> ShardingPlan:
             f"autoshard.plan: manual_sharding_option names the mesh axes {names} but "
             f"auto_sharding_option.logical_mesh_shape is {shape}; give one size per axis with "
             f"a product of {cluster.num_devices} (the cluster's devices), e.g. "
-            f"AutoShardingOption(logical_mesh_shape=({cluster.num_devices // cluster.devices_per_host}, "
+            f"AutoShardingOption(logical_mesh_shape=({cluster.num_hosts}, "
             f"{cluster.devices_per_host})).")
     if manual.out_axis_resources is not None:
         raise ValueError(
@@ -123,18 +126,15 @@ def _price_manual(method, program: Program, cluster: Cluster) -> ShardingPlan:
     sizes = dict(zip(names, shape, strict=True))
     specs = _leaf_specs(manual.in_axis_resources, program.args_shape, "in_axis_resources",
                         len(program.in_avals))
-    specs = [None if s is _UNSET else s for s in specs]
+    specs = [P() if s is _UNSET else s for s in specs]  # unset: replicated, as when it runs
     for spec, aval, path in zip(specs, program.in_avals, program.in_paths, strict=True):
-        if spec is not None:
-            validate_spec(spec, aval.shape, sizes, where=f"in_axis_resources for {path}")
+        validate_spec(spec, aval.shape, sizes, where=f"in_axis_resources for {path}")
     option = dataclasses.replace(option, logical_mesh_shape=tuple(shape))
     auto = dataclasses.replace(method, manual_sharding_option=None, auto_sharding_option=option)
     plan = plan_program(auto, program, cluster, axis_names=names, fixed_in_specs=specs)
-    fixed = sum(s is not None for s in specs)
     return dataclasses.replace(plan, method="ShardParallel(manual, priced)", notes=(
-        f"hand-written plan priced: {fixed} of {len(specs)} inputs keep the "
-        "manual_sharding_option's specs; every other value is placed by the planner",
-        *plan.notes))
+        "hand-written plan priced: the inputs keep the manual_sharding_option's specs "
+        "(unset ones replicated); every other value is placed by the planner", *plan.notes))
 
 
 __all__ = ["plan"]

@@ -237,3 +237,21 @@ def test_ilp_cutoff_skips_meshes_that_cannot_win_without_changing_the_plan(monke
     for shape, why in skipped.items():  # each was indeed no better once solved in full
         assert solved[shape] >= full.objective.total_s * (1 - 1e-9), why
         assert "LP relaxation bound" in why
+
+
+def test_memory_rows_are_added_where_the_plan_goes_over_the_budget(monkeypatch):
+    from autoshard.sharding import memory, solver
+
+    def first_point_only(prob, col0, K, total, num_points=48, points=None):
+        # Sample only the first program point, so the budget rows miss the peak.
+        return memory.memory_rows(prob, col0, K, total,
+                                  points=np.array([0]) if points is None else points)
+    monkeypatch.setattr(solver, "memory_rows", first_point_only)
+    args, budget = _mlp_args(batch=64, hidden=256), 700_000
+    monkeypatch.setattr(solver, "MEMORY_ROUNDS", 0)
+    blind = _plan(args, logical_mesh_shape=(8,), memory_budget_per_device=budget)
+    assert blind.objective.peak_bytes_per_device > budget
+    monkeypatch.setattr(solver, "MEMORY_ROUNDS", 4)
+    plan = _plan(args, logical_mesh_shape=(8,), memory_budget_per_device=budget)
+    assert plan.objective.peak_bytes_per_device <= budget
+    assert plan.objective.total_s > blind.objective.total_s  # fitting costs something here

@@ -55,10 +55,11 @@ def _transients(prob: Problem) -> list[tuple[int, int, list[int]]]:
     return found
 
 
-def memory_rows(prob: Problem, col0, K, total, num_points: int = 48):
+def memory_rows(prob: Problem, col0, K, total, num_points: int = 48, points=None):
     """One row per sampled program point: bytes per device of everything live there.
 
-    Points: the half with the largest replicated live set, plus evenly spaced ones.
+    Points: the half with the largest replicated live set, plus evenly spaced ones; or the
+    given ``points`` (node indices, ascending), e.g. where a solved plan went over budget.
     """
     spans = liveness(prob)
     n = len(prob.graph.nodes) + 1
@@ -72,10 +73,12 @@ def memory_rows(prob: Problem, col0, K, total, num_points: int = 48):
     for node_id, _, sizes in transients:
         repl[node_id] += max(sizes)
         repl[node_id + 1] -= max(sizes)
-    live = np.cumsum(repl)[:n]
-    top = np.argsort(-live, kind="stable")[: num_points // 2]
-    even = np.linspace(0, n - 1, num_points // 2).astype(int)
-    points = np.array(sorted(set(top.tolist()) | set(even.tolist())))
+    if points is None:
+        live = np.cumsum(repl)[:n]
+        top = np.argsort(-live, kind="stable")[: num_points // 2]
+        even = np.linspace(0, n - 1, num_points // 2).astype(int)
+        points = np.array(sorted(set(top.tolist()) | set(even.tolist())))
+    points = np.asarray(points)
     rows, cols, vals = [], [], []
     for vid, a, b in spans:
         inside = np.arange(np.searchsorted(points, a), np.searchsorted(points, b, side="right"))
@@ -98,6 +101,12 @@ def memory_rows(prob: Problem, col0, K, total, num_points: int = 48):
 
 def peak_bytes(prob: Problem, choice: dict[int, int]) -> int:
     """Largest estimated live set per device under ``choice`` (variable -> strategy index)."""
+    live = live_bytes(prob, choice)
+    return int(live.max()) if len(live) else 0
+
+
+def live_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
+    """Estimated live bytes per device at every program point under ``choice``."""
     spans = liveness(prob)
     n = len(prob.graph.nodes) + 1
     delta = np.zeros(n + 1)
@@ -110,4 +119,4 @@ def peak_bytes(prob: Problem, choice: dict[int, int]) -> int:
         size = sizes[choice[r]] if len(sizes) > choice[r] else max(sizes)
         delta[node_id] += size
         delta[node_id + 1] -= size
-    return int(np.cumsum(delta)[:n].max()) if n else 0
+    return np.cumsum(delta)[:n]

@@ -19,7 +19,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import LinearConstraint, milp
 
-from .memory import memory_rows
+from .memory import live_bytes, memory_rows
 from .problem import Problem
 from .spec import axis_place
 from .strategy import itemsize
@@ -28,6 +28,10 @@ OBJECTIVE_SCALE = 1e6
 CUTOFF_MIN_COLUMNS = 2_000
 """ILPs with fewer columns are solved outright even under a cutoff: the LP bound would cost
 about as much as the solve, and the solved cost is what ``explain()`` lists per mesh."""
+MEMORY_ROUNDS = 4
+"""Times the ILP is solved again with rows at the points where its plan went over budget."""
+MEMORY_POINTS_PER_ROUND = 8
+"""Rows added per round: the points furthest over the budget."""
 MOVED = ("elsewhere",)
 """A place different from any other: prices moving a split (all-to-all)."""
 
@@ -251,6 +255,22 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
     t_solve = time.perf_counter()
     res = milp(c * OBJECTIVE_SCALE, integrality=integrality, bounds=bounds,
                constraints=constraints, options=options)
+    for _ in range(MEMORY_ROUNDS if memory_budget is not None else 0):
+        # The budget rows sample the program; where the plan found goes over at a point
+        # they skipped, that point gets its row and the ILP is solved again.
+        if res.x is None:
+            break
+        live = live_bytes(prob, {r: int(np.argmax(res.x[col0[r]:col0[r] + K[r]]))
+                                 for r in roots})
+        over = np.flatnonzero(live > memory_budget)
+        if not len(over):
+            break
+        worst = np.sort(over[np.argsort(-live[over], kind="stable")[:MEMORY_POINTS_PER_ROUND]])
+        constraints.append(LinearConstraint(memory_rows(prob, col0, K, total, points=worst),
+                                            -np.inf, float(memory_budget)))
+        info["memory_rounds"] = info.get("memory_rounds", 0) + 1
+        res = milp(c * OBJECTIVE_SCALE, integrality=integrality, bounds=bounds,
+                   constraints=constraints, options=options)
     hit_clock = time.perf_counter() - t_solve >= 0.95 * time_limit_s
     if res.x is None:
         if res.status == 2:

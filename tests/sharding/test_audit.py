@@ -103,8 +103,10 @@ def test_benchmark_models_compile_to_their_predicted_collectives(model, mesh):
     a = f.get_executable(case.init_state(), (case.inputs, case.labels)).audit()
     assert a.unpredicted == (), a.explain()
     assert a.bytes_ratio() <= 1.10, a.explain()
-    if model != "wresnet":  # XLA's CPU convolutions keep ~30% more temporaries: see the notes
-        assert a.memory_ratio() <= 1.10, a.explain()
+    # Wide-ResNet at this size: 1.11-1.13 (1.04 at the suite's default size). XLA hoists a few
+    # activation-sized broadcasts into the forward pass and holds them through the backward;
+    # the program-order liveness model does not. Left as a known gap, bounded here.
+    assert a.memory_ratio() <= (1.15 if model == "wresnet" else 1.10), a.explain()
 
 
 class _BertLayer:
@@ -179,3 +181,26 @@ def test_convolution_workspace_is_in_the_memory_estimate():
     f = autoshard.parallelize(step, method=autoshard.ShardParallel(auto_sharding_option=opt))
     a = f.get_executable(jnp.ones((3, 3, 16, 16)) / 10, jnp.ones((64, 16, 16, 16))).audit()
     assert a.memory_ratio() <= 1.10, a.explain()
+
+
+def test_weight_gradient_convolutions_hold_their_image_copies_from_the_forward_pass():
+    # XLA's CPU backend transposes each forward image for its weight-gradient convolution as
+    # soon as the image exists and holds the copy through the backward pass: the estimate
+    # was 1.34x under the compiled allocation before the model counted that span.
+    import jax
+    import jax.numpy as jnp
+
+    def step(ws, x):
+        def loss(ws):
+            h = x
+            for w in ws:
+                h = jax.nn.relu(jax.lax.conv_general_dilated(
+                    h, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")))
+            return jnp.mean(h ** 2)
+        return [w - 0.1 * g for w, g in zip(ws, autoshard.grad(loss)(ws), strict=True)]
+
+    opt = autoshard.AutoShardingOption(show_progress=False, logical_mesh_shape=(8,))
+    f = autoshard.parallelize(step, method=autoshard.ShardParallel(auto_sharding_option=opt))
+    ws = [jnp.ones((3, 3, 16, 16)) / 10 for _ in range(3)]
+    a = f.get_executable(ws, jnp.ones((64, 16, 16, 16))).audit()
+    assert 0.85 <= a.memory_ratio() <= 1.10, a.explain()

@@ -37,21 +37,55 @@ def liveness(prob: Problem) -> list[tuple[int, int, int]]:
 
 
 WORKSPACE_KINDS = {"conv_general_dilated"}
-"""Ops whose backends copy an operand into their own layout while they run (XLA's CPU
-convolution copies its image: measured on a one-conv step, the estimate then comes within 6% of
-XLA's allocation): that copy is live at the op."""
+"""Ops whose backends copy operands into their own layout (see ``_copied_operands``)."""
 
 
-def _transients(prob: Problem) -> list[tuple[int, int, list[int]]]:
-    """(node id, variable, bytes per strategy) of the workspace each such op holds."""
+def _copied_operands(node) -> list[int]:
+    """Operand positions of a convolution that XLA copies into another layout first.
+
+    XLA's CPU convolution wants the image batch-major and feature-minor (NHWC) and the kernel
+    output-feature-minor (HWIO). The convolutions JAX's autodiff makes are not in that form:
+    the weight gradient reads the forward image with its features as the batch (and the
+    output gradient as the kernel), the input gradient reads the kernel with its features
+    swapped. Each such operand gets a transposed copy.
+    """
+    dn = node.params.get("dimension_numbers")
+    if dn is None:
+        return [0]
+    rank = len(dn.lhs_spec)
+    natural_lhs = (0, rank - 1) + tuple(range(1, rank - 1))
+    natural_rhs = (rank - 1, rank - 2) + tuple(range(rank - 2))
+    out = []
+    if tuple(dn.lhs_spec) != natural_lhs:
+        out.append(0)
+    if tuple(dn.rhs_spec) != natural_rhs:
+        out.append(1)
+    return out
+
+
+def _transients(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
+    """(first node, last node, variable, bytes per strategy) of every layout copy.
+
+    XLA computes a copy as soon as its operand exists (it depends on nothing else), so the
+    copy lives from the operand's producer to the convolution: read from XLA's buffer
+    assignment, the transposed forward images of the weight-gradient convolutions are made in
+    the forward pass and held through the backward, next to the images themselves.
+    """
     g, found = prob.graph, []
+    mesh = prob.ctx.mesh_shape
     for node in g.nodes:
-        if node.kind not in WORKSPACE_KINDS or node.operands[0] is None:
+        if node.kind not in WORKSPACE_KINDS:
             continue
-        v = g.values[node.operands[0]]
-        size = itemsize(v.dtype) * int(np.prod(v.shape, dtype=np.int64))
-        found.append((node.id, prob.var(node.id), [
-            size // shards(s.in_specs[0], prob.ctx.mesh_shape) for s in prob.strategies[node.id]]))
+        for p in _copied_operands(node):
+            u = node.operands[p] if p < len(node.operands) else None
+            if u is None:
+                continue
+            v = g.values[u]
+            size = itemsize(v.dtype) * int(np.prod(v.shape, dtype=np.int64))
+            first = v.producer if g.nodes[v.producer].kind != "input" else node.id
+            found.append((first, node.id, prob.var(node.id),
+                          [size // shards(st.in_specs[p], mesh)
+                           for st in prob.strategies[node.id]]))
     return found
 
 
@@ -70,9 +104,9 @@ def memory_rows(prob: Problem, col0, K, total, num_points: int = 48, points=None
         repl[a] += size
         repl[b + 1] -= size
     transients = _transients(prob)
-    for node_id, _, sizes in transients:
-        repl[node_id] += max(sizes)
-        repl[node_id + 1] -= max(sizes)
+    for a, b, _, sizes in transients:
+        repl[a] += max(sizes)
+        repl[b + 1] -= max(sizes)
     if points is None:
         live = np.cumsum(repl)[:n]
         top = np.argsort(-live, kind="stable")[: num_points // 2]
@@ -90,10 +124,12 @@ def memory_rows(prob: Problem, col0, K, total, num_points: int = 48, points=None
             rows.extend([row] * K[r])
             cols.extend(range(col0[r], col0[r] + K[r]))
             vals.extend(sizes)
-    for node_id, r, sizes in transients:
-        at = np.searchsorted(points, node_id)
-        if at < len(points) and points[at] == node_id and len(sizes) == K[r]:
-            rows.extend([int(at)] * K[r])
+    for a, b, r, sizes in transients:
+        if len(sizes) != K[r]:
+            continue
+        inside = np.arange(np.searchsorted(points, a), np.searchsorted(points, b, side="right"))
+        for row in inside.tolist():
+            rows.extend([row] * K[r])
             cols.extend(range(col0[r], col0[r] + K[r]))
             vals.extend(float(s) for s in sizes)
     return sp.csr_array((vals, (rows, cols)), shape=(len(points), total))
@@ -115,8 +151,8 @@ def live_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
         size = value_bytes(prob, vid, k)
         delta[a] += size
         delta[b + 1] -= size
-    for node_id, r, sizes in _transients(prob):
+    for a, b, r, sizes in _transients(prob):
         size = sizes[choice[r]] if len(sizes) > choice[r] else max(sizes)
-        delta[node_id] += size
-        delta[node_id + 1] -= size
+        delta[a] += size
+        delta[b + 1] -= size
     return np.cumsum(delta)[:n]

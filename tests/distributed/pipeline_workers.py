@@ -7,6 +7,8 @@ after clipping by the global gradient norm (a reduction over both stages).
 
 from __future__ import annotations
 
+import contextlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -60,6 +62,13 @@ STAGES = {
     "2+1": ([[0], [1]], [(1, 2), (1, 1)], [(2,), (1,)], [{}, {}]),
     # the same devices, stage 0 laid out as a 1x2 mesh (a different plan from "2+1")
     "1x2+1": ([[0], [1]], [(1, 2), (1, 1)], [(1, 2), (1,)], [{}, {}]),
+    # the same stages as "2+1", stage 0 planned with other options
+    "2+1 rows on x": (
+        [[0], [1]],
+        [(1, 2), (1, 1)],
+        [(2,), (1,)],
+        [{"force_batch_dim_to_mesh_dim": 0}, {}],
+    ),
 }
 
 
@@ -88,11 +97,16 @@ def train_pipeline(stages=("uniform",), steps: int = STEPS, devices=None):
     """
     if isinstance(stages, dict):
         stages = stages[jax.process_index()]
-    out = {"process": jax.process_index()}
+    out = {
+        "process": jax.process_index(),
+        "transfer_address": jax.config.read("jax_cross_host_transfer_socket_address"),
+    }
     for layout in stages:
         state, tokens = make_state_and_tokens()
         used = list(devices or jax.devices())[: 4 if STAGES[layout] is None else 3]
         step = autoshard.parallelize(train_step, method=pipeline_method(used, layout))
+        with _counting_planner_calls() as planned:
+            step.get_executable(state, tokens)
         losses = []
         for _ in range(steps):
             state, loss = step(state, tokens)
@@ -107,8 +121,28 @@ def train_pipeline(stages=("uniform",), steps: int = STEPS, devices=None):
             },
             "stage_devices": [sorted(d.id for d in m.devices.flat) for m in ex.rank_meshes],
             "moves": dict(ex.move.counts),
+            "planner_calls": len(planned),
+            "tasks": len(ex.get_hlo_text()) if jax.process_count() == 1 else None,
         }
     return out
+
+
+@contextlib.contextmanager
+def _counting_planner_calls():
+    """The planner's calls for the pipeline's tasks while the block runs (one entry each)."""
+    from autoshard.pipeline import compile as pipeline_compile
+
+    calls, plan_auto = [], pipeline_compile.plan_auto
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return plan_auto(*args, **kwargs)
+
+    pipeline_compile.plan_auto = counted
+    try:
+        yield calls
+    finally:
+        pipeline_compile.plan_auto = plan_auto
 
 
 def train_jit(steps: int = STEPS):

@@ -97,3 +97,25 @@ def test_init_errors(env, monkeypatch):
                        process_id=0)
     assert _api._state["cluster"] is None
     assert not jax.distributed.is_initialized()
+
+
+@pytest.fixture
+def transfer_flag():
+    flag = _runtime._TRANSFER_FLAG
+    before = jax.config.read(flag)
+    jax.config.update(flag, "")
+    yield flag
+    jax.config.update(flag, before)
+    _runtime._state.pop("transfer_address_set", None)
+
+
+def test_joining_gives_the_process_a_transfer_address_unless_one_is_set(transfer_flag):
+    _runtime._set_transfer_address("localhost:5000")
+    host, _, port = jax.config.read(transfer_flag).rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0  # loopback job: loopback transfers
+    assert _runtime._state["transfer_address_set"]
+    jax.config.update(transfer_flag, "10.0.0.7:7000")  # the user's choice is kept
+    _runtime._state.pop("transfer_address_set")
+    _runtime._set_transfer_address("localhost:5000")
+    assert jax.config.read(transfer_flag) == "10.0.0.7:7000"
+    assert "transfer_address_set" not in _runtime._state

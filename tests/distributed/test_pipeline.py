@@ -31,6 +31,8 @@ def test_two_stage_pipeline_across_two_processes_equals_one_process_run():
     jitted = pw.train_jit()
     assert jitted["grad_norm"] > 0.5  # clipping by the global norm (over both stages) acts
     assert [r["process"] for r in results] == [0, 1]
+    addresses = [r["transfer_address"] for r in results]  # set by autoshard.init, one each
+    assert all(a.startswith("127.0.0.1:") for a in addresses) and len(set(addresses)) == 2
     for layout in layouts:
         runs = [r[layout] for r in results]
         # stage 0 on process 0's devices, stage 1 on process 1's
@@ -38,6 +40,8 @@ def test_two_stage_pipeline_across_two_processes_equals_one_process_run():
         assert sizes == ([2, 2] if layout == "uniform" else [2, 1])
         assert {d // 2048 for d in runs[0]["stage_devices"][0]} == {0}
         assert {d // 2048 for d in runs[0]["stage_devices"][1]} == {1}
+        # every task planned once, on process 0; process 1 received the plans
+        assert runs[0]["planner_calls"] > 0 and runs[1]["planner_calls"] == 0
         for run in runs:  # the loss is on every device: both processes read all of it
             np.testing.assert_allclose(run["losses"], jitted["losses"], rtol=1e-5)
             assert run["moves"]["copy"] > 0
@@ -57,10 +61,17 @@ def test_two_stage_pipeline_across_two_processes_equals_one_process_run():
                 np.testing.assert_allclose(run["losses"], reference["losses"], rtol=1e-6)
 
 
-def test_processes_that_cut_different_pipelines_get_an_error_naming_both():
-    with pytest.raises(
-        PlanMismatchError,
-        match=r"process 1 cut the pipeline differently from process 0 for the same program: "
-        r"submesh_shapes \(\(1, 2\), \(1,\)\) here, \(\(2,\), \(1,\)\) on process 0",
-    ):
-        launch({0: ("2+1",), 1: ("1x2+1",)}, 1)
+@pytest.mark.parametrize(
+    "other, match",
+    [
+        (
+            "1x2+1",
+            r"process 1 cut the pipeline differently from process 0 for the same program: "
+            r"submesh_shapes \(\(1, 2\), \(1,\)\) here, \(\(2,\), \(1,\)\) on process 0",
+        ),
+        ("2+1 rows on x", r"F0: process [01] and process [01] would plan different things for it"),
+    ],
+)
+def test_processes_that_plan_different_pipelines_get_an_error_naming_both(other, match):
+    with pytest.raises(PlanMismatchError, match=match):
+        launch({0: ("2+1",), 1: (other,)}, 1)

@@ -86,6 +86,61 @@ def agree_on_plan(name: str, program, plan: Any | Callable[[], Any]) -> Any:
     return chosen
 
 
+def shared(name: str, text: str, compute: Callable[[], Any]) -> Any:
+    """``compute()`` run once, on process 0, its result (or exception) received by every process.
+
+    ``text`` describes what is computed (a jaxpr's text, the options): a process whose ``text``
+    differs from process 0's raises ``PlanMismatchError`` naming both. An exception raised by ``compute`` on
+    process 0 is raised on every process. Every process must call this for the same things in
+    the same order. With one process, returns ``compute()``.
+    """
+    client = _compat.distributed_client()
+    if client is None or jax.process_count() == 1:
+        return compute()
+    rank, n = jax.process_index(), jax.process_count()
+    seq = _counter["next"]
+    _counter["next"] += 1
+    key = f"autoshard/plan/{seq}"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    client.key_value_set(f"{key}/program/{rank}", digest)
+    if rank == 0:
+        try:
+            outcome = ("ok", compute())
+        except Exception as e:
+            outcome = ("error", e)
+        try:
+            data = pickle.dumps(outcome)
+        except Exception:  # an unpicklable exception still reaches the others
+            outcome = ("error", RuntimeError(f"{type(outcome[1]).__name__}: {outcome[1]}"))
+            data = pickle.dumps(outcome)
+        client.key_value_set_bytes(f"{key}/plan", data)
+        for other in range(1, n):
+            if client.blocking_key_value_get(f"{key}/program/{other}", _TIMEOUT_MS) != digest:
+                raise _text_mismatch(name, 0, other)
+    else:
+        if client.blocking_key_value_get(f"{key}/program/0", _TIMEOUT_MS) != digest:
+            raise _text_mismatch(name, rank, 0)
+        outcome = pickle.loads(client.blocking_key_value_get_bytes(f"{key}/plan", _TIMEOUT_MS))
+    if outcome[0] == "error":
+        raise outcome[1]
+    return outcome[1]
+
+
+def jaxpr_text(closed) -> str:
+    """A closed jaxpr's text without object addresses (equal in every process that traced it)."""
+    return "\n".join([_ADDRESS.sub("", str(closed.jaxpr)),
+                      repr([_aval(a) for a in closed.in_avals])])
+
+
+def _text_mismatch(name, rank, other) -> PlanMismatchError:
+    return PlanMismatchError(
+        f"{name}: process {rank} and process {other} would plan different things for it (what "
+        "they traced, or the devices and options they plan it for, differ), so they would run "
+        "different collectives and hang. Every process must call the parallelized function with "
+        "arguments of the same shapes, dtypes and static values, the same code and the same "
+        "method options.")
+
+
 def _what_runs(plan):
     """The parts of a plan that decide the compiled program (not its costs or solver notes)."""
     fields = ("mesh_shape", "axis_names", "in_specs", "out_specs", "intermediates",

@@ -19,13 +19,16 @@ What else differs from one process:
 * Outputs that do not replace a step input (the loss, metrics) are replicated over every device
   of the pipeline, so each process can read them (``readable_outputs``); the new train state
   stays on the stages that hold it for the next step.
-* Every process checks that it traced the same step, cut it into the same stages and planned
-  every task alike as process 0 (``agree``), before the first step runs.
+* Every process checks that it traced the same step and cut it into the same stages as
+  process 0 (``agree_on_stages``) before planning; each task is planned once, on process 0,
+  and its plan shared (``planned_once``); every process checks that it laid out every task as
+  process 0 did (``agree``) before the first step runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import jax
 import numpy as np
@@ -175,42 +178,83 @@ def readable_outputs(executable, out: list) -> list:
     return result
 
 
+def planned_once(name: str, closed, mesh, option, plan):
+    """``plan()`` (the plan of task ``name``) run on process 0 only, as a function that returns
+    its result or raises its exception (on every process alike).
+
+    The other processes receive the outcome through the distributed runtime's key-value store,
+    after checking that they would plan the same thing (the task's jaxpr, its sub-mesh's shape,
+    the planner options); a difference raises ``PlanMismatchError`` here, not from the function.
+    With one process, ``plan()`` runs here.
+    """
+
+    def attempt():
+        try:
+            return "ok", plan()
+        except Exception as e:
+            if multi_process():
+                try:
+                    pickle.dumps(e)
+                except Exception:  # it must reach the other processes
+                    e = RuntimeError(f"{type(e).__name__}: {e}")
+            return "error", e
+
+    if multi_process():
+        what = "\n".join(
+            [
+                plan_sync.jaxpr_text(closed),
+                repr(tuple(mesh.devices.shape)),
+                repr(tuple(mesh.axis_names)),
+                repr(option),
+            ]
+        )
+        kind, value = plan_sync.shared(name, what, attempt)
+    else:
+        kind, value = attempt()
+
+    def result():
+        if kind == "error":
+            raise value
+        return value
+
+    return result
+
+
+def agree_on_stages(name: str, program, plan) -> None:
+    """Check that this process traced the same step as process 0 and cut it into the same
+    stages; raises ``PlanMismatchError`` naming both processes otherwise."""
+    if not multi_process():
+        return
+    mine = _stages(plan)
+    first = plan_sync.agree_on_plan(name, program, lambda: mine)
+    if first != mine:
+        field = next(f for f in mine if mine[f] != first[f])
+        raise plan_sync.PlanMismatchError(
+            f"{name}: process {jax.process_index()} cut the pipeline differently from process 0 "
+            f"for the same program: {field} {mine[field]} here, {first[field]} on process 0. "
+            "Stage choices that measure time (AutoStageOption(profile=True)) can differ between "
+            "processes; pass the stages process 0 chose as a ManualStageOption."
+        )
+
+
 def agree(executable) -> None:
-    """Check that this process built the same pipeline as process 0: the same traced step, cut
-    into the same stages, every task with the same input and output layouts. Raises
-    ``PlanMismatchError`` naming both processes otherwise (they would wait on each other's
-    transfers for ever). Planning is deterministic for the same program, devices and options;
-    this catches processes that differ in those (or stages chosen by measured times)."""
+    """Check that this process laid out every task of ``executable`` as process 0 did (the
+    input and output layouts, which decide every transfer); raises ``PlanMismatchError`` naming
+    both processes otherwise: they would wait on each other's transfers for ever."""
     if not multi_process():
         return
     mine = {
-        "stages": _stages(executable.plan),
-        "tasks": {
-            t.task.name: (
-                [str(s.spec) for s in t.in_shardings],
-                [str(s.spec) for s in t.out_shardings],
-            )
-            for t in executable._ordered_tasks()
-        },
+        t.task.name: ([str(s.spec) for s in t.in_shardings], [str(s.spec) for s in t.out_shardings])
+        for t in executable._ordered_tasks()
     }
-    name = executable.name
-    first = plan_sync.agree_on_plan(name, executable.program, lambda: mine)
+    first = plan_sync.agree_on_plan(executable.name, executable.program, lambda: mine)
     if first == mine:
         return
-    here = f"process {jax.process_index()}"
-    if first["stages"] != mine["stages"]:
-        field = next(f for f in mine["stages"] if mine["stages"][f] != first["stages"][f])
-        raise plan_sync.PlanMismatchError(
-            f"{name}: {here} cut the pipeline differently from process 0 for the same program: "
-            f"{field} {mine['stages'][field]} here, {first['stages'][field]} on process 0. Stage "
-            "choices that measure time (AutoStageOption(profile=True)) can differ between "
-            "processes; pass the stages process 0 chose as a ManualStageOption."
-        )
-    task = next(t for t in mine["tasks"] if mine["tasks"][t] != first["tasks"].get(t))
+    task = next(t for t in mine if mine[t] != first.get(t))
     raise plan_sync.PlanMismatchError(
-        f"{name}: {here} planned task {task} differently from process 0 for the same program: "
-        f"input/output specs {mine['tasks'][task]} here, {first['tasks'].get(task)} on process "
-        "0. Give every process the same devices, method options and AUTOSHARD_* settings."
+        f"{executable.name}: process {jax.process_index()} laid out task {task} differently "
+        f"from process 0: input/output specs {mine[task]} here, {first.get(task)} on process 0. "
+        "Give every process the same devices, method options and AUTOSHARD_* settings."
     )
 
 
@@ -229,10 +273,12 @@ def _stages(plan) -> dict:
 __all__ = [
     "RemoteTask",
     "agree",
+    "agree_on_stages",
     "compile_task",
     "copy_replicated",
     "crosses",
     "multi_process",
+    "planned_once",
     "readable_outputs",
     "settle",
 ]

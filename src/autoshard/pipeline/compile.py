@@ -141,9 +141,11 @@ class CompiledTask:
             batch = [v in rows for v in self.invars] + [False] * (n_args - n)
             fixed = None if input_specs is None else [
                 None if s is None else _spec(s) for s in input_specs] + [None] * (n_args - n)
+            planned = _cross_process.planned_once(  # several processes: on process 0 only
+                task.name, closed, mesh, option, lambda: (self._plan(
+                    closed, mesh, option, batch, list(aliases) + acc_aliases, fixed), self.note))
             try:
-                self.plan = self._plan(closed, mesh, option, batch, list(aliases) + acc_aliases,
-                                       fixed)
+                self.plan, self.note = planned()
                 run = apply_plan(closed, self.plan, mesh)
                 in_specs, out_specs = list(self.plan.in_specs), list(self.plan.out_specs)
             except Exception as err:  # the planner's failure must not stop the pipeline

@@ -44,6 +44,7 @@ class PipelineExecutable:
                  stage_input_shardings=None):
         t0 = time.perf_counter()
         self.part, self.program, self.name = part, program, name
+        _cross_process.agree_on_stages(name, program, plan)  # several processes: as process 0
         self.static_argnums, self.blocking = static_argnums, blocking
         self._flat, self._out_tree = flat.abstract(), out_tree
         statics = not all(flat.is_dynamic)

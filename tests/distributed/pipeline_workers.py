@@ -122,7 +122,6 @@ def train_pipeline(stages=("uniform",), steps: int = STEPS, devices=None):
             "stage_devices": [sorted(d.id for d in m.devices.flat) for m in ex.rank_meshes],
             "moves": dict(ex.move.counts),
             "planner_calls": len(planned),
-            "tasks": len(ex.get_hlo_text()) if jax.process_count() == 1 else None,
         }
     return out
 

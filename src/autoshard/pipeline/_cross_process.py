@@ -28,6 +28,7 @@ What else differs from one process:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 
 import jax
@@ -49,14 +50,14 @@ def placeholder(shape, dtype, sharding):
 
 
 def copy_replicated(x, mesh):
-    """``x``, replicated over its sub-mesh, replicated over ``mesh`` (another device count).
+    """``x`` (replicated over its ``NamedSharding``'s mesh) replicated over ``mesh``.
 
     Destination device i gets a copy from a source device of its own process when there is one,
     else from source device ``i mod n``. The copies go in one batched ``jax.device_put``: the
     ones within this process, and every one between two processes (both ends issue those).
     """
     me = jax.process_index()
-    src = list(x.sharding._device_assignment)
+    src = list(x.sharding.mesh.devices.flat)
     dst = list(mesh.devices.flat)
     local = {s.device: s.data for s in x.addressable_shards}
     pieces, targets, received = [], [], []
@@ -131,7 +132,8 @@ def compile_task(lowered, mesh):
     return lowered.compile()
 
 
-def job_mesh(meshes):
+@functools.lru_cache(maxsize=32)
+def job_mesh(meshes: tuple):
     """A 1-D mesh over every device of the pipeline's sub-meshes, in stage order."""
     devices = list(dict.fromkeys(d for m in meshes for d in m.devices.flat))
     return _compat.make_auto_mesh(np.array(devices, dtype=object), ("x",))
@@ -139,7 +141,7 @@ def job_mesh(meshes):
 
 def everywhere(x, meshes, move):
     """``x`` replicated over every device of ``meshes`` (each process can read it)."""
-    full = job_mesh(meshes)
+    full = job_mesh(tuple(meshes))
     rep = NamedSharding(full, P())
     if x.sharding.device_set == rep.device_set and x.sharding.is_fully_replicated:
         return x

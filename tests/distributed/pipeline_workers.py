@@ -144,6 +144,14 @@ def _counting_planner_calls():
         pipeline_compile.plan_auto = plan_auto
 
 
+def pipeline_without_transfer_address():
+    """Build the pipeline after clearing the transfer address ``autoshard.init`` set."""
+    jax.config.update("jax_cross_host_transfer_socket_address", "")
+    state, tokens = make_state_and_tokens()
+    step = autoshard.parallelize(train_step, method=pipeline_method())
+    step.get_executable(state, tokens)
+
+
 def train_jit(steps: int = STEPS):
     """The same steps through a single-device ``jax.jit``, and the first gradient's global
     norm (above the clipping threshold, so clipping is exercised)."""

@@ -101,7 +101,7 @@ def test_init_errors(env, monkeypatch):
 
 @pytest.fixture
 def transfer_flag():
-    flag = _runtime._TRANSFER_FLAG
+    flag = _runtime.TRANSFER_FLAG
     before = jax.config.read(flag)
     jax.config.update(flag, "")
     yield flag

@@ -75,3 +75,17 @@ def test_two_stage_pipeline_across_two_processes_equals_one_process_run():
 def test_processes_that_plan_different_pipelines_get_an_error_naming_both(other, match):
     with pytest.raises(PlanMismatchError, match=match):
         launch({0: ("2+1",), 1: (other,)}, 1)
+
+
+def test_stages_on_several_processes_need_a_transfer_address():
+    with pytest.raises(
+        RuntimeError,
+        match=r"jax_cross_host_transfer_socket_address is not set "
+        r"in process [01].*autoshard.init\(cluster='distributed'\)",
+    ):
+        autoshard.launch(
+            pw.pipeline_without_transfer_address,
+            num_processes=2,
+            devices_per_process=2,
+            timeout_s=TIMEOUT_S,
+        )

@@ -132,7 +132,7 @@ def shutdown() -> None:
             _wait_until_closed(settings["coordinator_address"])
     _state["joined"] = False
     if _state.pop("transfer_address_set", False):  # a new job gets a new port
-        jax.config.update(_TRANSFER_FLAG, "")
+        jax.config.update(TRANSFER_FLAG, "")
     if _state["ray_started"]:
         from . import _ray
 
@@ -140,7 +140,8 @@ def shutdown() -> None:
         _state["ray_started"] = False
 
 
-_TRANSFER_FLAG = "jax_cross_host_transfer_socket_address"
+TRANSFER_FLAG = "jax_cross_host_transfer_socket_address"
+"""JAX's setting that gives a process a transfer server for arrays sent between processes."""
 
 
 def _set_transfer_address(coordinator: str) -> None:
@@ -152,12 +153,12 @@ def _set_transfer_address(coordinator: str) -> None:
     address is this host's, as seen from the coordinator's network, with a free port.
     """
     try:
-        if jax.config.read(_TRANSFER_FLAG):
+        if jax.config.read(TRANSFER_FLAG):
             return  # the user's choice
     except AttributeError:  # a JAX without the flag
         return
     host = _local_address(coordinator.rpartition(":")[0].strip("[]"))
-    jax.config.update(_TRANSFER_FLAG, f"{host}:{free_port(host)}")
+    jax.config.update(TRANSFER_FLAG, f"{host}:{free_port(host)}")
     _state["transfer_address_set"] = True
 
 

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _compat
 from ..distributed import plan_sync
+from ..distributed._runtime import TRANSFER_FLAG
 
 
 def multi_process() -> bool:
@@ -227,6 +228,7 @@ def agree_on_stages(name: str, program, plan) -> None:
     stages; raises ``PlanMismatchError`` naming both processes otherwise."""
     if not multi_process():
         return
+    _check_transport(name, plan)
     mine = _stages(plan)
     first = plan_sync.agree_on_plan(name, program, lambda: mine)
     if first != mine:
@@ -236,6 +238,23 @@ def agree_on_stages(name: str, program, plan) -> None:
             f"for the same program: {field} {mine[field]} here, {first[field]} on process 0. "
             "Stage choices that measure time (AutoStageOption(profile=True)) can differ between "
             "processes; pass the stages process 0 chose as a ManualStageOption."
+        )
+
+
+def _check_transport(name: str, plan) -> None:
+    """On CPU, stages of several processes need the transfer address ``autoshard.init`` sets."""
+    by_id = {d.id: d for d in jax.devices()}
+    devices = [by_id[i] for ids in plan.stage_devices for i in ids]
+    if len({d.process_index for d in devices}) < 2 or devices[0].platform != "cpu":
+        return
+    if not jax.config.read(TRANSFER_FLAG):
+        raise RuntimeError(
+            f"{name}: the pipeline's stages are on devices of several processes, which exchange "
+            f"arrays through JAX's cross-host transfers, but {TRANSFER_FLAG} is not set in "
+            f"process {jax.process_index()}, so the CPU backend has no transfer server. Join the "
+            "job with autoshard.init(cluster='distributed') (it sets one per process), or set "
+            f"jax.config.update('{TRANSFER_FLAG}', 'this-host:free-port') before "
+            "jax.distributed.initialize."
         )
 
 

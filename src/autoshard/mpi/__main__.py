@@ -28,7 +28,8 @@ def diagnose() -> int:
              ("extension", f"{_install.LIBRARY} "
                            f"({'present' if _install.LIBRARY.exists() else 'missing'})"),
              ("extension build", _install.build_status()),
-             ("AUTOSHARD_MPI_DEBUG", os.environ.get("AUTOSHARD_MPI_DEBUG", "(unset)"))]
+             ("AUTOSHARD_MPI_DEBUG", os.environ.get("AUTOSHARD_MPI_DEBUG", "(unset)")),
+             ("AUTOSHARD_MPI_HUGE_PAGES", os.environ.get("AUTOSHARD_MPI_HUGE_PAGES", "(unset: on)"))]
     rank = 0
     try:
         import mpi4py  # noqa: PLC0415

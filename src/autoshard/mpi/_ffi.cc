@@ -99,13 +99,15 @@ class Call {
 
 // Measured here at 16 MiB: MPI_Bcast and MPI_Sendrecv between two ranks take 1.5-2x as long
 // on buffers of 4 KiB pages (XLA's) as on transparent huge pages (NumPy asks for them on
-// arrays of 4 MiB and more, so mpi4py gets them): the shared-memory transport copies and pins
-// the pages one by one. Each large buffer the handlers see is therefore advised
+// arrays of 4 MiB and more, so mpi4py gets them), and mpi4py on XLA's memory is as slow as
+// we were (likely the shared-memory transport's per-page work). Each large buffer the handlers see is therefore advised
 // (MADV_HUGEPAGE, so that pages touched from then on are huge), and when the same buffer
 // comes back (a loop's carry, a reused output) its pages already touched are collapsed
 // into huge pages once (MADV_COLLAPSE, Linux 6.1 and later: a copy of the buffer, a few
 // milliseconds at 16 MiB). Collapsing a buffer seen only once would cost more than it saves.
-// Advice only: failures are ignored, and the data is never changed.
+// Advice only: failures are ignored, and the data is never changed. A range freed and then
+// allocated again keeps its entry, so a new buffer there may stay on small pages until 32
+// other large buffers have pushed the entry out: a cost in speed only.
 constexpr size_t kHugePage = size_t{2} << 20;
 constexpr size_t kHugeMinBytes = size_t{4} << 20;  // NumPy's threshold for MADV_HUGEPAGE
 #if defined(__linux__) && !defined(MADV_COLLAPSE)

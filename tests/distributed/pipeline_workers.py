@@ -103,6 +103,8 @@ def train_pipeline(stages=("uniform",), steps: int = STEPS, devices=None):
     }
     for layout in stages:
         state, tokens = make_state_and_tokens()
+        if layout == "2+1":  # a state committed to a device of this process (each its own)
+            state = jax.device_put(state, jax.local_devices()[0])
         used = list(devices or jax.devices())[: 4 if STAGES[layout] is None else 3]
         step = autoshard.parallelize(train_step, method=pipeline_method(used, layout))
         with _counting_planner_calls() as planned:

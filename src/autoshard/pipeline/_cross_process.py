@@ -50,6 +50,24 @@ def placeholder(shape, dtype, sharding):
     return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
 
 
+def process_local(x, target):
+    """A first placement's input as ``jax.device_put`` takes it in every process.
+
+    An array committed to devices of this process only (``jax.device_put(x, device)``) is this
+    process's own copy of the value, like a numpy array: each process holds one on a different
+    device, so it is placed from the host (each process gives the shards on its devices).
+    """
+    if (
+        multi_process()
+        and isinstance(x, jax.Array)
+        and getattr(x, "committed", False)
+        and x.is_fully_addressable
+        and not target.is_fully_addressable
+    ):
+        return np.asarray(x)
+    return x
+
+
 def copy_replicated(x, mesh):
     """``x`` (replicated over its ``NamedSharding``'s mesh) replicated over ``mesh``.
 
@@ -300,6 +318,7 @@ __all__ = [
     "crosses",
     "multi_process",
     "planned_once",
+    "process_local",
     "readable_outputs",
     "settle",
 ]

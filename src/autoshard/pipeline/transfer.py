@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import _compat
-from ._cross_process import copy_replicated, crosses, settle
+from ._cross_process import copy_replicated, crosses, process_local, settle
 
 
 class Mover:
@@ -40,7 +40,7 @@ class Mover:
             return x
         if not isinstance(src, NamedSharding) or not getattr(x, "committed", True):
             self.counts["placed"] += 1
-            return jax.device_put(x, target)
+            return jax.device_put(process_local(x, target), target)
         if src.is_equivalent_to(target, x.ndim):
             return x
         if src.device_set == target.device_set:

@@ -233,6 +233,8 @@ def test_ilp_cutoff_skips_meshes_that_cannot_win_without_changing_the_plan(monke
     assert cut.objective.total_s == full.objective.total_s
     skipped = {s: why for s, why in cut.objective.meshes_pruned if why.startswith("ILP bound")}
     assert skipped, cut.objective.meshes_pruned
+    # Large ILPs are solved best-first (lowest LP bound): the winner is solved first here.
+    assert cut.objective.meshes_tried[0][0] == cut.mesh_shape
     solved = dict(full.objective.meshes_tried)
     for shape, why in skipped.items():  # each was indeed no better once solved in full
         assert solved[shape] >= full.objective.total_s * (1 - 1e-9), why

@@ -16,6 +16,7 @@ from jax.extend import core
 from jax.sharding import PartitionSpec
 from tqdm.auto import tqdm
 
+from . import solver
 from .build import build_problem, data_parallel_variant
 from .cost import ClusterCosts, CostModel, device_speed, dominated_meshes
 from .graph import Graph, build_graph
@@ -24,7 +25,13 @@ from .options import AutoShardingOption
 from .plan import Collective, LeafPlan, Objective, ShardingPlan
 from .problem import Problem
 from .repeats import tie_repeated
-from .solver import Solution, build_and_solve
+from .solver import (
+    Solution,
+    build_and_solve,
+    build_ilp,
+    lp_bound_s,
+    solve_ilp,
+)
 from .spec import candidate_specs, from_partition_spec, shards, to_partition_spec
 from .strategy import itemsize
 
@@ -73,7 +80,9 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     Meshes that cannot win are not solved: a mirror of a mesh whose axes all cost no more
     (``cost.dominated_meshes``), a mesh on which the state alone cannot fit the budget, and a
     mesh whose lower bound (every ILP variable at its cheapest strategy, no resharding) is
-    already above the best objective found.
+    already above the best objective found. Large ILPs (``solver.CUTOFF_MIN_COLUMNS``) are
+    solved best-first by their LP relaxation, and one whose LP bound reaches the best
+    objective found is skipped (``solver.solve_ilp``'s cutoff; deterministic).
     """
     n_in, n_out = len(closed_jaxpr.jaxpr.invars), len(closed_jaxpr.jaxpr.outvars)
     for name, seq, n in (("in_paths", in_paths, n_in), ("batch_invars", batch_invars, n_in),
@@ -116,6 +125,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     with speed:
         bar = tqdm(list(zip(shapes, options, strict=True)), desc="autoshard: planning",
                    disable=not option.show_progress, leave=False)
+        built = []  # (shape, problem, ILP or None for an empty program)
         for shape, shape_option in bar:
             if shape in pruned:
                 continue
@@ -128,6 +138,19 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                                                              names))
             prob.notes.append(
                 f"{tie_repeated(prob, batch_invars)} variables tied to identical ones")
+            built.append((shape, prob, build_ilp(
+                prob, time_limit_s=option.solver_time_limit_s,
+                memory_budget=shape_option.memory_budget_per_device,
+                node_limit=option.solver_node_limit) if graph.nodes else None))
+        if len(built) > 1 and all(ilp is not None and ilp.total >= solver.CUTOFF_MIN_COLUMNS
+                                  for _, _, ilp in built):
+            # Large ILPs are solved best-first (lowest LP bound first), so the cutoff skips
+            # the meshes that cannot win; small ones keep the candidate order.
+            bounds = [lp_bound_s(ilp) for _, _, ilp in built]
+            order = sorted(range(len(built)), key=lambda i: (
+                bounds[i] is None, bounds[i] or 0.0, i))
+            built = [built[i] for i in order]
+        for shape, prob, ilp in built:
             if best is not None:
                 bound = lower_bound_s(prob)
                 if bound >= best[2].objective_s:
@@ -135,12 +158,9 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                                      f"{best[2].objective_s * 1e3:.4f} ms")
                     continue
             try:
-                sol = (build_and_solve(prob, time_limit_s=option.solver_time_limit_s,
-                                       memory_budget=shape_option.memory_budget_per_device,
-                                       node_limit=option.solver_node_limit,
-                                       cutoff_s=None if best is None else best[2].objective_s)
-                       if graph.nodes else Solution(choice={}, status="optimal",
-                                                    objective_s=0.0, solve_s=0.0))
+                sol = (solve_ilp(ilp, cutoff_s=None if best is None else best[2].objective_s)
+                       if ilp is not None else Solution(choice={}, status="optimal",
+                                                        objective_s=0.0, solve_s=0.0))
             except ValueError as err:
                 errors.append((prob, err))
                 continue

@@ -86,17 +86,55 @@ class _Edges:
 def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
                     extra_allowed: dict[int, set[int]] | None = None,
                     node_limit: int | None = None, cutoff_s: float | None = None) -> Solution:
-    """Solve ``prob``'s ILP; with ``cutoff_s`` (the best objective found on another mesh), stop
-    early when no plan of this one can cost less (``Solution.bound_s`` is then set); an ILP
-    under ``CUTOFF_MIN_COLUMNS`` columns is solved outright.
+    """Build and solve ``prob``'s ILP (``build_ilp`` then ``solve_ilp``)."""
+    return solve_ilp(build_ilp(prob, time_limit_s=time_limit_s, memory_budget=memory_budget,
+                               extra_allowed=extra_allowed, node_limit=node_limit),
+                     cutoff_s=cutoff_s)
 
-    The cutoff is deterministic: the LP relaxation is solved first (a lower bound of every
-    plan, a second or so on the largest ILPs, where the branch and bound takes minutes) and
-    the mesh is skipped when it reaches the cutoff. It bounds the ILP's objective, which is
-    exact unless the pairwise resharding costs fell back to per-axis terms
-    (``exact_resharding_columns``). Below the cutoff the ILP is solved as without one (an
-    objective row bounded by the cutoff was tried: it made those solves up to 2x slower).
-    """
+
+@dataclass
+class Ilp:
+    """A built ILP, solved later (``solve_ilp``); its LP bound can be asked first."""
+
+    prob: Problem
+    c: np.ndarray
+    integrality: np.ndarray
+    bounds: tuple
+    constraints: list
+    options: dict
+    col0: dict
+    K: dict
+    roots: list
+    unary: np.ndarray
+    edges: _Edges
+    approximate: bool
+    """Some pairwise resharding costs fell back to per-axis terms (objective approximate)."""
+    info: dict
+    memory_budget: int | None
+    time_limit_s: float
+    build_s: float
+    lp: tuple | None = None
+    """(LP relaxation objective in seconds or None if it found none), once computed."""
+
+    @property
+    def total(self) -> int:
+        return len(self.c)
+
+
+def lp_bound_s(ilp: Ilp) -> float | None:
+    """The LP relaxation's objective: a lower bound of every plan of the ILP (cached)."""
+    if ilp.lp is None:
+        relaxed = milp(ilp.c * OBJECTIVE_SCALE, integrality=np.zeros(ilp.total),
+                       bounds=ilp.bounds, constraints=ilp.constraints,
+                       options={k: v for k, v in ilp.options.items() if k != "node_limit"})
+        ilp.lp = (None if relaxed.x is None else float(relaxed.fun) / OBJECTIVE_SCALE,)
+    return ilp.lp[0]
+
+
+def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
+              extra_allowed: dict[int, set[int]] | None = None,
+              node_limit: int | None = None) -> Ilp:
+    """The ILP of ``prob``: one-hot strategy columns, resharding edges, memory rows."""
     t0 = time.perf_counter()
     g = prob.graph
     roots = sorted({prob.var(n.id) for n in g.nodes})
@@ -238,19 +276,37 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
         options["node_limit"] = int(node_limit)
     info = {"rows": nrows + nub, "edge_vars": num_edge,
             "approximate_pairs": len(reduced) - len(exact)}
-    bounds = (np.zeros(total), upper)
-    if cutoff_s is not None and total < CUTOFF_MIN_COLUMNS:
-        cutoff_s = None
-    if cutoff_s is not None:
-        relaxed = milp(c * OBJECTIVE_SCALE, integrality=np.zeros(total), bounds=bounds,
-                       constraints=constraints,
-                       options={k: v for k, v in options.items() if k != "node_limit"})
-        if relaxed.x is not None:
-            bound = float(relaxed.fun) / OBJECTIVE_SCALE
+    return Ilp(prob=prob, c=c, integrality=integrality, bounds=(np.zeros(total), upper),
+               constraints=constraints, options=options, col0=col0, K=K, roots=roots,
+               unary=unary, edges=edges, approximate=len(exact) < len(reduced), info=info,
+               memory_budget=memory_budget, time_limit_s=time_limit_s,
+               build_s=time.perf_counter() - t0)
+
+
+def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:
+    """Solve ``ilp``; with ``cutoff_s`` (the best objective found on another mesh), skip it
+    when no plan of it can cost less (``Solution.bound_s`` is then set); an ILP under
+    ``CUTOFF_MIN_COLUMNS`` columns is solved outright.
+
+    The cutoff is deterministic: the LP relaxation (a lower bound of every plan, a second or
+    so on the largest ILPs, where the branch and bound takes minutes) is compared with it. It
+    bounds the ILP's objective, which is exact unless the pairwise resharding costs fell back
+    to per-axis terms (``exact_resharding_columns``). Below the cutoff the ILP is solved as
+    without one (an objective row bounded by the cutoff was tried: it made those solves up to
+    2x slower).
+    """
+    t0 = time.perf_counter() - ilp.build_s
+    prob, c, integrality, bounds = ilp.prob, ilp.c, ilp.integrality, ilp.bounds
+    constraints, options, col0, K, roots = (list(ilp.constraints), ilp.options, ilp.col0,
+                                            ilp.K, ilp.roots)
+    memory_budget, time_limit_s, total = ilp.memory_budget, ilp.time_limit_s, ilp.total
+    info = dict(ilp.info)
+    if cutoff_s is not None and total >= CUTOFF_MIN_COLUMNS:
+        bound = lp_bound_s(ilp)
+        if bound is not None:
             if bound >= cutoff_s:
-                return Solution({}, "LP relaxation bound", bound,
-                                time.perf_counter() - t0, num_ilp_vars=total, info=info,
-                                bound_s=bound)
+                return Solution({}, "LP relaxation bound", bound, time.perf_counter() - t0,
+                                num_ilp_vars=total, info=info, bound_s=bound)
             info["lp_bound_s"] = bound
     t_solve = time.perf_counter()
     res = milp(c * OBJECTIVE_SCALE, integrality=integrality, bounds=bounds,
@@ -287,13 +343,14 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
             _warn_clock(prob, time_limit_s, " (no plan found yet: greedy fallback)")
         # No incumbent yet: take each variable's cheapest allowed strategy on its own.
         choice = {}
+        upper, unary = bounds[1], ilp.unary
         for r in roots:
             costs = np.where(upper[col0[r]:col0[r] + K[r]] > 0, unary[col0[r]:col0[r] + K[r]],
                              np.inf)
             choice[r] = int(np.argmin(costs))
         return Solution(choice, "solver limit: no incumbent, greedy fallback",
-                        _evaluate(prob, choice, edges), time.perf_counter() - t0,
-                        num_ilp_vars=total, info={"rows": nrows + nub, "edge_vars": num_edge})
+                        _evaluate(prob, choice, ilp.edges), time.perf_counter() - t0,
+                        num_ilp_vars=total, info=info)
     gap = getattr(res, "mip_gap", None)
     gap_text = f" (gap {gap:.2%})" if gap is not None and np.isfinite(gap) else ""
     if res.status == 0:
@@ -305,7 +362,7 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
         status = "node limit: best incumbent" + gap_text
     choice = {r: int(np.argmax(res.x[col0[r]:col0[r] + K[r]])) for r in roots}
     # With per-axis fallbacks the ILP saw an approximation: report the plan's exact cost.
-    objective = (_evaluate(prob, choice, edges) if len(exact) < len(reduced)
+    objective = (_evaluate(prob, choice, ilp.edges) if ilp.approximate
                  else float(res.fun) / OBJECTIVE_SCALE)
     return Solution(choice, status, objective, time.perf_counter() - t0,
                     num_ilp_vars=total, info=info)

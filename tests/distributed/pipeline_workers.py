@@ -121,7 +121,10 @@ def train_pipeline(stages=("uniform",), steps: int = STEPS, devices=None):
                 for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)
                 if leaf.is_fully_addressable
             },
-            "stage_devices": [sorted(d.id for d in m.devices.flat) for m in ex.rank_meshes],
+            "stage_devices": [len(m.devices.flat) for m in ex.rank_meshes],
+            "stage_processes": [
+                sorted({d.process_index for d in m.devices.flat}) for m in ex.rank_meshes
+            ],
             "moves": dict(ex.move.counts),
             "planner_calls": len(planned),
         }

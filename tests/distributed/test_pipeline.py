@@ -1,8 +1,9 @@
 """PipeshardParallel across processes: 2 processes x 2 CPU devices, one stage per process.
 
 Every process walks the same action list and moves activations and gradients between the
-processes with JAX's cross-host ``jax.device_put``; the runs must equal the one-process run of
-the same pipeline on 4 devices and a single-device ``jax.jit`` run.
+processes with JAX's cross-host ``jax.device_put``; the runs must equal a single-device
+``jax.jit`` run, and the one-stage-per-process run the same pipeline run by one process on 4
+devices (same arithmetic, tight tolerance).
 """
 
 from __future__ import annotations
@@ -36,10 +37,8 @@ def test_two_stage_pipeline_across_two_processes_equals_one_process_run():
     for layout in layouts:
         runs = [r[layout] for r in results]
         # stage 0 on process 0's devices, stage 1 on process 1's
-        sizes = [len(d) for d in runs[0]["stage_devices"]]
-        assert sizes == ([2, 2] if layout == "uniform" else [2, 1])
-        assert {d // 2048 for d in runs[0]["stage_devices"][0]} == {0}
-        assert {d // 2048 for d in runs[0]["stage_devices"][1]} == {1}
+        assert runs[0]["stage_devices"] == ([2, 2] if layout == "uniform" else [2, 1])
+        assert runs[0]["stage_processes"] == [[0], [1]]
         # every task planned once, on process 0; process 1 received the plans
         assert runs[0]["planner_calls"] > 0 and runs[1]["planner_calls"] == 0
         for run in runs:  # the loss is on every device: both processes read all of it

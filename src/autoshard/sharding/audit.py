@@ -2,7 +2,9 @@
 
 Bytes are compared per (kind, mesh axes) as bytes one device receives per step: the sum of
 ``count * num_bytes`` of the plan's ``Collective`` records against the result sizes of the
-compiled collectives times their loop trip counts. On the CPU, XLA lowers a reduce-scatter to
+compiled collectives times their loop trip counts. An all-to-all is priced on its group's whole
+array (``n`` shards); its compiled result on one device is one shard, so the prediction counts
+``num_bytes / n``. On the CPU, XLA lowers a reduce-scatter to
 an all-reduce of the whole array and a local slice, so there a predicted reduce-scatter is
 counted as that all-reduce.
 """
@@ -109,8 +111,11 @@ def audit(plan: ShardingPlan, hlo_text: str, compiled_memory: int, *,
     predicted: dict[tuple, int] = {}
     for c in plan.collectives:
         kind, num_bytes = c.kind, c.num_bytes
+        group = math.prod(sizes[a] for a in c.axes)
         if kind == "reduce-scatter" and platform == "cpu":
-            kind, num_bytes = "all-reduce", num_bytes * math.prod(sizes[a] for a in c.axes)
+            kind, num_bytes = "all-reduce", num_bytes * group
+        elif kind == "all-to-all":   # priced on the group's array; a device ends with 1/n of it
+            num_bytes = num_bytes / group
         key = (kind, tuple(a for a in c.axes if sizes[a] > 1))
         predicted[key] = predicted.get(key, 0) + int(round(c.count * num_bytes))
     compiled_list = hlo.collectives(hlo_text, plan.axis_names, plan.mesh_shape)

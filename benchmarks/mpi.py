@@ -202,6 +202,7 @@ def main():
             ref_us = min(row["mpi4py_median"], row["mpi4py_loop_median"])
             row["loop_ratio"] = row["autoshard_loop_median"] / ref_us
             row["loop_ratio_paired"] = paired_ratio(samples, "autoshard_loop")
+            row["samples"] = {k: [round(v, 2) for v in vs] for k, vs in samples.items()}
             row["loop_ratio_min"] = row["autoshard_loop_min"] / min(
                 row["mpi4py_min"], row["mpi4py_loop_min"]
             )
@@ -215,7 +216,11 @@ def main():
             if RANK == 0:
                 print(
                     json.dumps(
-                        {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+                        {
+                            k: round(v, 3) if isinstance(v, float) else v
+                            for k, v in row.items()
+                            if k != "samples"
+                        }
                     ),
                     flush=True,
                 )

@@ -100,14 +100,14 @@ class Call {
 // Measured here at 16 MiB: MPI_Bcast and MPI_Sendrecv between two ranks take 1.5-2x as long
 // on buffers of 4 KiB pages (XLA's) as on transparent huge pages (NumPy asks for them on
 // arrays of 4 MiB and more, so mpi4py gets them), and mpi4py on XLA's memory is as slow as
-// we were (likely the shared-memory transport's per-page work). Each large buffer the handlers see is therefore advised
-// (MADV_HUGEPAGE, so that pages touched from then on are huge), and when the same buffer
-// comes back (a loop's carry, a reused output) its pages already touched are collapsed
-// into huge pages once (MADV_COLLAPSE, Linux 6.1 and later: a copy of the buffer, a few
-// milliseconds at 16 MiB). Collapsing a buffer seen only once would cost more than it saves.
-// Advice only: failures are ignored, and the data is never changed. A range freed and then
-// allocated again keeps its entry, so a new buffer there may stay on small pages until 32
-// other large buffers have pushed the entry out: a cost in speed only.
+// we were (likely the shared-memory transport's per-page work). Each large buffer the
+// handlers see is therefore advised (MADV_HUGEPAGE, so that pages touched from then on are
+// huge), and when the same buffer comes back (a loop's carry, a reused output) its pages
+// already touched are collapsed into huge pages (MADV_COLLAPSE, Linux 6.1 and later: a copy
+// of the buffer, a few milliseconds at 16 MiB). Collapsing a buffer seen only once would cost more than it saves.
+// Advice only: failures are ignored, and the data is never changed. A buffer freed and another
+// allocated at the same address look alike here, so a range seen again is collapsed again
+// every 32 sightings (see PreferHugePages).
 constexpr size_t kHugePage = size_t{2} << 20;
 constexpr size_t kHugeMinBytes = size_t{4} << 20;  // NumPy's threshold for MADV_HUGEPAGE
 #if defined(__linux__) && !defined(MADV_COLLAPSE)
@@ -119,8 +119,9 @@ std::atomic<int64_t> g_num_collapsed{0};
 
 struct HugeRange {
   uintptr_t start = 0, end = 0;
-  bool collapsed = false;
+  uint32_t sightings = 0;  // after the first
 };
+constexpr uint32_t kRecollapse = 32;
 std::mutex g_huge_mutex;
 HugeRange g_huge_ranges[32];  // the large buffers seen last, replaced round robin
 size_t g_huge_next = 0;
@@ -135,15 +136,18 @@ void PreferHugePages(const void* data, size_t bytes) {
   std::lock_guard<std::mutex> lock(g_huge_mutex);
   for (HugeRange& range : g_huge_ranges) {
     if (range.start != start || range.end != end) continue;
-    if (!range.collapsed) {
-      range.collapsed = true;
+    // The second sighting collapses; every kRecollapse-th one again, in case the buffer was
+    // freed and another one allocated at the same address (a few microseconds when the
+    // range is still huge, a copy when it is a new buffer on small pages).
+    if (range.sightings++ % kRecollapse == 0) {
+      madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
       if (madvise(reinterpret_cast<void*>(start), end - start, MADV_COLLAPSE) == 0)
         ++g_num_collapsed;
     }
     return;
   }
   madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
-  g_huge_ranges[g_huge_next] = HugeRange{start, end, false};
+  g_huge_ranges[g_huge_next] = HugeRange{start, end, 0};
   g_huge_next = (g_huge_next + 1) % (sizeof(g_huge_ranges) / sizeof(g_huge_ranges[0]));
 #else
   (void)data;
@@ -151,7 +155,6 @@ void PreferHugePages(const void* data, size_t bytes) {
 #endif
 }
 
-// The buffers an MPI call reads or writes.
 // The buffers an MPI call reads or writes (an input aliased to the output counts once).
 void PreferHugePages(std::initializer_list<ffi::AnyBuffer> buffers) {
   const void* previous = nullptr;

@@ -162,7 +162,7 @@ def test_model_that_fits_no_split_names_the_estimate_and_largest_arrays():
 
 
 def test_plan_rejects_methods_it_does_not_cover():
-    with pytest.raises(TypeError, match="plans ShardParallel"):
+    with pytest.raises(TypeError, match="plans ShardParallel or PipeshardParallel"):
         autoshard.plan(train_step, *shapes(), method=autoshard.DataParallel())
     with pytest.raises(ValueError, match="plan or manual_sharding_option, not both"):
         ShardParallel(plan=autoshard.plan(train_step, *shapes()),
@@ -227,3 +227,121 @@ def test_pricing_a_hand_written_plan_names_what_is_missing_or_wrong():
                                          r"mesh axis 'tensor'"):
         autoshard.plan(train_step, *shapes(), cluster=cluster, method=megatron_method(
             ({"w1": P(None, "tensor"), "w2": P()}, P())))
+
+
+# Pipelines on a described cluster ------------------------------------------------------------
+def pipeline_args(batch=32, widths=(8, 256, 256, 256, 4)):
+    f32 = jnp.float32
+    params = {f"w{i}": jax.ShapeDtypeStruct((a, b), f32)
+              for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True))}
+    data = (jax.ShapeDtypeStruct((batch, widths[0]), f32),
+            jax.ShapeDtypeStruct((batch, widths[-1]), f32))
+    return params, data
+
+
+def pipeline_step(markers=True):
+    """SGD on a tanh MLP; a pipeline boundary after every hidden layer (``markers``)."""
+    def loss(p, x, y):
+        for i in range(len(p)):
+            x = x @ p[f"w{i}"]
+            if i < len(p) - 1:
+                x = jnp.tanh(x)
+                if markers:
+                    autoshard.mark_pipeline_boundary()
+        return jnp.mean((x - y) ** 2)
+
+    def step(p, batch):
+        g = autoshard.grad(loss)(p, *batch)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+    return step
+
+
+DATA_PARALLEL = dataclasses.replace(QUIET, force_data_parallel=True)
+
+
+def pipeshard(**kw):
+    kw.setdefault("layer_option", "manual")
+    kw.setdefault("default_auto_sharding_option", QUIET)
+    return autoshard.PipeshardParallel(num_micro_batches=4, **kw)
+
+
+def test_pipeline_step_time_is_the_replayed_schedule_of_its_stage_times():
+    from autoshard.pipeline import get_schedule, simulate
+
+    cluster = Cluster.a100_80gb(2, devices_per_host=2)
+    est = autoshard.plan(pipeline_step(), *pipeline_args(), cluster=cluster,
+                         method=pipeshard(stage_option=autoshard.UniformStageOption(num_stages=2)))
+    assert [s.layers for s in est.stages] == [(0, 1), (2, 3)]
+    assert [(s.devices, s.physical_shape) for s in est.stages] == [((0, 2), (1, 2)),
+                                                                   ((2, 2), (1, 2))]
+    costs = {(k, s.stage): t + s.send_s[k] for s in est.stages for k, t in s.task_s.items()
+             if k != "apply"}
+    sim = simulate(get_schedule("1f1b", num_stages=2, num_micro_batches=4), costs)
+    apply_s = max(s.task_s["apply"] + s.send_s["apply"] for s in est.stages)
+    assert est.step_s == pytest.approx(sim.makespan + apply_s, rel=1e-12)
+    assert est.bubble_fraction == pytest.approx(sim.bubble_fraction) and sim.bubble_fraction > 0
+    # Each task's time is its plan's objective, planned on its sub-mesh's own cluster.
+    for s in est.stages:
+        plans = dict(s.plans)
+        assert s.task_s["F"] == plans[f"F{s.stage}"].objective.total_s
+        assert s.task_s["B"] == plans[f"B{s.stage}"].objective.total_s
+        assert all("2 devices (1 hosts x 2)" in p.cluster for p in plans.values())
+    # Stage 0's activations go to the other host: one inter-host copy per F, its bytes per device.
+    f0 = est.stages[0]
+    assert f0.send_bytes["F"] > 0 and f0.send_s["F"] == pytest.approx(
+        cluster.inter_host_latency_s + f0.send_bytes["F"] / cluster.inter_host_bandwidth)
+    text = est.explain()
+    for needle in ("stage 1: layers [2, 3] on devices 2..3", "bubble", "F0: mesh", "B1: mesh",
+                   "rank 1:", "GiB per device"):
+        assert needle in text
+
+
+def test_pipeline_layers_clustered_automatically_without_markers():
+    est = autoshard.plan(pipeline_step(markers=False), *pipeline_args(),
+                         cluster=Cluster.a100_80gb(1, devices_per_host=4),
+                         method=pipeshard(layer_option=autoshard.AutoLayerOption(layer_num=2)))
+    assert est.num_layers == 2 and len(est.stages) == 2
+    assert [s.devices for s in est.stages] == [(0, 2), (2, 2)]
+    assert est.step_s > est.makespan_s > 0 and est.flops > 0
+
+
+def test_model_over_one_stages_memory_gets_more_stages_from_the_stage_search():
+    # Data parallel keeps every weight, gradient and accumulator whole on each device: the
+    # whole model needs ~1.9 MB per device, half of it ~1.1 MB; the budget is 1.5 MiB.
+    cluster = Cluster(num_hosts=1, devices_per_host=2, peak_flops=1e12,
+                      memory_bytes=3 * 2**19)
+    one = pipeshard(stage_option=autoshard.UniformStageOption(num_stages=1),
+                    default_auto_sharding_option=DATA_PARALLEL)
+    with pytest.raises(ValueError, match=r"Stage 0 does not fit in memory.*more stages"):
+        autoshard.plan(pipeline_step(), *pipeline_args(), cluster=cluster, method=one)
+    for mode in ("individual", "composition"):
+        searched = pipeshard(stage_option=autoshard.AutoStageOption(layer_profile_mode=mode),
+                             default_auto_sharding_option=DATA_PARALLEL)
+        est = autoshard.plan(pipeline_step(), *pipeline_args(), cluster=cluster,
+                             method=searched)
+        assert len(est.stages) > 1
+        assert all(s.memory_bytes <= cluster.memory_bytes for s in est.stages)
+        assert sum(s.devices[1] for s in est.stages) == 2
+
+
+def test_pipeline_options_the_pricing_cannot_honour_are_clear_errors():
+    args = pipeline_args()
+    cluster = Cluster.a100_80gb(2, devices_per_host=4)
+    straddle = autoshard.ManualStageOption([[0], [1, 2], [3]], [(1, 2), (1, 4), (1, 2)],
+                                           [(2,), (4,), (2,)], [{}, {}, {}])
+    with pytest.raises(ValueError, match="starting at device 2 straddles hosts of 4 devices"):
+        autoshard.plan(pipeline_step(), *args, cluster=cluster,
+                       method=pipeshard(stage_option=straddle))
+    short = autoshard.ManualStageOption([[0, 1], [2, 3]], [(1, 4), (1, 2)], [(4,), (2,)],
+                                        [{}, {}])
+    with pytest.raises(ValueError, match="use 6 devices in all but the cluster has 8"):
+        autoshard.plan(pipeline_step(), *args, cluster=cluster,
+                       method=pipeshard(stage_option=short))
+    with pytest.raises(ValueError, match="'interleaved_1f1b' is not priced"):
+        autoshard.plan(pipeline_step(), *args, cluster=cluster,
+                       method=pipeshard(pipeline_schedule="interleaved_1f1b",
+                                        stage_option=autoshard.UniformStageOption(4)))
+    with pytest.raises(ValueError, match=r"manually_specified_submeshes entry \(1, 8\)"):
+        autoshard.plan(pipeline_step(), *args, cluster=cluster, method=pipeshard(
+            stage_option=autoshard.AutoStageOption(submesh_physical_shape_space="manual",
+                                                   manually_specified_submeshes=[(1, 8)])))

@@ -35,6 +35,8 @@ from ._method_base import ParallelMethod
 from ._methods import ShardParallel
 from ._program import Program, trace_program
 from .cluster import Cluster
+from .pipeline.method import PipeshardParallel
+from .pipeline.price import PipelineEstimate, price_pipeline
 from .sharding.options import AutoShardingOption
 from .sharding.plan import ShardingPlan
 
@@ -42,7 +44,7 @@ from .sharding.plan import ShardingPlan
 def plan(fun: Callable, *args, method: ParallelMethod | None = None,
          cluster: Cluster | None = None, static_argnums: str | Sequence[int] = "auto",
          batch_argnums: Sequence[int] = _DEFAULT_BATCH,
-         donate_argnums: str | Sequence[int] = "auto") -> ShardingPlan:
+         donate_argnums: str | Sequence[int] = "auto") -> ShardingPlan | PipelineEstimate:
     """Plan ``fun(*args)`` for ``cluster`` without its devices; returns the ``ShardingPlan``.
 
     ``args``: arrays or ``jax.ShapeDtypeStruct``s (nothing is allocated). ``method``:
@@ -55,16 +57,23 @@ def plan(fun: Callable, *args, method: ParallelMethod | None = None,
     inputs keep their specs (unset ones replicated, as when the manual plan runs) on the mesh
     ``auto_sharding_option.logical_mesh_shape`` (1-D for one axis name); every other value is
     placed by the planner around them (``with_sharding_constraint`` in the step pins more).
+
+    With ``PipeshardParallel(...)`` the step is cut into layers and stages as that method
+    cuts it (``AutoStageOption``: the stage search, on planned layer times), every task is
+    planned on its sub-mesh of ``cluster`` and the schedule is replayed with those times: the
+    result is a ``pipeline.price.PipelineEstimate`` (``explain()``: stages, sub-meshes, task
+    plans and times, the bubble, memory per stage).
     """
     if not callable(fun):
         raise TypeError(f"autoshard.plan expects a function, got {fun!r}.")
     method = ShardParallel() if method is None else method
-    if not isinstance(method, ShardParallel):
+    pipeline = isinstance(method, PipeshardParallel)
+    if not isinstance(method, ShardParallel) and not pipeline:
         raise TypeError(
-            f"autoshard.plan plans ShardParallel (got {type(method).__name__}). "
-            "PipeshardParallel's stage search on a described cluster is not wired to "
-            "autoshard.plan yet; plan each stage's sub-mesh with ShardParallel meanwhile.")
-    if method.plan is not None:
+            f"autoshard.plan plans ShardParallel or PipeshardParallel (got "
+            f"{type(method).__name__}). Pass method=ShardParallel() for one mesh, or "
+            "PipeshardParallel(...) for stages on sub-meshes.")
+    if not pipeline and method.plan is not None:
         raise ValueError(
             "autoshard.plan: the method already carries a plan (ShardParallel(plan=...)); its "
             "estimate is plan.explain(). Pass ShardParallel() to plan again, or "
@@ -98,6 +107,8 @@ def plan(fun: Callable, *args, method: ParallelMethod | None = None,
         raise ValueError(
             f"The method's devices ({len(resolve_devices(method.devices)[0])}) and the cluster "
             f"({cluster.num_devices} devices, {cluster.name}) differ. Give one of the two.")
+    if pipeline:
+        return price_pipeline(method, program, cluster)
     if method.manual_sharding_option is not None:
         return _price_manual(method, program, cluster)
     return plan_program(method, program, cluster)

@@ -1,0 +1,587 @@
+"""A pipeline planned and priced for a described cluster, with no device of it at hand.
+
+``autoshard.plan(step, *shapes, method=PipeshardParallel(...), cluster=...)`` lands here. The
+step is cut as ``PipeshardParallel`` cuts it (layers from markers or ``AutoLayerOption``,
+stages from the stage option, the same ``Partition`` of tasks); then, instead of compiling:
+
+* every sub-mesh is a slice of the cluster (consecutive devices, host by host): a sub-mesh
+  inside one host is a one-host ``Cluster`` of its devices, a larger one whole hosts;
+* every task (``F``, ``B`` or ``Ba``/``Bw``, ``apply``) is traced as the runtime runs it and
+  planned by ``sharding.plan_auto`` on its sub-mesh's cluster: its links, FLOP/s and memory.
+  ``F`` chooses the sub-mesh's logical shape (unless the stage option fixes it); the stage's
+  other tasks use that shape with the inputs ``F`` made for them pinned to ``F``'s layout;
+* a value read on another stage is copied once per micro-batch (``F``/``B`` outputs) or per
+  step (``apply``): each sending device sends its shard (the producer plan's spec) over the
+  link joining the two sub-meshes (inside a host, or between hosts); the copy is charged to
+  the action that produces the value (the sender waits for it: no overlap is assumed);
+* the step time is the schedule replayed (``simulate``) with those per-action times, plus the
+  slowest stage's apply tasks after the last backward; the bubble is the replay's idle share;
+* memory per stage is its largest task's peak plus the residuals ``F`` keeps for ``B`` of the
+  other micro-batches in flight at once (the replay's ``peak_in_flight``).
+
+``AutoStageOption`` runs the stage dynamic program (``stages.stage_dp``) with the time of
+layers ``[i, j)`` on a sub-mesh = the planned ``F`` + ``B`` of those layers on that sub-mesh's
+cluster (``layer_profile_mode='individual'``: each layer planned alone and summed, identical
+layers planned once; ``'composition'``: every range planned as one stage), and a range that
+has no plan within the device memory excluded. Sub-mesh shapes tried: ``(1, 2**k)`` inside a
+host and ``(2**k, devices_per_host)`` whole hosts (``small_power_of_two``: at most 4 devices;
+``manual``: ``manually_specified_submeshes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import jax
+
+from ..cluster import GIB, Cluster
+from ..sharding import plan_auto
+from ..sharding.options import AutoShardingOption
+from ..sharding.plan import ShardingPlan
+from .build import choose_layers, inline_identity_markers
+from .compile import _FIXES, _task_fn, acc_dtype
+from .layers import AutoLayerOption, check_no_nested_markers
+from .partition import build_partition, forward_end, split_pre_post
+from .runtime import _step_aliases
+from .schedules import get_schedule
+from .simulate import simulate
+from .stages import AutoStageOption, ManualStageOption, UniformStageOption, stage_dp
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageEstimate:
+    """One stage's place, plans, times and memory."""
+
+    stage: int
+    """Model stage index."""
+    layers: tuple[int, ...]
+    """Layers the stage holds."""
+    devices: tuple[int, int]
+    """(first device, device count) of its sub-mesh in the cluster's device order."""
+    physical_shape: tuple[int, int]
+    """(hosts, devices per host) of its sub-mesh."""
+    mesh_shape: tuple[int, ...]
+    """Logical mesh shape its tasks are planned on."""
+    task_s: dict
+    """Task kind -> seconds of one run (``F``/``B``/``Ba``/``Bw``: per micro-batch; ``apply``:
+    per step, all its apply tasks)."""
+    send_s: dict
+    """Task kind -> seconds of the copies of its outputs to other stages per run."""
+    send_bytes: dict
+    """Task kind -> bytes one device sends to other stages per run."""
+    memory_bytes: int
+    """Estimated peak bytes per device (largest task peak + residuals of micro-batches in
+    flight)."""
+    plans: tuple[tuple[str, ShardingPlan], ...]
+    """(task name, its plan) in planning order."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineEstimate:
+    """A pipeline plan for a described cluster: stages, sub-meshes, schedule and step time."""
+
+    method: str
+    """How it was made (``PipeshardParallel(...)`` with its options)."""
+    cluster: str
+    """``Cluster.describe()`` of the cluster priced."""
+    schedule: str
+    """Pipeline schedule replayed."""
+    num_micro_batches: int
+    """Micro-batches per step."""
+    num_layers: int
+    """Layers the forward was cut into."""
+    stages: tuple[StageEstimate, ...]
+    """Per model stage."""
+    makespan_s: float
+    """Replayed schedule of the F/B actions (copies included), seconds."""
+    apply_s: float
+    """The slowest stage's apply tasks after the last backward, seconds."""
+    bubble_fraction: float
+    """Idle share of all sub-mesh time during the replay."""
+    flops: float
+    """Matrix-product FLOPs of one step on all devices (every task, every micro-batch)."""
+    num_devices: int
+    """Devices of the cluster."""
+    timeline: str = ""
+    """The replayed schedule as text (``Simulation.render``)."""
+    notes: tuple[str, ...] = ()
+    """Remarks: choices made by the pricing, what it does not model."""
+
+    @property
+    def step_s(self) -> float:
+        """Estimated seconds per training step."""
+        return self.makespan_s + self.apply_s
+
+    @property
+    def peak_bytes_per_device(self) -> int:
+        return max(s.memory_bytes for s in self.stages)
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.flops / self.step_s / self.num_devices / 1e12
+
+    def explain(self) -> str:
+        lines = [f"{self.method} priced for {self.cluster}",
+                 f"  {len(self.stages)} stages over {self.num_layers} layers, schedule "
+                 f"{self.schedule}, {self.num_micro_batches} micro-batches",
+                 f"  estimated step {self.step_s:.4g} s = schedule {self.makespan_s:.4g} s "
+                 f"(bubble {self.bubble_fraction:.1%} of sub-mesh time) + apply "
+                 f"{self.apply_s:.4g} s; {self.tflops_per_device:.3g} TFLOP/s per device; "
+                 f"peak memory {self.peak_bytes_per_device / GIB:.3g} GiB per device"]
+        for s in self.stages:
+            first, n = s.devices
+            times = ", ".join(f"{k} {v:.4g} s" + (f" + send {s.send_s[k]:.3g} s "
+                                                  f"({s.send_bytes[k]:,} B/device)"
+                                                  if s.send_bytes.get(k) else "")
+                              for k, v in s.task_s.items())
+            lines.append(f"  stage {s.stage}: layers {list(s.layers)} on devices "
+                         f"{first}..{first + n - 1} ({s.physical_shape[0]} host(s) x "
+                         f"{s.physical_shape[1]}), mesh {'x'.join(map(str, s.mesh_shape))}; "
+                         f"{times}; memory {s.memory_bytes / GIB:.3g} GiB per device")
+            for name, plan in s.plans:
+                o = plan.objective
+                lines.append(f"    {name}: mesh {plan.mesh_shape}, {o.total_s:.4g} s (compute "
+                             f"{o.compute_s:.4g} + communication "
+                             f"{o.communication_s + o.resharding_s:.4g}), peak "
+                             f"{(o.peak_bytes_per_device or 0) / GIB:.3g} GiB, "
+                             f"{len(plan.collectives)} collectives")
+        if self.timeline:
+            lines += ["  schedule replayed (one micro-batch action per cell):"] + [
+                "    " + row for row in self.timeline.splitlines()]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
+    """``method`` (a PipeshardParallel) planned and priced on ``cluster`` (see module doc)."""
+    closed = inline_identity_markers(program.closed)
+    check_no_nested_markers(closed.jaxpr)
+    pre, _, _ = split_pre_post(closed.jaxpr)
+    inference = method.pipeline_schedule == "inference"
+    fwd_end = forward_end(pre, inference)
+    layer_of, num_layers = choose_layers(pre, fwd_end, method.layer_option)
+    k = program.num_micro_batches
+    pricer = _Pricer(method, program, closed, cluster, layer_of, fwd_end)
+    notes = []
+    option = method.stage_option
+    if method.pipeline_schedule == "interleaved_1f1b":
+        raise ValueError(
+            "autoshard.plan prices pipeline_schedule 'gpipe', '1f1b', 'zero_bubble' or "
+            "'inference'; 'interleaved_1f1b' is not priced yet. Price '1f1b' (the same stages "
+            "without virtual chunks) for an upper bound.")
+    if isinstance(option, AutoStageOption):
+        stage_of_layer, placement = pricer.search_stages(option, num_layers, k)
+        notes.append(f"stages searched by the stage DP on planned layer times "
+                     f"({option.layer_profile_mode}) over sub-meshes "
+                     f"{sorted({p[1] for p in placement})}")
+        fixed_shapes = [None] * len(placement)
+    else:
+        stage_of_layer, placement, fixed_shapes = _given_stages(option, num_layers, cluster)
+    num_stages = max(stage_of_layer) + 1
+    part = build_partition(closed, layer_of_fwd=layer_of, fwd_end=fwd_end,
+                           stage_of_layer=stage_of_layer, batch_invars=program.batch_invars,
+                           remat=method.layer_option.remat)
+    split = method.pipeline_schedule == "zero_bubble"
+    stage_plans = [pricer.plan_stage(part, s, placement[s], fixed_shapes[s], split)
+                   for s in range(num_stages)]
+    sends = _sends(part, stage_plans, placement, cluster, split)
+    costs = {}
+    for s, sp in enumerate(stage_plans):
+        for kind, t in sp.times.items():
+            if kind != "apply":
+                costs[(kind, s)] = t + sends[s][kind][0]
+    schedule = get_schedule(method.pipeline_schedule if part.has_backward else "inference",
+                            num_stages=num_stages, num_micro_batches=k)
+    sim = simulate(schedule, costs)
+    apply_s = max((sp.times.get("apply", 0.0) + sends[s]["apply"][0]
+                   for s, sp in enumerate(stage_plans)), default=0.0)
+    stages = []
+    for s, sp in enumerate(stage_plans):
+        in_flight = sim.peak_in_flight[s]
+        memory = sp.peak_bytes + max(0, in_flight - 1) * sp.residual_bytes
+        if cluster.memory_bytes is not None and memory > cluster.memory_bytes:
+            raise ValueError(
+                f"Stage {s} (layers {_layers(stage_of_layer, s)}) does not fit in memory: about "
+                f"{memory / GIB:.3g} GiB per device (largest task {sp.peak_bytes / GIB:.3g} GiB "
+                f"+ {in_flight - 1} more micro-batches' residuals of "
+                f"{sp.residual_bytes / GIB:.3g} GiB) over the cluster's "
+                f"{cluster.memory_bytes / GIB:.3g} GiB. " + _FIXES)
+        stages.append(StageEstimate(
+            stage=s, layers=_layers(stage_of_layer, s), devices=placement[s][0],
+            physical_shape=placement[s][1], mesh_shape=sp.mesh_shape, task_s=dict(sp.times),
+            send_s={kind: v[0] for kind, v in sends[s].items()},
+            send_bytes={kind: v[1] for kind, v in sends[s].items()},
+            memory_bytes=int(memory), plans=tuple(sp.plans)))
+    flops = sum(p.objective.flops * (1 if name.startswith("apply") else k)
+                for sp in stage_plans for name, p in sp.plans)
+    notes += [
+        "each task planned by sharding.plan_auto on its sub-mesh's cluster; a copy between "
+        "stages is charged to the action producing the value (no overlap with compute assumed)",
+        "gradients are reduced inside every backward (per micro-batch), as the pipeline "
+        "runtime runs them",
+        *pricer.notes]
+    return PipelineEstimate(
+        method=_describe(method), cluster=cluster.describe(), schedule=schedule.name,
+        num_micro_batches=k, num_layers=num_layers, stages=tuple(stages),
+        makespan_s=sim.makespan, apply_s=apply_s, bubble_fraction=sim.bubble_fraction,
+        flops=flops, num_devices=cluster.num_devices,
+        timeline=sim.render() if k * num_stages <= 64 else "", notes=tuple(notes))
+
+
+@dataclass
+class _StagePlans:
+    times: dict
+    plans: list
+    mesh_shape: tuple
+    peak_bytes: int
+    residual_bytes: int
+    out_bytes: dict  # var -> bytes per device in its producer's spec
+    producer_kind: dict  # var -> kind of the task that makes it
+
+
+class _Pricer:
+    """Plans tasks of a partition on sub-mesh clusters; caches identical tasks."""
+
+    def __init__(self, method, program, closed, cluster, layer_of, fwd_end):
+        self.method, self.program, self.closed, self.cluster = method, program, closed, cluster
+        self.layer_of, self.fwd_end = layer_of, fwd_end
+        self.base = dataclasses.replace(method.default_auto_sharding_option
+                                        or AutoShardingOption(), show_progress=False)
+        if not isinstance(self.base, AutoShardingOption):
+            raise TypeError(f"default_auto_sharding_option ({self.base!r}) must be an "
+                            "AutoShardingOption or None.")
+        self.batch_vars = {v for v, b in zip(closed.jaxpr.invars, program.batch_invars,
+                                             strict=True) if b}
+        self.mb_rows = next((v.aval.shape[0] for v in self.batch_vars if v.aval.shape), None)
+        self.cache: dict = {}
+        self.notes: list[str] = []
+
+    def sub_cluster(self, first: int, n: int) -> tuple[Cluster, tuple[int, int]]:
+        return _sub_cluster(self.cluster, first, n)
+
+    def plan_task(self, part, task, sub: Cluster, shape, overrides, *, fixed=None,
+                  aliases=(), axis_names=None) -> ShardingPlan:
+        consts = dict(zip(part.jaxpr.constvars, part.consts, strict=True))
+        invars = [v for v in task.invars if v not in consts]
+        outvars = [v for v in task.outvars if v not in task.accumulated]
+        acc = list(task.accumulated)
+        fn = _task_fn(task.eqns, invars, outvars, acc, consts, False)
+        abstract = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
+        abstract += [jax.ShapeDtypeStruct(v.aval.shape, acc_dtype(v.aval.dtype)) for v in acc]
+        closed = jax.make_jaxpr(fn)(*abstract)
+        n = len(invars)
+        rows = [v in self.batch_vars or v in part.per_micro_batch for v in invars]
+        batch = [r and v in part.batch_dependent and bool(getattr(v.aval, "shape", ()))
+                 and v.aval.shape[0] == self.mb_rows for r, v in zip(rows, invars, strict=True)]
+        batch += [False] * len(acc)
+        aliases = list(aliases) + [(n + i, len(outvars) + i) for i in range(len(acc))]
+        option = dataclasses.replace(self.base, **overrides)
+        if shape is not None:
+            option = dataclasses.replace(option, logical_mesh_shape=tuple(shape))
+        fixed_in = None if fixed is None else list(fixed) + [None] * len(acc)
+        key = (str(closed), tuple(batch), tuple(aliases), sub, repr(option), repr(fixed_in),
+               axis_names)
+        if key in self.cache:
+            return self.cache[key]
+
+        def run(fixed_in_specs):
+            return plan_auto(
+                closed, num_devices=sub.num_devices, option=option,
+                in_paths=[f"{task.name}.in{i}" for i in range(len(abstract))],
+                out_paths=[f"{task.name}.out{i}" for i in range(len(closed.out_avals))],
+                batch_invars=batch, aliases=aliases, cluster=sub, axis_names=axis_names,
+                fixed_in_specs=fixed_in_specs)
+        if fixed_in is None or all(s is None for s in fixed_in):
+            plan = run(None)
+        else:
+            try:
+                plan = run(fixed_in)
+            except ValueError as err:
+                if "memory_budget_per_device" in str(err):
+                    raise
+                self.notes.append(f"{task.name}: planned without F's layouts ({err})")
+                plan = run(None)
+        self.cache[key] = plan
+        return plan
+
+    def plan_stage(self, part, s, place, shape, split) -> _StagePlans:
+        (first, n), _ = place
+        sub, _ = self.sub_cluster(first, n)
+        overrides = dict(_overrides(self.method.stage_option, s))
+        plans, times = [], {}
+        f = part.forward[s]
+        try:
+            fplan = self.plan_task(part, f, sub, shape, overrides)
+        except ValueError as err:
+            if "memory_budget_per_device" in str(err):
+                raise ValueError(f"Stage {s} does not fit in memory: its task {f.name} has no "
+                                 f"plan within the device memory ({err}). " + _FIXES) from err
+            raise
+        plans.append((f.name, fplan))
+        times["F"] = fplan.objective.total_s
+        mesh, names = tuple(fplan.mesh_shape), tuple(fplan.axis_names)
+        sizes = fplan.mesh_sizes
+        out_bytes = {v: leaf.bytes_per_device(sizes) for v, leaf in zip(
+            [v for v in f.outvars if v not in f.accumulated], fplan.outputs, strict=False)}
+        layout = dict(zip([v for v in f.outvars if v not in f.accumulated],
+                          fplan.out_specs, strict=False))
+        kinds = {v: "F" for v in out_bytes}
+        residual = 0
+        backward = ([("Ba", part.split_backward[s][0]), ("Bw", part.split_backward[s][1])]
+                    if split else [("B", part.backward[s])]) if part.has_backward else []
+        for kind, t in backward:
+            consts = set(part.jaxpr.constvars)
+            invars = [v for v in t.invars if v not in consts]
+            residual += sum(out_bytes.get(v, 0) for v in invars if kinds.get(v) == "F")
+            fixed = [layout.get(v) for v in invars]
+            plan = self._plan_or_fail(part, t, sub, mesh, overrides, s, fixed=fixed,
+                                      axis_names=names)
+            plans.append((t.name, plan))
+            times[kind] = plan.objective.total_s
+            outs = [v for v in t.outvars if v not in t.accumulated]
+            for v, leaf, spec in zip(outs, plan.outputs, plan.out_specs, strict=False):
+                out_bytes[v] = leaf.bytes_per_device(plan.mesh_sizes)
+                layout[v], kinds[v] = spec, kind
+        apply_s = 0.0
+        for t in [t for t in part.apply if t.stage == s]:
+            plan = self._plan_or_fail(
+                part, t, sub, mesh, overrides, s, axis_names=names,
+                aliases=_step_aliases(t, part.jaxpr, self.program.aliases))
+            plans.append((t.name, plan))
+            apply_s += plan.objective.total_s
+            for v, leaf in zip(t.outvars, plan.outputs, strict=False):
+                out_bytes[v], kinds[v] = leaf.bytes_per_device(plan.mesh_sizes), "apply"
+        if any(t.stage == s for t in part.apply):
+            times["apply"] = apply_s
+        peak = max(p.objective.peak_bytes_per_device or 0 for _, p in plans)
+        return _StagePlans(times=times, plans=plans, mesh_shape=mesh, peak_bytes=peak,
+                           residual_bytes=residual, out_bytes=out_bytes, producer_kind=kinds)
+
+    def _plan_or_fail(self, part, t, sub, mesh, overrides, s, **kw):
+        try:
+            return self.plan_task(part, t, sub, mesh, overrides, **kw)
+        except ValueError as err:
+            if "memory_budget_per_device" in str(err):
+                raise ValueError(f"Stage {s} does not fit in memory: its task {t.name} has no "
+                                 f"plan within the device memory ({err}). " + _FIXES) from err
+            raise
+
+    # The stage search ------------------------------------------------------------------------
+    def search_stages(self, option: AutoStageOption, num_layers: int, k: int):
+        shapes = _submesh_shapes(option, self.cluster)
+        sizes = [math.prod(s) for s in shapes]
+        individual = option.layer_profile_mode == "individual"
+        spans = ([(i, i + 1) for i in range(num_layers)] if individual else
+                 [(i, j) for i in range(num_layers) for j in range(i + 1, num_layers + 1)])
+        budget = option.memory_budget_per_device
+        measured: dict = {}
+        for i, j in spans:
+            stage_of_layer = [0] * i + [1] * (j - i) + [2] * (num_layers - j)
+            stage_of_layer = _renumber(stage_of_layer)
+            s = stage_of_layer[i]
+            part = build_partition(self.closed, layer_of_fwd=self.layer_of,
+                                   fwd_end=self.fwd_end, stage_of_layer=stage_of_layer,
+                                   batch_invars=self.program.batch_invars,
+                                   remat=self.method.layer_option.remat)
+            for c, shape in enumerate(shapes):
+                sub = _shape_cluster(self.cluster, shape)
+                option_c = ({"memory_budget_per_device": budget} if budget is not None else {})
+                try:
+                    sp = self.plan_stage_on(part, s, sub, option_c)
+                    measured[(i, j, c)] = (sum(v for kd, v in sp.times.items()
+                                               if kd != "apply"), sp.peak_bytes)
+                except ValueError as err:
+                    if "memory" not in str(err):
+                        raise
+                    measured[(i, j, c)] = (math.inf, math.inf)
+
+        def cost(i, j, c):
+            parts = ([measured[(x, x + 1, c)] for x in range(i, j)] if individual
+                     else [measured[(i, j, c)]])
+            mem = sum(b for _, b in parts)
+            limit = budget if budget is not None else self.cluster.memory_bytes
+            if limit is not None and mem > limit:
+                return math.inf
+            return sum(t for t, _ in parts)
+        _, stages = stage_dp(num_layers, self.cluster.num_devices, sizes, cost, k)
+        if not stages:
+            raise ValueError(
+                f"AutoStageOption found no stage layout for {self.cluster.describe()}: every "
+                f"candidate stage on sub-meshes {shapes} has no plan within the memory "
+                "budget, or the sub-mesh sizes cannot cover the devices exactly. " + _FIXES)
+        stage_of_layer = [s for s, (i, j, _) in enumerate(stages) for _ in range(i, j)]
+        placement, first = [], 0
+        for _, _, c in stages:
+            sub, phys = self.sub_cluster(first, sizes[c])
+            placement.append(((first, sizes[c]), phys))
+            first += sizes[c]
+        return stage_of_layer, placement
+
+    def plan_stage_on(self, part, s, sub, overrides) -> _StagePlans:
+        """Times of stage ``s``'s F and B planned on ``sub`` (for the stage search)."""
+        times, peak = {}, 0
+        f = self.plan_task(part, part.forward[s], sub, None, overrides)
+        times["F"], peak = f.objective.total_s, f.objective.peak_bytes_per_device or 0
+        if part.has_backward:
+            b = self.plan_task(part, part.backward[s], sub, f.mesh_shape, overrides,
+                               axis_names=tuple(f.axis_names))
+            times["B"] = b.objective.total_s
+            peak = max(peak, b.objective.peak_bytes_per_device or 0)
+        return _StagePlans(times=times, plans=[], mesh_shape=f.mesh_shape, peak_bytes=peak,
+                           residual_bytes=0, out_bytes={}, producer_kind={})
+
+
+def _renumber(stage_of_layer):
+    ids = {s: i for i, s in enumerate(dict.fromkeys(stage_of_layer))}
+    return [ids[s] for s in stage_of_layer]
+
+
+def _layers(stage_of_layer, s) -> tuple[int, ...]:
+    return tuple(i for i, x in enumerate(stage_of_layer) if x == s)
+
+
+def _sub_cluster(cluster: Cluster, first: int, n: int) -> tuple[Cluster, tuple[int, int]]:
+    """The cluster of devices ``[first, first + n)``: inside one host, or whole hosts."""
+    dph = cluster.devices_per_host
+    if n <= dph and first // dph == (first + n - 1) // dph:
+        return _shape_cluster(cluster, (1, n)), (1, n)
+    if n % dph == 0 and first % dph == 0:
+        return _shape_cluster(cluster, (n // dph, dph)), (n // dph, dph)
+    raise ValueError(
+        f"A sub-mesh of {n} devices starting at device {first} straddles hosts of {dph} devices "
+        f"({cluster.name}): a stage's sub-mesh must lie inside one host or be whole hosts. "
+        f"Choose stage device counts that divide {dph} or are multiples of it.")
+
+
+def _shape_cluster(cluster: Cluster, shape) -> Cluster:
+    hosts, dph = shape
+    return dataclasses.replace(cluster, num_hosts=hosts, devices_per_host=dph,
+                               name=f"{cluster.name} [sub-mesh {hosts} x {dph}]")
+
+
+def _submesh_shapes(option: AutoStageOption, cluster: Cluster) -> list[tuple[int, int]]:
+    dph, hosts = cluster.devices_per_host, cluster.num_hosts
+    if option.submesh_physical_shape_space == "manual":
+        shapes = [tuple(s) for s in option.manually_specified_submeshes]
+        for h, d in shapes:
+            if not (h == 1 and d <= dph or d == dph and h <= hosts):
+                raise ValueError(
+                    f"manually_specified_submeshes entry {(h, d)} does not fit {cluster.name}: "
+                    f"give (1, d) with d <= {dph} or (h, {dph}) with h <= {hosts}.")
+        return shapes
+    shapes = [(1, 2 ** e) for e in range(int(math.log2(dph)) + 1)]
+    shapes += [(2 ** e, dph) for e in range(1, int(math.log2(hosts)) + 1)]
+    if option.submesh_physical_shape_space == "small_power_of_two":
+        shapes = [s for s in shapes if math.prod(s) <= 4]
+    return shapes
+
+
+def _given_stages(option, num_layers: int, cluster: Cluster):
+    """(stage of each layer, ((first, n), physical shape) per stage, logical shape per stage
+    or None) for a uniform or manual stage option."""
+    if isinstance(option, ManualStageOption):
+        ids = [list(x) for x in option.forward_stage_layer_ids]
+        if sum(len(x) for x in ids) != num_layers:
+            raise ValueError(
+                f"ManualStageOption.forward_stage_layer_ids covers {sum(len(x) for x in ids)} "
+                f"layers but the step has {num_layers}. List every layer id in "
+                f"range({num_layers}) once.")
+        sizes = [math.prod(s) for s in option.submesh_physical_shapes]
+        shapes = [tuple(s) for s in option.submesh_logical_shapes]
+        stage_of_layer = [s for s, x in enumerate(ids) for _ in x]
+    else:
+        opt = option or UniformStageOption()
+        n = opt.num_stages or num_layers
+        if num_layers < n:
+            raise ValueError(
+                f"The step has {num_layers} layer(s) but UniformStageOption(num_stages={n}) "
+                f"asks for {n} stages; a stage needs at least one layer. Add "
+                "autoshard.mark_pipeline_boundary() calls, use layer_option=AutoLayerOption("
+                f"layer_num={n}), or fewer stages.")
+        if cluster.num_devices % n:
+            raise ValueError(
+                f"The cluster's {cluster.num_devices} devices cannot be split evenly into {n} "
+                "stages (UniformStageOption). Choose a num_stages that divides the device "
+                "count.")
+        per = (math.prod(opt.submesh_physical_shape) if opt.submesh_physical_shape
+               else cluster.num_devices // n)
+        sizes = [per] * n
+        shapes = [tuple(opt.submesh_logical_shape) if opt.submesh_logical_shape else None] * n
+        stage_of_layer = [layer * n // num_layers for layer in range(num_layers)]
+    if sum(sizes) != cluster.num_devices:
+        raise ValueError(
+            f"The stages' sub-meshes use {sum(sizes)} devices in all but the cluster has "
+            f"{cluster.num_devices} ({cluster.name}): they must cover it exactly. Choose "
+            f"sub-mesh shapes whose device counts add up to {cluster.num_devices}.")
+    placement, first = [], 0
+    for s, n in enumerate(sizes):
+        _, phys = _sub_cluster(cluster, first, n)
+        if isinstance(option, ManualStageOption) and tuple(
+                option.submesh_physical_shapes[s]) != phys:
+            raise ValueError(
+                f"ManualStageOption.submesh_physical_shapes[{s}] is "
+                f"{tuple(option.submesh_physical_shapes[s])} but {n} devices from device "
+                f"{first} on {cluster.name} are {phys} (hosts, devices per host).")
+        if shapes[s] is not None and math.prod(shapes[s]) != n:
+            raise ValueError(f"Stage {s}: logical shape {shapes[s]} has "
+                             f"{math.prod(shapes[s])} devices but its sub-mesh has {n}.")
+        placement.append(((first, n), phys))
+        first += n
+    return stage_of_layer, placement, shapes
+
+
+def _overrides(option, s) -> dict:
+    if isinstance(option, ManualStageOption):
+        d = dict(option.submesh_autosharding_option_dicts[s] or {})
+    elif isinstance(option, UniformStageOption):
+        d = dict(option.submesh_autosharding_option or {})
+    else:
+        d = {}
+    fields = {f.name for f in dataclasses.fields(AutoShardingOption)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+        raise ValueError(f"Stage {s}: planner options {d} name {unknown}, which are not "
+                         "AutoShardingOption fields.")
+    d.pop("logical_mesh_shape", None)
+    return d
+
+
+def _sends(part, stage_plans, placement, cluster: Cluster, split: bool) -> list[dict]:
+    """Per stage and task kind: (seconds, bytes per device) of its outputs read elsewhere."""
+    dph = cluster.devices_per_host
+    hosts = [set(range(f // dph, (f + n - 1) // dph + 1)) for (f, n), _ in placement]
+    kinds = ["F"] + (["Ba", "Bw"] if split else ["B"]) + ["apply"]
+    out = [{kd: [0.0, 0] for kd in kinds} for _ in stage_plans]
+    tasks = part.forward + ([t for pair in part.split_backward for t in pair] if split
+                            else part.backward) + part.apply
+    seen = set()
+    for t in tasks:
+        for v in t.invars:
+            src = part.home.get(v)
+            if src is None or src == t.stage or (v, t.stage) in seen:
+                continue
+            seen.add((v, t.stage))
+            sp = stage_plans[src]
+            kind = sp.producer_kind.get(v)
+            if kind is None:  # a finalised gradient: accumulated by a backward, read by apply
+                continue
+            nbytes = sp.out_bytes.get(v, 0)
+            one_host = len(hosts[src] | hosts[t.stage]) == 1
+            bw = cluster.intra_host_bandwidth if one_host else cluster.inter_host_bandwidth
+            lat = cluster.intra_host_latency_s if one_host else cluster.inter_host_latency_s
+            out[src][kind][0] += lat + nbytes / bw
+            out[src][kind][1] += nbytes
+    return [{kd: (v[0], v[1]) for kd, v in d.items()} for d in out]
+
+
+def _describe(method) -> str:
+    layer = method.layer_option
+    layer = (f"AutoLayerOption(layer_num={layer.layer_num})" if isinstance(layer, AutoLayerOption)
+             else "manual layers")
+    return (f"PipeshardParallel({type(method.stage_option).__name__}, {layer}, "
+            f"{method.pipeline_schedule}, num_micro_batches={method.num_micro_batches})")
+
+
+__all__ = ["PipelineEstimate", "StageEstimate", "price_pipeline"]

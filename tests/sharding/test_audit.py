@@ -204,3 +204,23 @@ def test_weight_gradient_convolutions_hold_their_image_copies_from_the_forward_p
     ws = [jnp.ones((3, 3, 16, 16)) / 10 for _ in range(3)]
     a = f.get_executable(ws, jnp.ones((64, 16, 16, 16))).audit()
     assert 0.85 <= a.memory_ratio() <= 1.10, a.explain()
+
+
+def test_bf16_gradient_all_reduces_are_predicted_at_the_width_the_cpu_runs_them():
+    # XLA's CPU runtime reduces bf16 in float32: the audit counts a bf16 all-reduce twice.
+    import jax.numpy as jnp
+
+    def step(w, x):
+        def loss(w):
+            h = jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+            return jnp.mean(jnp.tanh(h).astype(jnp.float32) ** 2)
+        return w - 0.1 * autoshard.grad(loss)(w)
+
+    opt = autoshard.AutoShardingOption(show_progress=False, logical_mesh_shape=(8,),
+                                       force_data_parallel=True)
+    f = autoshard.parallelize(step, method=autoshard.ShardParallel(auto_sharding_option=opt))
+    ex = f.get_executable(jnp.ones((64, 64)) / 10, jnp.ones((128, 64)))
+    dtypes = {c.dtype for c in ex.plan.collectives if c.kind == "all-reduce"}
+    assert "bfloat16" in dtypes, ex.plan.collectives
+    a = ex.audit()
+    assert 0.9 <= a.bytes_ratio() <= 1.1, a.explain()

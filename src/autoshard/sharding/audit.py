@@ -4,7 +4,8 @@ Bytes are compared per (kind, mesh axes) as bytes one device receives per step: 
 ``count * num_bytes`` of the plan's ``Collective`` records against the result sizes of the
 compiled collectives times their loop trip counts. An all-to-all is priced on its group's whole
 array (``n`` shards); its compiled result on one device is one shard, so the prediction counts
-``num_bytes / n``. On the CPU, XLA lowers a reduce-scatter to
+``num_bytes / n``. XLA's CPU runtime has no 16-bit float reductions: it promotes a bf16/f16
+all-reduce to float32, so there the prediction counts twice the bytes. On the CPU, XLA lowers a reduce-scatter to
 an all-reduce of the whole array and a local slice, so there a predicted reduce-scatter is
 counted as that all-reduce.
 """
@@ -116,6 +117,9 @@ def audit(plan: ShardingPlan, hlo_text: str, compiled_memory: int, *,
             kind, num_bytes = "all-reduce", num_bytes * group
         elif kind == "all-to-all":   # priced on the group's array; a device ends with 1/n of it
             num_bytes = num_bytes / group
+        if (platform == "cpu" and kind == "all-reduce"
+                and c.dtype in ("bfloat16", "float16")):
+            num_bytes *= 2   # the CPU runtime reduces in float32 (XLA promotes the all-reduce)
         key = (kind, tuple(a for a in c.axes if sizes[a] > 1))
         predicted[key] = predicted.get(key, 0) + int(round(c.count * num_bytes))
     compiled_list = hlo.collectives(hlo_text, plan.axis_names, plan.mesh_shape)

@@ -74,6 +74,8 @@ class Collective:
     """The operation that causes it."""
     count: float = 1
     """How many times it runs per step (e.g. once per iteration of a scan over layers)."""
+    dtype: str = ""
+    """Element type of the array it moves ("" when unknown)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -392,8 +392,8 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
     pinned, operand_specs, collectives = [], [], {}
     comm = reshard = compute = 0.0
 
-    def add(kind, axes, num_bytes, cost_s, where, count):
-        key = (kind, tuple(names[a] for a in axes), int(num_bytes), where)
+    def add(kind, axes, num_bytes, cost_s, where, count, dtype):
+        key = (kind, tuple(names[a] for a in axes), int(num_bytes), where, str(dtype))
         c, n = collectives.get(key, (0.0, 0.0))
         collectives[key] = (c + cost_s, n + count)
 
@@ -403,8 +403,9 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
         comm += s.comm_s * node.mult
         compute += s.compute_s * node.mult
         for kind, axes, num_bytes in s.collectives:
+            dtype = g.values[node.outputs[0]].dtype if node.outputs else ""
             add(kind, axes, num_bytes, ctx.cost.collective(kind, axes, num_bytes) * node.mult,
-                node.where, node.mult)
+                node.where, node.mult, dtype)
         # Every node is pinned, followers included: a value XLA may place by itself is a
         # value whose collectives the audit finds unpredicted (elementwise chains around
         # normalisations were re-placed by XLA's propagation when left free).
@@ -424,7 +425,7 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
             for kind, axis, num_bytes, cost_s in steps:
                 reshard += cost_s * node.mult
                 add(kind, (axis,), num_bytes, cost_s * node.mult,
-                    f"reshard into {node.where}", node.mult)
+                    f"reshard into {node.where}", node.mult, value.dtype)
             # Pin a planned collective before its consumer; a local slice needs no pin (XLA
             # slices by itself, and every extra constraint costs compile time).
             if steps and node.kind not in PINNED_KINDS_EXCLUDED and node.kind not in (
@@ -435,7 +436,7 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
                           peak_bytes_per_device=peak_bytes(prob, sol.choice),
                           solver_status=sol.status)
     colls = tuple(Collective(kind=k[0], axes=k[1], num_bytes=k[2], cost_s=v[0], where=k[3],
-                             count=v[1]) for k, v in collectives.items())
+                             count=v[1], dtype=k[4]) for k, v in collectives.items())
     notes = list(prob.notes)
     if prob.ctx.warned:
         notes.append("no rule (replicated): " + ", ".join(sorted(prob.ctx.warned)))

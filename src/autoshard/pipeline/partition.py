@@ -85,12 +85,15 @@ def split_pre_post(jaxpr):
     cut = grad_marker_index(jaxpr)
     if cut is None:
         return list(jaxpr.eqns), None, []
-    return list(jaxpr.eqns[:cut]), jaxpr.eqns[cut], list(jaxpr.eqns[cut + 1:])
+    return list(jaxpr.eqns[:cut]), jaxpr.eqns[cut], list(jaxpr.eqns[cut + 1 :])
 
 
 def boundary_positions(pre) -> list[int]:
-    return [i for i, e in enumerate(pre) if e.primitive is pipeline_p
-            and e.params["mark_type"] == "boundary"]
+    return [
+        i
+        for i, e in enumerate(pre)
+        if e.primitive is pipeline_p and e.params["mark_type"] == "boundary"
+    ]
 
 
 def forward_end(pre, inference: bool) -> int:
@@ -115,8 +118,12 @@ def forward_end(pre, inference: bool) -> int:
     for i in range(start, len(pre)):
         for v in pre[i].outvars:
             aval = getattr(v, "aval", None)
-            if (aval is not None and getattr(aval, "shape", None) == () and v not in used
-                    and jnp.issubdtype(aval.dtype, jnp.floating)):
+            if (
+                aval is not None
+                and getattr(aval, "shape", None) == ()
+                and v not in used
+                and jnp.issubdtype(aval.dtype, jnp.floating)
+            ):
                 return i + 1
     return len(pre)
 
@@ -170,8 +177,15 @@ def free_eqns(pre, post, constvars) -> set[int]:
     return free
 
 
-def build_partition(closed, *, layer_of_fwd: dict, fwd_end: int, stage_of_layer: list,
-                    batch_invars, remat: bool = False) -> Partition:
+def build_partition(
+    closed,
+    *,
+    layer_of_fwd: dict,
+    fwd_end: int,
+    stage_of_layer: list,
+    batch_invars,
+    remat: bool = False,
+) -> Partition:
     """Tasks for a step whose forward equation ``i`` (index into the pre-marker part) runs in
     layer ``layer_of_fwd[i]``; layer ``l`` runs on stage ``stage_of_layer[l]``."""
     jaxpr = closed.jaxpr
@@ -190,8 +204,9 @@ def build_partition(closed, *, layer_of_fwd: dict, fwd_end: int, stage_of_layer:
             groups.setdefault(("F", stage_of_layer[layer_of_fwd[i]]), []).append(e)
         else:
             groups.setdefault(("B", stage_of_layer[bwd[i]]), []).append(e)
-    fwd_made = {v for (kind, _), eqns in groups.items() if kind == "F" for e in eqns
-                for v in e.outvars}
+    fwd_made = {
+        v for (kind, _), eqns in groups.items() if kind == "F" for e in eqns for v in e.outvars
+    }
     if remat:
         for s in range(num_stages):
             groups[("B", s)] = _recompute(groups.get(("F", s), []), groups.get(("B", s), []))
@@ -208,8 +223,7 @@ def build_partition(closed, *, layer_of_fwd: dict, fwd_end: int, stage_of_layer:
 
     batch_vars = {v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b}
     per_mb = {v for key, eqns in groups.items() for e in eqns for v in e.outvars}
-    batch_dep = dependents(pre, batch_vars | {o for e in pre if draws_random(e)
-                                              for o in e.outvars})
+    batch_dep = dependents(pre, batch_vars | {o for e in pre if draws_random(e) for o in e.outvars})
     needed_by: dict = {}
     marker_in = set(v for v in marker.invars if isinstance(v, Var)) if marker is not None else set()
     outs = {v for v in jaxpr.outvars if isinstance(v, Var)}
@@ -219,23 +233,36 @@ def build_partition(closed, *, layer_of_fwd: dict, fwd_end: int, stage_of_layer:
 
     fwd = [make(f"F{s}", "F", s, groups.get(("F", s), [])) for s in range(num_stages)]
     back = [make(f"B{s}", "B", s, groups.get(("B", s), [])) for s in range(num_stages)]
-    apply = [make(f"apply{s}.{lv}", "apply", s, eqns)
-             for (lv, s), eqns in sorted(apply_groups.items())]
+    apply = [
+        make(f"apply{s}.{lv}", "apply", s, eqns) for (lv, s), eqns in sorted(apply_groups.items())
+    ]
     all_tasks = fwd + back + apply
     for t in all_tasks:
         for v in t.invars:
             needed_by.setdefault(v, set()).add(t.name)
     for t in all_tasks:
         produced = [v for e in t.eqns for v in e.outvars if not _is_dropped(v)]
-        t.outvars = [v for v in dict.fromkeys(produced)
-                     if ((needed_by.get(v, set()) - {t.name}) or v in marker_in or v in outs)
-                     and not (t.kind == "B" and v in fwd_made)]
+        t.outvars = [
+            v
+            for v in dict.fromkeys(produced)
+            if ((needed_by.get(v, set()) - {t.name}) or v in marker_in or v in outs)
+            and not (t.kind == "B" and v in fwd_made)
+        ]
         t.accumulated = [v for v in t.outvars if v in marker_in]
     split = [_split_backward(b, needed_by, producer, free) for b in back]
-    return Partition(jaxpr=jaxpr, consts=list(closed.consts), num_stages=num_stages,
-                     forward=fwd, backward=back, split_backward=split, apply=apply,
-                     marker=marker, per_micro_batch=per_mb, batch_dependent=batch_dep,
-                     home=home)
+    return Partition(
+        jaxpr=jaxpr,
+        consts=list(closed.consts),
+        num_stages=num_stages,
+        forward=fwd,
+        backward=back,
+        split_backward=split,
+        apply=apply,
+        marker=marker,
+        per_micro_batch=per_mb,
+        batch_dependent=batch_dep,
+        home=home,
+    )
 
 
 def _recompute(f_eqns, b_eqns) -> list:
@@ -298,14 +325,22 @@ def _split_backward(b: Task, needed_by: dict, producer, free) -> tuple[Task, Tas
             continue
         keep.add(id(e))
         todo += [u for u in e.invars if isinstance(u, Var)]
-    ba = _task(f"Ba{b.stage}", "Ba", b.stage, [e for e in b.eqns if id(e) in keep and id(e)
-                                                not in free], producer, free)
-    bw = _task(f"Bw{b.stage}", "Bw", b.stage, [e for e in b.eqns if id(e) not in keep],
-               producer, free)
+    ba = _task(
+        f"Ba{b.stage}",
+        "Ba",
+        b.stage,
+        [e for e in b.eqns if id(e) in keep and id(e) not in free],
+        producer,
+        free,
+    )
+    bw = _task(
+        f"Bw{b.stage}", "Bw", b.stage, [e for e in b.eqns if id(e) not in keep], producer, free
+    )
     ba_made = {v for e in ba.eqns for v in e.outvars}
     bw_made = {v for e in bw.eqns for v in e.outvars}
     ba.outvars = [v for v in b.outvars if v in ba_made] + [
-        v for v in bw.invars if v in ba_made and v not in b.outvars]
+        v for v in bw.invars if v in ba_made and v not in b.outvars
+    ]
     bw.outvars = [v for v in b.outvars if v in bw_made and v not in ba_made]
     ba.accumulated = [v for v in b.accumulated if v in ba.outvars]
     bw.accumulated = [v for v in b.accumulated if v in bw.outvars]
@@ -323,25 +358,57 @@ def _first_use_stage(groups, invars) -> dict:
 
 
 def _assign_apply(post, free, home, first_use) -> dict:
-    """(level, stage) -> equations; a level reads other stages' values of earlier levels."""
+    """(level, stage) -> equations; a level reads other stages' values of earlier levels.
+
+    An equation goes to the stage holding its largest input. One that reads no value with a
+    stage (only step inputs no task reads, such as optimizer moments, and values computed from
+    those alone) waits: it joins the first equation that reads its result, on that one's stage
+    and level. Adam's ``b1 * mu`` thus runs where the gradient it is added to lives, instead of
+    on stage 0 with its result copied to the parameter's stage every step. What nothing placed
+    reads runs on stage 0.
+    """
     level: dict = {}
     groups: dict = {}
+    waiting: dict = {}  # var -> the waiting equations that compute it (itself included)
+
+    def place(eqns, lv, stage):
+        for e in eqns:
+            for v in e.outvars:
+                level[v] = (lv, stage)
+                home[v] = stage
+                waiting.pop(v, None)
+        groups.setdefault((lv, stage), []).extend(eqns)
+
     for e in post:
         if id(e) in free:
             continue
         ins = [v for v in e.invars if isinstance(v, Var)]
-        where = [(_nbytes(v), -i, home.get(v, first_use.get(v))) for i, v in enumerate(ins)]
+        pulled = list(dict.fromkeys(x for v in ins if v in waiting for x in waiting[v]))
+        where = [
+            (_nbytes(v), -i, home.get(v, first_use.get(v)))
+            for i, v in enumerate(ins)
+            if v not in waiting
+        ]
         where = [w for w in where if w[2] is not None]
-        stage = max(where)[2] if where else 0
+        if not where:
+            chain = list(dict.fromkeys(pulled + [e]))
+            for v in e.outvars:
+                waiting[v] = chain
+            continue
+        stage = max(where)[2]
         lv = 0
         for v in ins:
             if v in level:
                 lv = max(lv, level[v][0] + (level[v][1] != stage))
-        for v in e.outvars:
-            level[v] = (lv, stage)
-            home[v] = stage
-        groups.setdefault((lv, stage), []).append(e)
+        place(sorted(pulled, key=lambda x: _position(post, x)) + [e], lv, stage)
+    rest = list(dict.fromkeys(x for chain in waiting.values() for x in chain))
+    if rest:
+        place(sorted(rest, key=lambda x: _position(post, x)), 0, 0)
     return groups
+
+
+def _position(eqns, e) -> int:
+    return next(i for i, x in enumerate(eqns) if x is e)
 
 
 def _nbytes(v) -> int:
@@ -354,8 +421,11 @@ def _nbytes(v) -> int:
 
 def is_loss_marker(e) -> bool:
     """``autoshard.grad``'s marker on the loss (``end``) or on its cotangent (``start``)."""
-    return (e.primitive is pipeline_p and e.params["name"] == "loss"
-            and e.params["mark_type"] in ("start", "end"))
+    return (
+        e.primitive is pipeline_p
+        and e.params["name"] == "loss"
+        and e.params["mark_type"] in ("start", "end")
+    )
 
 
 def _is_boundary(e) -> bool:
@@ -366,5 +436,13 @@ def _is_dropped(v) -> bool:
     return type(v).__name__ == "DropVar"
 
 
-__all__ = ["Partition", "Task", "assign_backward", "boundary_positions", "build_partition",
-           "forward_end", "is_loss_marker", "split_pre_post"]
+__all__ = [
+    "Partition",
+    "Task",
+    "assign_backward",
+    "boundary_positions",
+    "build_partition",
+    "forward_end",
+    "is_loss_marker",
+    "split_pre_post",
+]

@@ -174,8 +174,8 @@ def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
     if isinstance(option, AutoStageOption):
         stage_of_layer, placement = pricer.search_stages(option, num_layers, k)
         notes.append(f"stages searched by the stage DP on planned layer times "
-                     f"({option.layer_profile_mode}) over sub-meshes "
-                     f"{sorted({p[1] for p in placement})}")
+                     f"({option.layer_profile_mode}) over sub-meshes (hosts x devices) "
+                     f"{_submesh_shapes(option, cluster)}")
         fixed_shapes = [None] * len(placement)
     else:
         stage_of_layer, placement, fixed_shapes = _given_stages(option, num_layers, cluster)
@@ -184,8 +184,7 @@ def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
                            stage_of_layer=stage_of_layer, batch_invars=program.batch_invars,
                            remat=method.layer_option.remat)
     split = method.pipeline_schedule == "zero_bubble"
-    stage_plans = [pricer.plan_stage(part, s, placement[s], fixed_shapes[s], split)
-                   for s in range(num_stages)]
+    stage_plans = pricer.plan_tasks(part, placement, fixed_shapes, split)
     sends = _sends(part, stage_plans, placement, cluster, split)
     costs = {}
     for s, sp in enumerate(stage_plans):
@@ -306,58 +305,78 @@ class _Pricer:
         self.cache[key] = plan
         return plan
 
-    def plan_stage(self, part, s, place, shape, split) -> _StagePlans:
-        (first, n), _ = place
-        sub, _ = self.sub_cluster(first, n)
-        overrides = dict(_overrides(self.method.stage_option, s))
-        plans, times = [], {}
-        f = part.forward[s]
-        try:
-            fplan = self.plan_task(part, f, sub, shape, overrides)
-        except ValueError as err:
-            if "memory_budget_per_device" in str(err):
-                raise ValueError(f"Stage {s} does not fit in memory: its task {f.name} has no "
-                                 f"plan within the device memory ({err}). " + _FIXES) from err
-            raise
-        plans.append((f.name, fplan))
-        times["F"] = fplan.objective.total_s
-        mesh, names = tuple(fplan.mesh_shape), tuple(fplan.axis_names)
-        sizes = fplan.mesh_sizes
-        out_bytes = {v: leaf.bytes_per_device(sizes) for v, leaf in zip(
-            [v for v in f.outvars if v not in f.accumulated], fplan.outputs, strict=False)}
-        layout = dict(zip([v for v in f.outvars if v not in f.accumulated],
-                          fplan.out_specs, strict=False))
-        kinds = {v: "F" for v in out_bytes}
-        residual = 0
-        backward = ([("Ba", part.split_backward[s][0]), ("Bw", part.split_backward[s][1])]
-                    if split else [("B", part.backward[s])]) if part.has_backward else []
-        for kind, t in backward:
-            consts = set(part.jaxpr.constvars)
+    def plan_tasks(self, part, placement, shapes, split) -> list[_StagePlans]:
+        """Every task planned in the order the runtime compiles them (forwards, backwards
+        last stage first, apply), each input pinned as the runtime pins it: to the layout the
+        value already has on the task's sub-mesh, else to its producer's (or first reader's)
+        layout when that sub-mesh has the same logical shape; otherwise the planner chooses."""
+        num_stages = part.num_stages
+        subs = [self.sub_cluster(*placement[s][0])[0] for s in range(num_stages)]
+        overrides = [_overrides(self.method.stage_option, s) for s in range(num_stages)]
+        mesh = [None if shapes[s] is None else tuple(shapes[s]) for s in range(num_stages)]
+        names = [None if m is None else _axis_names(m) for m in mesh]
+        consts = set(part.jaxpr.constvars)
+        layout: dict = {}  # var -> [(stage, mesh shape, spec)], the producer's first
+        out = [_StagePlans(times={}, plans=[], mesh_shape=(), peak_bytes=0, residual_bytes=0,
+                           out_bytes={}, producer_kind={}) for _ in range(num_stages)]
+
+        def wanted(v, s):
+            entries = layout.get(v)
+            if not entries:
+                return None
+            here = next((spec for st, _, spec in entries if st == s), None)
+            if here is not None:
+                return here
+            _, shape, spec = entries[0]
+            return spec if shape == mesh[s] else None
+
+        def run(t, kind, aliases=()):
+            s = t.stage
             invars = [v for v in t.invars if v not in consts]
-            residual += sum(out_bytes.get(v, 0) for v in invars if kinds.get(v) == "F")
-            fixed = [layout.get(v) for v in invars]
-            plan = self._plan_or_fail(part, t, sub, mesh, overrides, s, fixed=fixed,
-                                      axis_names=names)
-            plans.append((t.name, plan))
-            times[kind] = plan.objective.total_s
+            kw = {"aliases": aliases}
+            if mesh[s] is None:  # the stage's first task chooses its logical shape
+                plan = self._plan_or_fail(part, t, subs[s], None, overrides[s], s, **kw)
+                mesh[s], names[s] = tuple(plan.mesh_shape), tuple(plan.axis_names)
+                fixed = [wanted(v, s) for v in invars]
+                if any(f is not None for f in fixed):
+                    plan = self._plan_or_fail(part, t, subs[s], mesh[s], overrides[s], s,
+                                              fixed=fixed, axis_names=names[s], **kw)
+            else:
+                plan = self._plan_or_fail(part, t, subs[s], mesh[s], overrides[s], s,
+                                          fixed=[wanted(v, s) for v in invars],
+                                          axis_names=names[s], **kw)
             outs = [v for v in t.outvars if v not in t.accumulated]
-            for v, leaf, spec in zip(outs, plan.outputs, plan.out_specs, strict=False):
-                out_bytes[v] = leaf.bytes_per_device(plan.mesh_sizes)
-                layout[v], kinds[v] = spec, kind
-        apply_s = 0.0
-        for t in [t for t in part.apply if t.stage == s]:
-            plan = self._plan_or_fail(
-                part, t, sub, mesh, overrides, s, axis_names=names,
-                aliases=_step_aliases(t, part.jaxpr, self.program.aliases))
-            plans.append((t.name, plan))
-            apply_s += plan.objective.total_s
-            for v, leaf in zip(t.outvars, plan.outputs, strict=False):
-                out_bytes[v], kinds[v] = leaf.bytes_per_device(plan.mesh_sizes), "apply"
-        if any(t.stage == s for t in part.apply):
-            times["apply"] = apply_s
-        peak = max(p.objective.peak_bytes_per_device or 0 for _, p in plans)
-        return _StagePlans(times=times, plans=plans, mesh_shape=mesh, peak_bytes=peak,
-                           residual_bytes=residual, out_bytes=out_bytes, producer_kind=kinds)
+            for v, spec in list(zip(invars, plan.in_specs, strict=False)) + list(
+                    zip(outs, plan.out_specs, strict=False)):
+                entries = layout.setdefault(v, [])
+                if not any(st == s for st, _, _ in entries):
+                    entries.append((s, mesh[s], spec))
+            for v, spec in zip(t.accumulated, plan.out_specs[len(outs):], strict=False):
+                o = part.marker.outvars[list(part.marker.invars).index(v)]
+                layout.setdefault(o, [(s, mesh[s], spec)])  # the finalised gradient
+            sp = out[s]
+            for v, leaf in zip(outs, plan.outputs, strict=False):
+                sp.out_bytes[v] = leaf.bytes_per_device(plan.mesh_sizes)
+                sp.producer_kind[v] = kind
+            if kind in ("B", "Ba", "Bw"):
+                sp.residual_bytes += sum(sp.out_bytes.get(v, 0) for v in invars
+                                         if sp.producer_kind.get(v) == "F")
+            sp.plans.append((t.name, plan))
+            sp.times[kind] = sp.times.get(kind, 0.0) + plan.objective.total_s
+            sp.peak_bytes = max(sp.peak_bytes, plan.objective.peak_bytes_per_device or 0)
+            sp.mesh_shape = mesh[s]
+
+        for s in range(num_stages):
+            run(part.forward[s], "F")
+        if part.has_backward:
+            for s in reversed(range(num_stages)):
+                pairs = ([("Ba", part.split_backward[s][0]), ("Bw", part.split_backward[s][1])]
+                         if split else [("B", part.backward[s])])
+                for kind, t in pairs:
+                    run(t, kind)
+        for t in part.apply:
+            run(t, "apply", aliases=_step_aliases(t, part.jaxpr, self.program.aliases))
+        return out
 
     def _plan_or_fail(self, part, t, sub, mesh, overrides, s, **kw):
         try:
@@ -431,6 +450,11 @@ class _Pricer:
             peak = max(peak, b.objective.peak_bytes_per_device or 0)
         return _StagePlans(times=times, plans=[], mesh_shape=f.mesh_shape, peak_bytes=peak,
                            residual_bytes=0, out_bytes={}, producer_kind={})
+
+
+def _axis_names(shape) -> tuple[str, ...]:
+    """The runtime's sub-mesh axis names (``compile.make_submeshes``)."""
+    return ("x",) if len(shape) == 1 else tuple(f"x{i}" for i in range(len(shape)))
 
 
 def _renumber(stage_of_layer):

@@ -55,12 +55,13 @@ SIZES = [int(s) for s in os.environ.get("BENCH_SIZES", "").split(",") if s] or [
     16 << 20,
     64 << 20,
 ]
-# Per size class: (ops per sample of one-op competitors, ops in one jitted loop). At 16 MiB
-# and up an op takes milliseconds; each loop sample still runs at least 2 x loop ops.
+# Per size class: (ops per sample, ops in one jitted loop; a loop sample runs the loop
+# ops per sample / loop ops times). Every competitor's sample runs the same number of ops: on
+# a shared, oversubscribed machine a longer sample is preempted more often.
 SAMPLE_OPS = {
     0: (400, 200),
-    1 << 20: (20, 200),
-    4 << 20: (32, 32),
+    1 << 20: (400, 200),
+    4 << 20: (64, 32),
     16 << 20: (32, 16),
     64 << 20: (16, 8),
 }
@@ -255,7 +256,8 @@ def write(results):
         "- mpi4py: the better of a single call and a Python loop of calls, on NumPy buffers.",
         "- loop: per-op time inside one jitted fori_loop (200 ops; 32 from 4 MiB, 16 from "
         "16 MiB, 8 at 64 MiB; "
-        "each sample runs the loop at least twice) whose carry is donated and fed back, call "
+        "each sample runs the loop twice, as many ops as every other competitor's sample) "
+        "whose carry is donated and fed back, call "
         "after call (steady state, no input copy); target <= mpi4py + 1 us at 8 B and <= 1.05x "
         "mpi4py from 1 MiB.",
         "- 4 KiB pages: the same loop with huge pages switched off for its buffers. XLA "

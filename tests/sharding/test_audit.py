@@ -103,10 +103,10 @@ def test_benchmark_models_compile_to_their_predicted_collectives(model, mesh):
     a = f.get_executable(case.init_state(), (case.inputs, case.labels)).audit()
     assert a.unpredicted == (), a.explain()
     assert a.bytes_ratio() <= 1.10, a.explain()
-    # Wide-ResNet at this size: 1.11-1.13 (1.04 at the suite's default size). XLA hoists a few
-    # activation-sized broadcasts into the forward pass and holds them through the backward;
-    # the program-order liveness model does not. Left as a known gap, bounded here.
-    assert a.memory_ratio() <= (1.15 if model == "wresnet" else 1.10), a.explain()
+    # Wide-ResNet at this size: 1.10-1.11 on the 2-D mesh (under 1.10 elsewhere). XLA hoists
+    # an activation-sized broadcast into the forward pass and copies the donated kernels; the
+    # program-order liveness model counts neither. A known gap, bounded here.
+    assert a.memory_ratio() <= (1.12 if model == "wresnet" else 1.10), a.explain()
 
 
 class _BertLayer:
@@ -186,7 +186,9 @@ def test_convolution_workspace_is_in_the_memory_estimate():
 def test_weight_gradient_convolutions_hold_their_image_copies_from_the_forward_pass():
     # XLA's CPU backend transposes each forward image for its weight-gradient convolution as
     # soon as the image exists and holds the copy through the backward pass: the estimate
-    # was 1.34x under the compiled allocation before the model counted that span.
+    # was 1.34x under the compiled allocation before the model counted that span. The copy of
+    # an input (here the image x) is counted from the input's first use, as XLA placed it in
+    # Wide-ResNet; here XLA makes it later, so the estimate is on the safe side.
     import jax
     import jax.numpy as jnp
 
@@ -203,7 +205,7 @@ def test_weight_gradient_convolutions_hold_their_image_copies_from_the_forward_p
     f = autoshard.parallelize(step, method=autoshard.ShardParallel(auto_sharding_option=opt))
     ws = [jnp.ones((3, 3, 16, 16)) / 10 for _ in range(3)]
     a = f.get_executable(ws, jnp.ones((64, 16, 16, 16))).audit()
-    assert 0.85 <= a.memory_ratio() <= 1.10, a.explain()
+    assert 0.80 <= a.memory_ratio() <= 1.10, a.explain()
 
 
 def test_bf16_gradient_all_reduces_are_predicted_at_the_width_the_cpu_runs_them():

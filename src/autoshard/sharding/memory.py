@@ -67,9 +67,10 @@ def _transients(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
     """(first node, last node, variable, bytes per strategy) of every layout copy.
 
     XLA computes a copy as soon as its operand exists (it depends on nothing else), so the
-    copy lives from the operand's producer to the convolution: read from XLA's buffer
-    assignment, the transposed forward images of the weight-gradient convolutions are made in
-    the forward pass and held through the backward, next to the images themselves.
+    copy lives from the operand's producer (an input's: its first use) to the convolution: read
+    from XLA's buffer assignment, the transposed forward images of the weight-gradient
+    convolutions, and the swapped kernels of the input-gradient ones, are made in the forward
+    pass and held through the backward, next to the images themselves.
     """
     g, found = prob.graph, []
     mesh = prob.ctx.mesh_shape
@@ -82,7 +83,9 @@ def _transients(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
                 continue
             v = g.values[u]
             size = itemsize(v.dtype) * int(np.prod(v.shape, dtype=np.int64))
-            first = v.producer if g.nodes[v.producer].kind != "input" else node.id
+            first = v.producer
+            if g.nodes[first].kind == "input":   # an input's copy is made at its first use
+                first = min((n.id for n in g.nodes if u in n.operands), default=node.id)
             found.append((first, node.id, prob.var(node.id),
                           [size // shards(st.in_specs[p], mesh)
                            for st in prob.strategies[node.id]]))

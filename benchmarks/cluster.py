@@ -32,15 +32,21 @@ shapes (nothing is allocated, no GPU is used), with the planner choosing the mes
 
 Run: ``python benchmarks/cluster.py [--rows 1.7B 3.6B] [--unroll]``; writes
 ``benchmarks/results/cluster.{json,md}`` (``--rewrite``: only the markdown from the json).
-The 39.1B row (tensor 8 x pipeline 2 on 512 GPUs) is planned without a pipeline (the planner's
-ShardParallel plan on 512 devices); the paper's pipelined plan is not priced, because
-``autoshard.plan`` does not cover PipeshardParallel's stage search yet.
+The 39.1B row (tensor 8 x pipeline 2 on 512 GPUs) is planned without a pipeline (scan rows);
+``--pipeline`` plans it with ``PipeshardParallel`` as well (``run_pipeline``): the step
+unrolled with a ``mark_pipeline_boundary()`` every 6 layers (8 pipeline layers), 16
+micro-batches, 1F1B; the stage search (``AutoStageOption`` over sub-meshes of 16, 32 and 64
+hosts, layer times planned per layer) beside the paper's stages priced the same way
+(``ManualStageOption``: 2 stages of 4 pipeline layers, each on 32 hosts as a (32, 8) mesh,
+the arrays inside each stage placed by the planner). Each result's ``explain()`` is kept in
+the json.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import platform
@@ -56,7 +62,15 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import autoshard
-from autoshard import AutoShardingOption, Cluster, ManualShardingOption, ShardParallel
+from autoshard import (
+    AutoShardingOption,
+    AutoStageOption,
+    Cluster,
+    ManualShardingOption,
+    ManualStageOption,
+    PipeshardParallel,
+    ShardParallel,
+)
 from autoshard.sharding import solver
 from autoshard.sharding.graph import build_graph
 
@@ -80,6 +94,11 @@ ROWS = {
     "39.1B": (8192, 64, 48, 512, 1536, (8, 2), 138),
 }
 PIPELINE_ROWS = {"39.1B"}
+PIPELINE_LAYERS = 8
+"""Pipeline layers the 48 transformer layers are grouped into (a boundary every 6)."""
+PIPELINE_MICRO_BATCHES = 16
+"""Micro-batches per step for the pipelined row (our choice: Table 1 gives no micro-batch
+size; 1536 / 16 = 96 sequences per micro-batch, 3 per data-parallel replica of 32)."""
 BASELINE_ROWS = {"18.4B"}
 """Rows also planned without the solver's cutoff (unrolled only): the speed baseline."""
 BF16 = jnp.bfloat16
@@ -121,6 +140,31 @@ def megatron_pin(mesh: AbstractMesh):
         spec = [a if a in mesh.axis_names else None for a in spec]
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
     return pin
+
+
+def make_pipeline_step(layers_per_boundary: int):
+    """The unrolled step with ``autoshard.value_and_grad`` (the loss marker splits forward from
+    backward) and a pipeline boundary every ``layers_per_boundary`` layers."""
+    remat_block = jax.checkpoint(block)
+
+    def loss_fn(params, tokens, targets):
+        embed = params["embed"].astype(BF16)
+        x = embed[tokens]
+        for i, p in enumerate(params["layers"]):
+            if i and i % layers_per_boundary == 0:
+                autoshard.mark_pipeline_boundary()
+            x = remat_block(x, p)
+        logits = (layer_norm(x, params["ln_f"]) @ embed.T).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+    def train_step(state, tokens, targets):
+        params, opt = state
+        loss, grads = autoshard.value_and_grad(loss_fn)(params, tokens, targets)
+        updates, opt = TX.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), loss
+
+    return train_step
 
 
 def make_step(scan: bool, pin=no_pin):
@@ -247,11 +291,11 @@ def run(name: str, scan: bool) -> dict:
                meshes_tried=[[list(s), v] for s, v in o.meshes_tried],
                meshes_pruned=[[list(s), why] for s, why in o.meshes_pruned],
                solver_status=o.solver_status, cluster=plan.cluster)
-    if p > 1:  # a pipeline: autoshard.plan prices ShardParallel plans only
+    if p > 1:  # the paper's plan is a pipeline: priced by run_pipeline (--pipeline)
         row["paper_unpriced"] = (
-            f"the paper's plan (tensor {t} x pipeline {p}) is not priced: autoshard.plan "
-            "covers ShardParallel, not PipeshardParallel's stages; the planner's plan above "
-            "is without a pipeline")
+            f"the paper's plan (tensor {t} x pipeline {p}) is a pipeline: priced with "
+            "PipeshardParallel in the pipeline table below (--pipeline); the planner's plan "
+            "here is without a pipeline")
         return row
     # The paper's plan priced by the same model: Megatron's specs on the paper's mesh.
     names, shape = (("data", "model"), (gpus // t, t)) if t > 1 else (("data",), (gpus,))
@@ -269,6 +313,79 @@ def run(name: str, scan: bool) -> dict:
                paper_communication_s=paper.communication_s + paper.resharding_s,
                paper_est_tflops=paper.flops / paper.total_s / gpus / 1e12,
                paper_memory_gib=paper.peak_bytes_per_device / 2**30)
+    return row
+
+
+def inter_host_dot_all_reduce_s(stage, cluster) -> float:
+    """Seconds of a stage's backward plans spent in all-reduces of matrix-product results over
+    mesh axes that cross hosts (with the batch split over those axes: the weight gradients'
+    data-parallel reduction)."""
+    hosts, dph = stage.physical_shape
+    sub = dataclasses.replace(cluster, num_hosts=hosts, devices_per_host=dph)
+    total = 0.0
+    for name, plan in stage.plans:
+        crosses = dict(zip(plan.axis_names, sub.axis_crosses_hosts(plan.mesh_shape),
+                           strict=True))
+        total += sum(c.cost_s for c in plan.collectives
+                     if name.startswith("B") and c.kind == "all-reduce"
+                     and c.where.startswith("dot_general") and any(crosses[a] for a in c.axes))
+    return total
+
+
+def pipeline_summary(est, cluster) -> dict:
+    """The fields of a priced pipeline kept in the results."""
+    return {"step_s": est.step_s, "makespan_s": est.makespan_s, "apply_s": est.apply_s,
+            "bubble_fraction": est.bubble_fraction, "flops": est.flops,
+            "tflops": est.tflops_per_device, "memory_gib": est.peak_bytes_per_device / 2**30,
+            "stages": [{"layers": [s.layers[0], s.layers[-1]], "devices": list(s.devices),
+                        "physical_shape": list(s.physical_shape),
+                        "mesh": list(s.mesh_shape), "task_s": s.task_s, "send_s": s.send_s,
+                        "backward_communication_s": sum(
+                            p.objective.communication_s + p.objective.resharding_s
+                            for name, p in s.plans if name.startswith("B")),
+                        "backward_inter_host_dot_all_reduce_s": inter_host_dot_all_reduce_s(
+                            s, cluster),
+                        "memory_gib": s.memory_bytes / 2**30} for s in est.stages],
+            "explain": est.explain()}
+
+
+def run_pipeline(name: str) -> dict:
+    """The row planned with a pipeline: the stage search, and the paper's stages priced."""
+    hidden, heads, layers, gpus, batch, (t, p), paper_tflops = ROWS[name]
+    k, group = PIPELINE_MICRO_BATCHES, layers // PIPELINE_LAYERS
+    row = {"model": name, "hidden": hidden, "heads": heads, "layers": layers, "gpus": gpus,
+           "batch": batch, "paper_tensor": t, "paper_pipeline": p, "paper_data": gpus // (t * p),
+           "paper_tflops": paper_tflops, "layers_as": "pipeline", "num_micro_batches": k,
+           "pipeline_layers": PIPELINE_LAYERS}
+    step = make_pipeline_step(group)
+    args = abstract_args(hidden, heads, layers, batch, scan=False)
+    hosts = gpus // 8
+    cluster = Cluster.a100_80gb(hosts)
+    quiet = AutoShardingOption(show_progress=False)
+    # The paper's stages: p stages of layers / p layers, each on gpus / p GPUs as a
+    # (data, tensor) = (hosts / p, 8) mesh; the planner places the arrays inside each stage.
+    per = PIPELINE_LAYERS // p
+    paper = PipeshardParallel(
+        num_micro_batches=k, layer_option="manual", default_auto_sharding_option=quiet,
+        stage_option=ManualStageOption(
+            [list(range(i * per, (i + 1) * per)) for i in range(p)], [(hosts // p, 8)] * p,
+            [(hosts // p, 8)] * p, [{}] * p))
+    t0 = time.perf_counter()
+    est = autoshard.plan(step, *args, cluster=cluster, method=paper, batch_argnums=(1, 2))
+    row["paper_price_s"] = time.perf_counter() - t0
+    row["paper_pipeline_priced"] = pipeline_summary(est, cluster)
+    print(est.explain(), file=sys.stderr, flush=True)
+    search = PipeshardParallel(
+        num_micro_batches=k, layer_option="manual", default_auto_sharding_option=quiet,
+        stage_option=AutoStageOption(
+            submesh_physical_shape_space="manual", layer_profile_mode="individual",
+            manually_specified_submeshes=[(h, 8) for h in (hosts // 4, hosts // 2, hosts)]))
+    t0 = time.perf_counter()
+    est = autoshard.plan(step, *args, cluster=cluster, method=search, batch_argnums=(1, 2))
+    row["plan_s"] = time.perf_counter() - t0
+    row["load_average"] = os.getloadavg()[0]
+    row["planned_pipeline"] = pipeline_summary(est, cluster)
+    print(est.explain(), file=sys.stderr, flush=True)
     return row
 
 
@@ -304,6 +421,8 @@ def write(rows: list[dict]):
              "TFLOP/s/GPU, memory |",
              "|---|---:|---|---:|---|---|---|---|---:|---:|---:|---|"]
     for r in rows:
+        if r["layers_as"] == "pipeline":
+            continue
         paper = f"{r['paper_data']} x {r['paper_tensor']}" + (
             f" x pipeline {r['paper_pipeline']}" if r["paper_pipeline"] > 1 else "")
         if "skipped" in r:
@@ -321,7 +440,7 @@ def write(rows: list[dict]):
             f"| {r['step_s']:.2f} ({r['compute_s']:.2f} + {r['communication_s']:.2f}) "
             f"| {r['tflops']:.0f} | {r['paper_tflops']} | {r['memory_gib']:.1f}"
             f"{' (over 80 GiB)' if r['memory_gib'] > 80 else ''} "
-            f"| {why(r) if 'paper_step_s' in r else r.get('paper_unpriced', '-')} |")
+            f"| {why(r) if 'paper_step_s' in r else unpriced(r, rows)} |")
     lines += ["", "Paper figures: " + SOURCE + ". The last column prices the paper's plan "
               "itself with `autoshard.plan`: the inputs in Megatron's specs "
               "(`ManualShardingOption`: QKV and first MLP matrix split by columns, attention "
@@ -334,7 +453,7 @@ def write(rows: list[dict]):
               "norms, gradients).", "",
               "Meshes the planner compared (estimated step time; pruned ones with why):", ""]
     for r in rows:
-        if "skipped" in r:
+        if "skipped" in r or r["layers_as"] == "pipeline":
             continue
         tried = ", ".join(f"{tuple(s)} {v:.2f} s" for s, v in sorted(r["meshes_tried"],
                                                                       key=lambda t: t[1]))
@@ -344,7 +463,84 @@ def write(rows: list[dict]):
     lines += ["", "FLOPs check: the step's counted FLOPs / the paper's formula (eq. 3): "
               + ", ".join(f"{r['model']} {r['flops'] / r['paper_formula_flops']:.2f}"
                           for r in rows if "flops" in r) + "."]
+    lines += pipeline_lines(rows)
     (RESULTS / "cluster.md").write_text("\n".join(lines) + "\n")
+
+
+def unpriced(r: dict, rows: list[dict]) -> str:
+    """The last column of a row whose paper plan is a pipeline: where it is priced."""
+    piped = next((x for x in rows if x["model"] == r["model"]
+                  and x["layers_as"] == "pipeline" and "paper_pipeline_priced" in x), None)
+    if piped is None:
+        return r.get("paper_unpriced", "-")
+    e = piped["paper_pipeline_priced"]
+    return (f"a pipeline (tensor {r['paper_tensor']} x pipeline {r['paper_pipeline']}): "
+            f"priced with PipeshardParallel below, {e['step_s']:.2f} s, {e['tflops']:.0f} "
+            f"TFLOP/s, {e['memory_gib']:.1f} GiB")
+
+
+def pipeline_lines(all_rows: list[dict]) -> list[str]:
+    """The pipelined rows: the stage search's plan and the paper's stages, both priced."""
+    rows = [r for r in all_rows if r["layers_as"] == "pipeline"]
+    if not rows:
+        return []
+    lines = ["", "## With a pipeline (PipeshardParallel priced by `autoshard.plan`)", "",
+             "The step unrolled, a `mark_pipeline_boundary()` every 6 transformer layers (8 "
+             "pipeline layers), `autoshard.value_and_grad`, 1F1B. Each task (F, B, apply) of a "
+             "stage is planned by the planner on its sub-mesh's cluster; a stage's time per "
+             "micro-batch is its planned F + B (gradients reduced inside every B, as "
+             "autoshard's pipeline runtime runs them, not once per step as Megatron does), "
+             "activations cross sub-meshes on the link joining them, and the step is the "
+             "replayed schedule plus the apply tasks. The micro-batch count is our choice "
+             "(Table 1 gives none).", "",
+             "| model | GPUs | micro-batches | plan | stages: layers on (hosts x GPUs), mesh | "
+             "est. step s (schedule + apply) | bubble | est. TFLOP/s/GPU | paper TFLOP/s/GPU "
+             "| memory GiB/GPU | plan s |",
+             "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        for label, key, secs in (("stage search (AutoStageOption)", "planned_pipeline",
+                                  "plan_s"),
+                                 (f"paper's: pipeline {r['paper_pipeline']} x data "
+                                  f"{r['paper_data']} x tensor {r['paper_tensor']}",
+                                  "paper_pipeline_priced", "paper_price_s")):
+            e = r.get(key)
+            if e is None:
+                continue
+            stages = "; ".join(
+                f"{s['layers'][0]}-{s['layers'][1]} on {s['physical_shape'][0]}x"
+                f"{s['physical_shape'][1]}, mesh {'x'.join(map(str, s['mesh']))}"
+                for s in e["stages"])
+            lines.append(
+                f"| {r['model']} | {r['gpus']} | {r['num_micro_batches']} | {label} | {stages} "
+                f"| {e['step_s']:.2f} ({e['makespan_s']:.2f} + {e['apply_s']:.2f}) "
+                f"| {e['bubble_fraction']:.1%} | {e['tflops']:.0f} | {r['paper_tflops']} "
+                f"| {e['memory_gib']:.1f} | {r[secs]:.0f} |")
+    for r in rows:
+        e = r.get("paper_pipeline_priced")
+        flat = next((x for x in all_rows if x["model"] == r["model"]
+                     and x["layers_as"] == "scan" and "step_s" in x), None)
+        if e is None:
+            continue
+        comm = [s.get("backward_communication_s") for s in e["stages"]]
+        dots = [s.get("backward_inter_host_dot_all_reduce_s") for s in e["stages"]]
+        b = [s["task_s"].get("B") for s in e["stages"]]
+        if None not in comm and None not in b and None not in dots:
+            lines += ["", f"{r['model']}: in the paper's stages, every backward (one per "
+                      "micro-batch) takes " + ", ".join(
+                          f"{t:.2f} s of which {c:.2f} s communicating and {d:.2f} s in "
+                          "all-reduces of matrix-product results over the inter-host (data) "
+                          "axis" for c, t, d in zip(comm, b, dots, strict=True))
+                      + " (stage by stage): the weight gradients are reduced "
+                      f"{r['num_micro_batches']} times a step, {r['num_micro_batches']} x "
+                      f"{max(dots):.2f} = {r['num_micro_batches'] * max(dots):.1f} s of the "
+                      f"{e['step_s']:.2f} s step"
+                      + (f", a large part of the gap to the planner's plan without a pipeline "
+                         f"(the scan row above, {flat['step_s']:.2f} s), which reduces them "
+                         "once per step" if flat else "")
+                      + ". Megatron-LM also reduces once per step; autoshard's pipeline "
+                      "runtime accumulates into reduced buffers per micro-batch, and the "
+                      "pricing prices what that runtime runs."]
+    return lines
 
 
 def main(argv=None):
@@ -352,6 +548,8 @@ def main(argv=None):
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--unroll", action="store_true", help="layers as a Python loop")
     parser.add_argument("--both", action="store_true", help="scan rows, then unrolled rows")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="plan the pipeline rows (39.1B) with PipeshardParallel")
     parser.add_argument("--rewrite", action="store_true", help="only rewrite cluster.md")
     parser.add_argument("--append", action="store_true",
                         help="keep the rows already in cluster.json, add these after them")
@@ -361,6 +559,14 @@ def main(argv=None):
         return
     modes = [True, False] if args.both else [not args.unroll]
     rows = json.loads((RESULTS / "cluster.json").read_text())["rows"] if args.append else []
+    if args.pipeline:
+        for name in args.rows:
+            if name in PIPELINE_ROWS:
+                rows = [r for r in rows if not (r["model"] == name
+                                                and r["layers_as"] == "pipeline")]
+                rows.append(run_pipeline(name))
+                write(rows)
+        return
     for scan in modes:
         for name in args.rows:
             if name in PIPELINE_ROWS and not scan:

@@ -8,8 +8,11 @@ stages from the stage option, the same ``Partition`` of tasks); then, instead of
   inside one host is a one-host ``Cluster`` of its devices, a larger one whole hosts;
 * every task (``F``, ``B`` or ``Ba``/``Bw``, ``apply``) is traced as the runtime runs it and
   planned by ``sharding.plan_auto`` on its sub-mesh's cluster: its links, FLOP/s and memory.
-  ``F`` chooses the sub-mesh's logical shape (unless the stage option fixes it); the stage's
-  other tasks use that shape with the inputs ``F`` made for them pinned to ``F``'s layout;
+  Tasks are planned in the runtime's order with its input pins (a value takes the layout it
+  already has on the sub-mesh, else its producer's where that sub-mesh has the same logical
+  shape), so on the devices at hand the priced plans are the compiled ones. A stage's first
+  task chooses the sub-mesh's logical shape unless the stage option fixes it (the runtime
+  uses a 1-D sub-mesh there); random-key folding per micro-batch is not priced;
 * a value read on another stage is copied once per micro-batch (``F``/``B`` outputs) or per
   step (``apply``): each sending device sends its shard (the producer plan's spec) over the
   link joining the two sub-meshes (inside a host, or between hosts); the copy is charged to
@@ -44,10 +47,20 @@ from .build import choose_layers, inline_identity_markers
 from .compile import _FIXES, _task_fn, acc_dtype
 from .layers import AutoLayerOption, check_no_nested_markers
 from .partition import build_partition, forward_end, split_pre_post
+from .placement import (
+    axis_names,
+    given_stages,
+    renumber,
+    shape_cluster,
+    stage_layers,
+    stage_overrides,
+    sub_cluster_of,
+    submesh_shapes,
+)
 from .runtime import _step_aliases
 from .schedules import get_schedule
 from .simulate import simulate
-from .stages import AutoStageOption, ManualStageOption, UniformStageOption, stage_dp
+from .stages import AutoStageOption, stage_dp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,10 +188,10 @@ def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
         stage_of_layer, placement = pricer.search_stages(option, num_layers, k)
         notes.append(f"stages searched by the stage DP on planned layer times "
                      f"({option.layer_profile_mode}) over sub-meshes (hosts x devices) "
-                     f"{_submesh_shapes(option, cluster)}")
+                     f"{submesh_shapes(option, cluster)}")
         fixed_shapes = [None] * len(placement)
     else:
-        stage_of_layer, placement, fixed_shapes = _given_stages(option, num_layers, cluster)
+        stage_of_layer, placement, fixed_shapes = given_stages(option, num_layers, cluster)
     num_stages = max(stage_of_layer) + 1
     part = build_partition(closed, layer_of_fwd=layer_of, fwd_end=fwd_end,
                            stage_of_layer=stage_of_layer, batch_invars=program.batch_invars,
@@ -202,13 +215,13 @@ def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
         memory = sp.peak_bytes + max(0, in_flight - 1) * sp.residual_bytes
         if cluster.memory_bytes is not None and memory > cluster.memory_bytes:
             raise ValueError(
-                f"Stage {s} (layers {_layers(stage_of_layer, s)}) does not fit in memory: about "
+                f"Stage {s} (layers {stage_layers(stage_of_layer, s)}) does not fit in memory: about "
                 f"{memory / GIB:.3g} GiB per device (largest task {sp.peak_bytes / GIB:.3g} GiB "
                 f"+ {in_flight - 1} more micro-batches' residuals of "
                 f"{sp.residual_bytes / GIB:.3g} GiB) over the cluster's "
                 f"{cluster.memory_bytes / GIB:.3g} GiB. " + _FIXES)
         stages.append(StageEstimate(
-            stage=s, layers=_layers(stage_of_layer, s), devices=placement[s][0],
+            stage=s, layers=stage_layers(stage_of_layer, s), devices=placement[s][0],
             physical_shape=placement[s][1], mesh_shape=sp.mesh_shape, task_s=dict(sp.times),
             send_s={kind: v[0] for kind, v in sends[s].items()},
             send_bytes={kind: v[1] for kind, v in sends[s].items()},
@@ -246,11 +259,11 @@ class _Pricer:
     def __init__(self, method, program, closed, cluster, layer_of, fwd_end):
         self.method, self.program, self.closed, self.cluster = method, program, closed, cluster
         self.layer_of, self.fwd_end = layer_of, fwd_end
-        self.base = dataclasses.replace(method.default_auto_sharding_option
-                                        or AutoShardingOption(), show_progress=False)
-        if not isinstance(self.base, AutoShardingOption):
-            raise TypeError(f"default_auto_sharding_option ({self.base!r}) must be an "
+        base = method.default_auto_sharding_option or AutoShardingOption()
+        if not isinstance(base, AutoShardingOption):
+            raise TypeError(f"default_auto_sharding_option ({base!r}) must be an "
                             "AutoShardingOption or None.")
+        self.base = dataclasses.replace(base, show_progress=False)
         self.batch_vars = {v for v, b in zip(closed.jaxpr.invars, program.batch_invars,
                                              strict=True) if b}
         self.mb_rows = next((v.aval.shape[0] for v in self.batch_vars if v.aval.shape), None)
@@ -258,7 +271,7 @@ class _Pricer:
         self.notes: list[str] = []
 
     def sub_cluster(self, first: int, n: int) -> tuple[Cluster, tuple[int, int]]:
-        return _sub_cluster(self.cluster, first, n)
+        return sub_cluster_of(self.cluster, first, n)
 
     def plan_task(self, part, task, sub: Cluster, shape, overrides, *, fixed=None,
                   aliases=(), axis_names=None) -> ShardingPlan:
@@ -312,9 +325,9 @@ class _Pricer:
         layout when that sub-mesh has the same logical shape; otherwise the planner chooses."""
         num_stages = part.num_stages
         subs = [self.sub_cluster(*placement[s][0])[0] for s in range(num_stages)]
-        overrides = [_overrides(self.method.stage_option, s) for s in range(num_stages)]
+        overrides = [stage_overrides(self.method.stage_option, s) for s in range(num_stages)]
         mesh = [None if shapes[s] is None else tuple(shapes[s]) for s in range(num_stages)]
-        names = [None if m is None else _axis_names(m) for m in mesh]
+        names = [None if m is None else axis_names(m) for m in mesh]
         consts = set(part.jaxpr.constvars)
         layout: dict = {}  # var -> [(stage, mesh shape, spec)], the producer's first
         out = [_StagePlans(times={}, plans=[], mesh_shape=(), peak_bytes=0, residual_bytes=0,
@@ -389,7 +402,7 @@ class _Pricer:
 
     # The stage search ------------------------------------------------------------------------
     def search_stages(self, option: AutoStageOption, num_layers: int, k: int):
-        shapes = _submesh_shapes(option, self.cluster)
+        shapes = submesh_shapes(option, self.cluster)
         sizes = [math.prod(s) for s in shapes]
         individual = option.layer_profile_mode == "individual"
         spans = ([(i, i + 1) for i in range(num_layers)] if individual else
@@ -398,14 +411,14 @@ class _Pricer:
         measured: dict = {}
         for i, j in spans:
             stage_of_layer = [0] * i + [1] * (j - i) + [2] * (num_layers - j)
-            stage_of_layer = _renumber(stage_of_layer)
+            stage_of_layer = renumber(stage_of_layer)
             s = stage_of_layer[i]
             part = build_partition(self.closed, layer_of_fwd=self.layer_of,
                                    fwd_end=self.fwd_end, stage_of_layer=stage_of_layer,
                                    batch_invars=self.program.batch_invars,
                                    remat=self.method.layer_option.remat)
             for c, shape in enumerate(shapes):
-                sub = _shape_cluster(self.cluster, shape)
+                sub = shape_cluster(self.cluster, shape)
                 option_c = ({"memory_budget_per_device": budget} if budget is not None else {})
                 try:
                     sp = self.plan_stage_on(part, s, sub, option_c)
@@ -433,7 +446,7 @@ class _Pricer:
         stage_of_layer = [s for s, (i, j, _) in enumerate(stages) for _ in range(i, j)]
         placement, first = [], 0
         for _, _, c in stages:
-            sub, phys = self.sub_cluster(first, sizes[c])
+            _, phys = self.sub_cluster(first, sizes[c])
             placement.append(((first, sizes[c]), phys))
             first += sizes[c]
         return stage_of_layer, placement
@@ -450,126 +463,6 @@ class _Pricer:
             peak = max(peak, b.objective.peak_bytes_per_device or 0)
         return _StagePlans(times=times, plans=[], mesh_shape=f.mesh_shape, peak_bytes=peak,
                            residual_bytes=0, out_bytes={}, producer_kind={})
-
-
-def _axis_names(shape) -> tuple[str, ...]:
-    """The runtime's sub-mesh axis names (``compile.make_submeshes``)."""
-    return ("x",) if len(shape) == 1 else tuple(f"x{i}" for i in range(len(shape)))
-
-
-def _renumber(stage_of_layer):
-    ids = {s: i for i, s in enumerate(dict.fromkeys(stage_of_layer))}
-    return [ids[s] for s in stage_of_layer]
-
-
-def _layers(stage_of_layer, s) -> tuple[int, ...]:
-    return tuple(i for i, x in enumerate(stage_of_layer) if x == s)
-
-
-def _sub_cluster(cluster: Cluster, first: int, n: int) -> tuple[Cluster, tuple[int, int]]:
-    """The cluster of devices ``[first, first + n)``: inside one host, or whole hosts."""
-    dph = cluster.devices_per_host
-    if n <= dph and first // dph == (first + n - 1) // dph:
-        return _shape_cluster(cluster, (1, n)), (1, n)
-    if n % dph == 0 and first % dph == 0:
-        return _shape_cluster(cluster, (n // dph, dph)), (n // dph, dph)
-    raise ValueError(
-        f"A sub-mesh of {n} devices starting at device {first} straddles hosts of {dph} devices "
-        f"({cluster.name}): a stage's sub-mesh must lie inside one host or be whole hosts. "
-        f"Choose stage device counts that divide {dph} or are multiples of it.")
-
-
-def _shape_cluster(cluster: Cluster, shape) -> Cluster:
-    hosts, dph = shape
-    return dataclasses.replace(cluster, num_hosts=hosts, devices_per_host=dph,
-                               name=f"{cluster.name} [sub-mesh {hosts} x {dph}]")
-
-
-def _submesh_shapes(option: AutoStageOption, cluster: Cluster) -> list[tuple[int, int]]:
-    dph, hosts = cluster.devices_per_host, cluster.num_hosts
-    if option.submesh_physical_shape_space == "manual":
-        shapes = [tuple(s) for s in option.manually_specified_submeshes]
-        for h, d in shapes:
-            if not (h == 1 and d <= dph or d == dph and h <= hosts):
-                raise ValueError(
-                    f"manually_specified_submeshes entry {(h, d)} does not fit {cluster.name}: "
-                    f"give (1, d) with d <= {dph} or (h, {dph}) with h <= {hosts}.")
-        return shapes
-    shapes = [(1, 2 ** e) for e in range(int(math.log2(dph)) + 1)]
-    shapes += [(2 ** e, dph) for e in range(1, int(math.log2(hosts)) + 1)]
-    if option.submesh_physical_shape_space == "small_power_of_two":
-        shapes = [s for s in shapes if math.prod(s) <= 4]
-    return shapes
-
-
-def _given_stages(option, num_layers: int, cluster: Cluster):
-    """(stage of each layer, ((first, n), physical shape) per stage, logical shape per stage
-    or None) for a uniform or manual stage option."""
-    if isinstance(option, ManualStageOption):
-        ids = [list(x) for x in option.forward_stage_layer_ids]
-        if sum(len(x) for x in ids) != num_layers:
-            raise ValueError(
-                f"ManualStageOption.forward_stage_layer_ids covers {sum(len(x) for x in ids)} "
-                f"layers but the step has {num_layers}. List every layer id in "
-                f"range({num_layers}) once.")
-        sizes = [math.prod(s) for s in option.submesh_physical_shapes]
-        shapes = [tuple(s) for s in option.submesh_logical_shapes]
-        stage_of_layer = [s for s, x in enumerate(ids) for _ in x]
-    else:
-        opt = option or UniformStageOption()
-        n = opt.num_stages or num_layers
-        if num_layers < n:
-            raise ValueError(
-                f"The step has {num_layers} layer(s) but UniformStageOption(num_stages={n}) "
-                f"asks for {n} stages; a stage needs at least one layer. Add "
-                "autoshard.mark_pipeline_boundary() calls, use layer_option=AutoLayerOption("
-                f"layer_num={n}), or fewer stages.")
-        if cluster.num_devices % n:
-            raise ValueError(
-                f"The cluster's {cluster.num_devices} devices cannot be split evenly into {n} "
-                "stages (UniformStageOption). Choose a num_stages that divides the device "
-                "count.")
-        per = (math.prod(opt.submesh_physical_shape) if opt.submesh_physical_shape
-               else cluster.num_devices // n)
-        sizes = [per] * n
-        shapes = [tuple(opt.submesh_logical_shape) if opt.submesh_logical_shape else None] * n
-        stage_of_layer = [layer * n // num_layers for layer in range(num_layers)]
-    if sum(sizes) != cluster.num_devices:
-        raise ValueError(
-            f"The stages' sub-meshes use {sum(sizes)} devices in all but the cluster has "
-            f"{cluster.num_devices} ({cluster.name}): they must cover it exactly. Choose "
-            f"sub-mesh shapes whose device counts add up to {cluster.num_devices}.")
-    placement, first = [], 0
-    for s, n in enumerate(sizes):
-        _, phys = _sub_cluster(cluster, first, n)
-        if isinstance(option, ManualStageOption) and tuple(
-                option.submesh_physical_shapes[s]) != phys:
-            raise ValueError(
-                f"ManualStageOption.submesh_physical_shapes[{s}] is "
-                f"{tuple(option.submesh_physical_shapes[s])} but {n} devices from device "
-                f"{first} on {cluster.name} are {phys} (hosts, devices per host).")
-        if shapes[s] is not None and math.prod(shapes[s]) != n:
-            raise ValueError(f"Stage {s}: logical shape {shapes[s]} has "
-                             f"{math.prod(shapes[s])} devices but its sub-mesh has {n}.")
-        placement.append(((first, n), phys))
-        first += n
-    return stage_of_layer, placement, shapes
-
-
-def _overrides(option, s) -> dict:
-    if isinstance(option, ManualStageOption):
-        d = dict(option.submesh_autosharding_option_dicts[s] or {})
-    elif isinstance(option, UniformStageOption):
-        d = dict(option.submesh_autosharding_option or {})
-    else:
-        d = {}
-    fields = {f.name for f in dataclasses.fields(AutoShardingOption)}
-    unknown = sorted(set(d) - fields)
-    if unknown:
-        raise ValueError(f"Stage {s}: planner options {d} name {unknown}, which are not "
-                         "AutoShardingOption fields.")
-    d.pop("logical_mesh_shape", None)
-    return d
 
 
 def _sends(part, stage_plans, placement, cluster: Cluster, split: bool) -> list[dict]:

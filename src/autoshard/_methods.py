@@ -16,24 +16,44 @@ from .sharding.plan import ShardingPlan
 
 @dataclass(frozen=True, kw_only=True)
 class ManualShardingOption:
-    """User-given PartitionSpecs for ``ShardParallel``."""
+    """User-given PartitionSpecs for ``ShardParallel`` and ``PipeshardParallel``."""
 
-    mesh_axis_names: tuple[str, ...]
-    """Names of the mesh axes the specs refer to."""
+    mesh_axis_names: tuple[str, ...] | None
+    """Names of the mesh axes the specs refer to (with a pipeline: of every sub-mesh, unless
+    ``submesh_axis_names`` names each)."""
     in_axis_resources: Any = None
-    """PartitionSpec or pytree prefix of the positional arguments; None leaves inputs replicated."""
+    """PartitionSpec or pytree prefix of the positional arguments; None leaves inputs replicated
+    (with a pipeline: None leaves them to the planner, a None leaf replicates that input)."""
     out_axis_resources: Any = None
-    """PartitionSpec or pytree prefix of the outputs; None: state follows inputs, rest replicated."""
+    """PartitionSpec or pytree prefix of the outputs; None: state follows inputs, rest replicated
+    (with a pipeline: the rest planned)."""
+    submesh_axis_names: tuple[tuple[str, ...], ...] | None = None
+    """PipeshardParallel only: per sub-mesh, the names of its axes (Alpa's option)."""
+    pipeline_intermediate_axes: tuple[tuple[str, int], ...] | None = None
+    """PipeshardParallel only: ``(axis name, dim)`` pairs: values crossing between stages are
+    split on ``dim`` over that axis on every sub-mesh that has it (Alpa's option)."""
 
-    def __init__(self, mesh_axis_names, in_axis_resources=None, out_axis_resources=None):
-        if isinstance(mesh_axis_names, str) or not all(
-                isinstance(n, str) for n in mesh_axis_names):
-            raise TypeError(
-                f"mesh_axis_names ({mesh_axis_names!r}) must be a sequence of axis names, "
-                "e.g. ('data', 'model').")
-        object.__setattr__(self, "mesh_axis_names", tuple(mesh_axis_names))
+    def __init__(self, mesh_axis_names=None, in_axis_resources=None, out_axis_resources=None,
+                 *, submesh_axis_names=None, pipeline_intermediate_axes=None):
+        if mesh_axis_names is None and submesh_axis_names is None:
+            raise TypeError("ManualShardingOption needs mesh_axis_names (e.g. ('data', 'model')) "
+                            "or, for PipeshardParallel, submesh_axis_names.")
+        for names in ([] if mesh_axis_names is None else [mesh_axis_names]) + list(
+                submesh_axis_names or []):
+            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+                raise TypeError(
+                    f"mesh_axis_names ({names!r}) must be a sequence of axis names, "
+                    "e.g. ('data', 'model').")
+        object.__setattr__(self, "mesh_axis_names",
+                           None if mesh_axis_names is None else tuple(mesh_axis_names))
         object.__setattr__(self, "in_axis_resources", in_axis_resources)
         object.__setattr__(self, "out_axis_resources", out_axis_resources)
+        object.__setattr__(self, "submesh_axis_names", None if submesh_axis_names is None else
+                           tuple(tuple(n) for n in submesh_axis_names))
+        object.__setattr__(self, "pipeline_intermediate_axes",
+                           None if pipeline_intermediate_axes is None else
+                           tuple(tuple(x) if isinstance(x, list | tuple) else x
+                                 for x in pipeline_intermediate_axes))
 
 
 # ShardParallel ---------------------------------------------------------------------------------
@@ -67,6 +87,12 @@ class ShardParallel(ParallelMethod):
         man = self.manual_sharding_option
         if man is not None and not isinstance(man, ManualShardingOption):
             raise TypeError(f"manual_sharding_option ({man!r}) must be a ManualShardingOption.")
+        if man is not None and (man.mesh_axis_names is None or man.submesh_axis_names is not None
+                                or man.pipeline_intermediate_axes is not None):
+            raise ValueError(
+                "ShardParallel's manual_sharding_option needs mesh_axis_names and takes no "
+                "submesh_axis_names or pipeline_intermediate_axes (those are for "
+                "PipeshardParallel's sub-meshes); got " f"{man!r}.")
 
     def compile(self, program: Program) -> Compiled:
         if self.manual_sharding_option is not None:

@@ -354,9 +354,3 @@ def test_a_stage_over_the_memory_budget_names_the_stage_and_the_fixes():
                                          r"memory_budget_per_device \(1,000 B\).*Use more "
                                          r"stages.*remat.*num_micro_batches"):
         autoshard.parallelize(sgd_step(mlp_loss), method=method)(mlp_params(), mlp_batch())
-
-
-def test_manual_sharding_option_is_refused_not_ignored():
-    with pytest.raises(ValueError, match="does not take manual_sharding_option yet.*"
-                                         "stage_input_shardings"):
-        PipeshardParallel(manual_sharding_option=autoshard.ManualShardingOption(("x",)))

@@ -49,6 +49,9 @@ class PipelinePlan:
     """The method that produced the plan."""
     notes: tuple[str, ...] = ()
     """Free-form remarks, as on a ShardingPlan."""
+    submesh_axis_names: tuple[tuple[str, ...], ...] | None = None
+    """Per stage, the axis names of its sub-mesh (a ``ManualShardingOption``'s; None: ``x``
+    or ``x0, x1, ...``)."""
     objective: None = None
     """No ILP objective for the pipeline as a whole (readers of ShardingPlan check it)."""
 
@@ -62,7 +65,9 @@ class PipelinePlan:
                  f"schedule {self.schedule}, {self.num_micro_batches} micro-batches"]
         for s, (ids, shape, devs) in enumerate(zip(self.stage_layer_ids, self.submesh_shapes,
                                                    self.stage_devices, strict=True)):
-            lines.append(f"  stage {s}: layers {list(ids)} on sub-mesh {shape} devices "
+            names = "" if self.submesh_axis_names is None else (
+                f" axes {self.submesh_axis_names[s]}")
+            lines.append(f"  stage {s}: layers {list(ids)} on sub-mesh {shape}{names} devices "
                          f"{list(devs)}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -43,12 +43,15 @@ from . import _cross_process
 from .partition import Partition, Task
 
 
-def make_submeshes(devices, sizes, logical_shapes):
-    """Disjoint sub-meshes over ``devices`` in order, one per stage group."""
+def make_submeshes(devices, sizes, logical_shapes, axis_names=None):
+    """Disjoint sub-meshes over ``devices`` in order, one per stage group; axes named
+    ``axis_names[r]`` (a ``ManualShardingOption``'s), else ``x`` or ``x0, x1, ...``."""
     meshes, start = [], 0
-    for n, shape in zip(sizes, logical_shapes, strict=True):
+    for r, (n, shape) in enumerate(zip(sizes, logical_shapes, strict=True)):
         devs = np.array(devices[start:start + n], dtype=object).reshape(shape)
         names = ("x",) if len(shape) == 1 else tuple(f"x{i}" for i in range(len(shape)))
+        if axis_names is not None:
+            names = tuple(axis_names[r])
         meshes.append(_compat.make_auto_mesh(devs, names))
         start += n
     return meshes
@@ -113,11 +116,13 @@ class CompiledTask:
     values whose dim 0 is the micro-batch's rows (the planner's batch inputs). ``aliases``:
     (input, output) positions of values the task replaces (same spec). ``input_specs``: per
     input the spec it arrives in (None: the plan chooses), e.g. the layout its producer gives
-    it; the planner plans the task around them.
+    it; the planner plans the task around them. ``output_pins``: output position -> the spec
+    the result is pinned to (a ``with_sharding_constraint`` the planner keeps).
     """
 
     def __init__(self, task: Task, part: Partition, mesh, *, with_index: bool, option,
-                 fallback: Specs, rows=frozenset(), aliases=(), input_specs=None):
+                 fallback: Specs, rows=frozenset(), aliases=(), input_specs=None,
+                 output_pins=None):
         self.task, self.stage, self.mesh = task, task.stage, mesh
         consts = dict(zip(part.jaxpr.constvars, part.consts, strict=True))
         self.invars = [v for v in task.invars if v not in consts]
@@ -127,6 +132,9 @@ class CompiledTask:
         self.plan, self.note = None, ""
         fn = _task_fn(task.eqns, self.invars, self.outvars, self.accumulated, consts,
                       self.random)
+        pins = dict(output_pins or {})
+        if pins:
+            fn = _pinned(fn, pins, mesh)
         n, n_acc = len(self.invars), len(self.accumulated)
         abstract = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.invars]
         abstract += [jax.ShapeDtypeStruct(v.aval.shape, acc_dtype(v.aval.dtype))
@@ -166,6 +174,8 @@ class CompiledTask:
                             for i, s in enumerate(input_specs)]
             for i, o in aliases:  # the replacement keeps the layout of what it replaces
                 out_specs[o] = in_specs[i]
+        for o, spec in pins.items():
+            out_specs[o] = spec
         in_sh = [NamedSharding(mesh, s) for s in in_specs]
         out_sh = [NamedSharding(mesh, s) for s in out_specs]
         self.in_shardings, self.out_shardings = in_sh, out_sh
@@ -243,6 +253,16 @@ def _shrink_hint(err) -> str:
 
 def _spec(s) -> P:
     return s.spec if isinstance(s, NamedSharding) else s if isinstance(s, P) else P(*s)
+
+
+def _pinned(fn, pins: dict, mesh):
+    """``fn`` with its outputs at the positions of ``pins`` constrained to their specs."""
+    def pinned(*args):
+        outs = list(fn(*args))
+        for o, spec in pins.items():
+            outs[o] = jax.lax.with_sharding_constraint(outs[o], NamedSharding(mesh, spec))
+        return outs
+    return pinned
 
 
 def _task_fn(eqns, invars, outvars, acc, consts, random):

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from .._methods import ParallelMethod
+from .._methods import ManualShardingOption, ParallelMethod
 from .build import method_devices, plan_partition
 from .compile import make_submeshes, stage_auto_option
 from .layers import AutoLayerOption, ManualLayerOption
+from .manual import submesh_axis_names
 from .runtime import PipelineExecutable
 from .schedules import SCHEDULES
 from .stages import AutoStageOption, ManualStageOption, UniformStageOption
@@ -38,8 +40,8 @@ class PipeshardParallel(ParallelMethod):
     stage_input_shardings: Any = None
     """Per stage, input specs to reproduce (``executable.stage_input_shard_specs``)."""
     manual_sharding_option: Any = None
-    """Not supported yet (an error): stages are planned; pin inputs with
-    ``stage_input_shardings``."""
+    """A ``ManualShardingOption``: sub-mesh axis names, input/output specs and the split of
+    values crossing stages, fixed in every task's plan (``pipeline.manual``)."""
     virtual_stages: int = 2
     """Model stages per sub-mesh with ``interleaved_1f1b`` (Megatron's chunks); else unused."""
     blocking: bool = False
@@ -52,13 +54,10 @@ class PipeshardParallel(ParallelMethod):
         if self.pipeline_schedule not in SCHEDULES:
             raise ValueError(f"pipeline_schedule ({self.pipeline_schedule!r}) must be one of "
                              f"{SCHEDULES}.")
-        if self.manual_sharding_option is not None:
-            raise ValueError(
-                f"PipeshardParallel does not take manual_sharding_option yet (got "
-                f"{self.manual_sharding_option!r}): every stage is planned by ShardParallel's "
-                "planner on its sub-mesh. Pin stage inputs with stage_input_shardings=... "
-                "(executable.stage_input_shard_specs), or give per-stage planner options with "
-                "ManualStageOption(submesh_autosharding_option_dicts=...).")
+        man = self.manual_sharding_option
+        if man is not None and not isinstance(man, ManualShardingOption):
+            raise TypeError(f"manual_sharding_option ({man!r}) must be an "
+                            "autoshard.ManualShardingOption.")
         v = self.virtual_stages
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"virtual_stages ({v!r}) must be a positive int.")
@@ -90,7 +89,11 @@ class PipeshardParallel(ParallelMethod):
         devices = method_devices(self)
         part, plan, sizes, dicts = plan_partition(program, self, devices)
         num_ranks = len(sizes)  # sub-meshes; model stages are a multiple (interleaved)
-        meshes = make_submeshes(devices, sizes, plan.submesh_shapes[:num_ranks])
+        names = submesh_axis_names(self.manual_sharding_option, plan.submesh_shapes[:num_ranks])
+        if names is not None:
+            plan = dataclasses.replace(plan, submesh_axis_names=tuple(
+                names[s % num_ranks] for s in range(part.num_stages)))
+        meshes = make_submeshes(devices, sizes, plan.submesh_shapes[:num_ranks], names)
         options = [stage_auto_option(self.default_auto_sharding_option,
                                      meshes[s % num_ranks], dicts[s % num_ranks])
                    for s in range(part.num_stages)]
@@ -101,6 +104,7 @@ class PipeshardParallel(ParallelMethod):
             blocking=self.blocking, name=name, options=options,
             virtual=part.num_stages // num_ranks,
             stage_input_shardings=self.stage_input_shardings,
+            manual_sharding_option=self.manual_sharding_option,
             timings={"trace_s": trace_s, "planning_s": t1 - t0})
 
 

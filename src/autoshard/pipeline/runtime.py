@@ -30,6 +30,7 @@ from ..sharding.spec import candidate_specs, to_partition_spec
 from . import _cross_process
 from .audit import PipelineAudit, Transfer, task_audit
 from .compile import CompiledTask, Specs, acc_dtype, finalize_fn, make_submeshes
+from .manual import ManualSpecs
 from .schedules import get_schedule
 from .simulate import simulate
 from .timeline import draw_timeline
@@ -41,7 +42,7 @@ class PipelineExecutable:
 
     def __init__(self, *, part, plan, program, flat, out_tree, static_argnums, devices, sizes,
                  blocking: bool, name: str, timings: dict, options=None, virtual: int = 1,
-                 stage_input_shardings=None):
+                 stage_input_shardings=None, manual_sharding_option=None):
         t0 = time.perf_counter()
         self.part, self.program, self.name = part, program, name
         _cross_process.agree_on_stages(name, program, plan)  # several processes: as process 0
@@ -54,9 +55,12 @@ class PipelineExecutable:
         self.k = k = program.num_micro_batches
         num_ranks = part.num_stages // virtual
         # Model stage s runs on sub-mesh s % num_ranks (interleaved: several per sub-mesh).
-        self.rank_meshes = make_submeshes(devices, sizes[:num_ranks],
-                                          plan.submesh_shapes[:num_ranks])
+        self.rank_meshes = make_submeshes(
+            devices, sizes[:num_ranks], plan.submesh_shapes[:num_ranks],
+            None if plan.submesh_axis_names is None else plan.submesh_axis_names[:num_ranks])
         self.meshes = [self.rank_meshes[s % num_ranks] for s in range(part.num_stages)]
+        self.manual = None if manual_sharding_option is None else ManualSpecs(
+            manual_sharding_option, part, program, self.meshes)
         jaxpr = part.jaxpr
         self.batch_vars = {v for v, b in zip(jaxpr.invars, program.batch_invars, strict=True)
                            if b}
@@ -90,6 +94,9 @@ class PipelineExecutable:
             return here.spec if here is not None else carried_spec(layout[v][0], mesh,
                                                                     v.aval.shape)
 
+        def pinned(v, stage):  # a ManualShardingOption's spec for v on the stage, or None
+            return None if self.manual is None else self.manual.input_spec(v, stage)
+
         def compile_task(t, with_index, aliases=(), given=None):
             mesh = self.meshes[t.stage]
             consts = set(jaxpr.constvars)
@@ -100,10 +107,13 @@ class PipelineExecutable:
                     f"its forward task has {len(invars)} inputs; pass "
                     "executable.stage_input_shard_specs of the same step and options.")
             want = list(given) if given is not None else [
-                wanted(v, mesh) if v in layout else None for v in invars]
+                pinned(v, t.stage) or (wanted(v, mesh) if v in layout else None)
+                for v in invars]
             c = CompiledTask(t, part, mesh, with_index=with_index,
                              option=options[t.stage], fallback=self.specs, rows=rows,
-                             aliases=aliases, input_specs=want)
+                             aliases=aliases, input_specs=want,
+                             output_pins=None if self.manual is None else
+                             self.manual.output_pins(t))
             for v, sh in zip(c.invars + c.outvars, c.in_shardings[:len(c.invars)] +
                              c.out_shardings[:len(c.outvars)], strict=True):
                 if sh not in layout.setdefault(v, [sh]):
@@ -230,7 +240,7 @@ class PipelineExecutable:
                 jax.block_until_ready(outs)
             if record:
                 self.trace.append((t.task.name, t.stage, t0 - t_start, time.perf_counter() - t0))
-        out = _cross_process.readable_outputs(self, [self._output(v, args)
+        out = _cross_process.readable_outputs(self, [self._placed(v, self._output(v, args))
                                                      for v in jaxpr.outvars])
         self._mb, self._step = {}, {}
         return out
@@ -308,6 +318,14 @@ class PipelineExecutable:
             stacked = jnp.stack(pieces, axis=1)
             return stacked.reshape((-1,) + stacked.shape[2:])
         return jnp.mean(jnp.stack(pieces), axis=0).astype(v.aval.dtype)
+
+    def _placed(self, v, x):
+        """A step output in the spec ``out_axis_resources`` gives it (moved there if not)."""
+        where = None if self.manual is None or not isinstance(v, Var) else (
+            self.manual.output_sharding_spec(v))
+        if where is None:
+            return x
+        return self.move(x, NamedSharding(self.meshes[where[0]], where[1]))
 
     def _mb_rows(self):
         return next((v.aval.shape[0] for v in self.batch_vars if v.aval.shape), None)
@@ -433,7 +451,9 @@ def carried_spec(src: NamedSharding, mesh, shape) -> P | None:
     """The spec on ``mesh`` whose shards are ``src``'s, device i of ``src``'s mesh standing for
     device i of ``mesh`` (so the move is one device-to-device copy), or None if none is."""
     if tuple(src.mesh.devices.shape) == tuple(mesh.devices.shape):
-        return src.spec
+        rename = dict(zip(src.mesh.axis_names, mesh.axis_names, strict=True))
+        return P(*[None if e is None else tuple(rename[a] for a in e) if isinstance(e, tuple)
+                   else rename[e] for e in src.spec])
     if src.mesh.devices.size != mesh.devices.size:
         return P() if src.is_fully_replicated else None
     like = _compat.make_auto_mesh(np.array(list(src.mesh.devices.flat), dtype=object).reshape(

@@ -116,9 +116,9 @@ class _Apply(Walker):
 
     def equation(self, eqn, ins, path):
         pins = self.pins
+        ins = [pins.operand(path, p, x) for p, x in enumerate(ins)]
         if eqn.primitive.name == "sharding_constraint":  # the user's pin, kept as the plan's
             return [pins.value(site(path, j), x) for j, x in enumerate(ins)]
-        ins = [pins.operand(path, p, x) for p, x in enumerate(ins)]
         outs = bind_eqn(eqn, ins)
         return [pins.value(site(path, j), o) for j, o in enumerate(outs)]
 

@@ -270,7 +270,6 @@ def write(results):
         "receives into the second in place, allreduce and bcast work on the first in place (no "
         "copy per op).",
         "- mpi4jax: the same loop with mpi4jax's operations (registry version), when installed.",
-        "",
         "- Ratios marked paired are the median over rounds of the round's ratio (the competitors "
         "of a round run back to back, under one load); loop/mpi4py (medians) divides the "
         "medians instead.",

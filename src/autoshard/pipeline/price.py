@@ -364,10 +364,14 @@ class _Pricer:
                 entries = layout.setdefault(v, [])
                 if not any(st == s for st, _, _ in entries):
                     entries.append((s, mesh[s], spec))
-            for v, spec in zip(t.accumulated, plan.out_specs[len(outs):], strict=False):
+            sp = out[s]
+            for v, leaf, spec in zip(t.accumulated, plan.outputs[len(outs):],
+                                     plan.out_specs[len(outs):], strict=False):
                 o = part.marker.outvars[list(part.marker.invars).index(v)]
                 layout.setdefault(o, [(s, mesh[s], spec)])  # the finalised gradient
-            sp = out[s]
+                # read by another stage's apply: copied once per step, after the last B
+                sp.out_bytes[o] = leaf.bytes_per_device(plan.mesh_sizes)
+                sp.producer_kind[o] = "apply"
             for v, leaf in zip(outs, plan.outputs, strict=False):
                 sp.out_bytes[v] = leaf.bytes_per_device(plan.mesh_sizes)
                 sp.producer_kind[v] = kind
@@ -482,7 +486,7 @@ def _sends(part, stage_plans, placement, cluster: Cluster, split: bool) -> list[
             seen.add((v, t.stage))
             sp = stage_plans[src]
             kind = sp.producer_kind.get(v)
-            if kind is None:  # a finalised gradient: accumulated by a backward, read by apply
+            if kind is None:  # not made by a task (a step input)
                 continue
             nbytes = sp.out_bytes.get(v, 0)
             one_host = len(hosts[src] | hosts[t.stage]) == 1

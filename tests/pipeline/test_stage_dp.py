@@ -9,6 +9,7 @@ from autoshard.pipeline.stages import (
     AutoStageOption,
     ManualStageOption,
     UniformStageOption,
+    cut_seconds,
     stage_dp,
     stage_exhaustive,
     submesh_choices,
@@ -41,10 +42,60 @@ def test_stage_dp_equals_exhaustive_search(seed):
         assert sum(sizes[s[2]] for s in dp[1]) == num_devices
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_stage_dp_with_cut_costs_equals_exhaustive_search(seed):
+    """A stage's time includes the values it sends across its cut, priced by the device
+    counts on both sides (``cut_seconds``): the DP still finds the exhaustive optimum."""
+    rng = random.Random(100 + seed)
+    num_layers = rng.randint(1, 5)
+    num_devices = rng.choice([2, 4, 8])
+    sizes = [n for n in (1, 2, 4, 8) if n <= num_devices]
+    layer = [rng.uniform(0.5, 3.0) for _ in range(num_layers)]
+    cut_bytes = [rng.choice([0.0, 1e9, 1e10]) for _ in range(num_layers + 1)]
+    k = rng.choice([1, 4, 8])
+
+    def cost(i, j, s):
+        return sum(layer[i:j]) / sizes[s] * (1 + 0.1 * (sizes[s] - 1))
+
+    def boundary(j, a, b):
+        return 2 * cut_seconds(cut_bytes[j], sizes[a], sizes[b])
+
+    dp = stage_dp(num_layers, num_devices, sizes, cost, k, boundary)
+    ex = stage_exhaustive(num_layers, num_devices, sizes, cost, k, boundary)
+    assert dp[0] == pytest.approx(ex[0])
+    assert sum(sizes[s[2]] for s in dp[1]) == num_devices
+
+
+def test_stage_dp_avoids_a_resharding_cut_when_cheaper():
+    """A heavy layer then a light one on 4 devices: compute alone puts them on 3 + 1 devices,
+    but then the activation between them is gathered on the 3 and copied whole to the 1;
+    priced, the DP keeps 2 + 2 devices, whose copy is shard for shard."""
+    sizes = [1, 2, 3]
+    flops = [10.0, 1.0]
+
+    def cost(i, j, s):
+        return sum(flops[i:j]) / sizes[s]
+
+    assert stage_dp(2, 4, sizes, cost, 4)[1] == [(0, 1, 2), (1, 2, 0)]
+    big = 3e10  # bytes crossing the cut: 1.5 s shard for shard over 2 devices at 1e-10 s/B
+    assert cut_seconds(big, 2, 2) == pytest.approx(5e-6 + 1.5)
+    assert cut_seconds(big, 3, 1) == pytest.approx(2 * 5e-6 + 2.0 + 3.0)
+    assert cut_seconds(0, 3, 1) == 0.0
+
+    def boundary(j, a, b):
+        return cut_seconds(big, sizes[a], sizes[b])
+
+    obj, stages = stage_dp(2, 4, sizes, cost, 4, boundary)
+    assert stages == [(0, 1, 1), (1, 2, 1)]
+    assert obj == pytest.approx(5 + cut_seconds(big, 2, 2) + 0.5 + 3 * (5 + cut_seconds(big, 2, 2)))
+    assert stage_exhaustive(2, 4, sizes, cost, 4, boundary) == (obj, stages)
+
+
 def test_submesh_spaces_and_option_errors():
     assert submesh_choices(AutoStageOption(), 8) == [(1, 1), (1, 2), (1, 4), (1, 8)]
-    assert submesh_choices(AutoStageOption(submesh_physical_shape_space="small_power_of_two"),
-                           8) == [(1, 1), (1, 2), (1, 4)]
+    assert submesh_choices(
+        AutoStageOption(submesh_physical_shape_space="small_power_of_two"), 8
+    ) == [(1, 1), (1, 2), (1, 4)]
     with pytest.raises(ValueError, match="manually_specified_submeshes"):
         AutoStageOption(submesh_physical_shape_space="manual")
     with pytest.raises(ValueError, match="num_stages"):

@@ -2,7 +2,8 @@
 
 import jax
 import optax
-from pipeline_models import assert_trees_close, mlp_batch, mlp_loss, mlp_params
+import pytest
+from pipeline_models import assert_trees_close, mlp_batch, mlp_loss, mlp_params, sgd_step
 
 import autoshard
 from autoshard.pipeline import PipeshardParallel, UniformStageOption
@@ -44,3 +45,53 @@ def test_optimizer_moments_stay_on_their_parameters_stage():
     # per step: the activation and its cotangent per micro-batch (2 + 2) and the two scalars;
     # the batch's inputs and targets are placed on the stage that reads them; no resharding
     assert per_step == {"reshard": 0, "copy": 4 + 2, "placed": 2}, per_step
+
+
+def test_plan_prices_the_cut_between_sub_meshes_of_other_device_counts():
+    """The activation between a 4-device and a 2-device stage is gathered and copied whole;
+    the plan prices that (and its cotangent back) and explain() shows it, as the audit sees
+    the resharded copy at run time."""
+    from autoshard.pipeline import ManualStageOption
+    from autoshard.pipeline.stages import cut_seconds
+
+    stage = ManualStageOption([[0, 1], [2, 3]], [(1, 4), (1, 2)], [(4,), (2,)], [{}, {}])
+    method = PipeshardParallel(
+        devices=jax.devices()[:6],
+        num_micro_batches=2,
+        layer_option="manual",
+        stage_option=stage,
+        blocking=True,
+    )
+    f = autoshard.parallelize(sgd_step(mlp_loss), method=method)
+    f(mlp_params(), mlp_batch())
+    ex = f.get_last_executable()
+    (cut,) = ex.plan.crossings
+    # the (16, 16) float32 activation of a 16-row micro-batch
+    assert (cut.src_stage, cut.dst_stage, cut.num_bytes) == (0, 1, 16 * 16 * 4)
+    assert (cut.src_devices, cut.dst_devices, cut.resharded) == (4, 2, True)
+    assert cut.seconds == pytest.approx(cut_seconds(1024, 4, 2) + cut_seconds(1024, 2, 4))
+    assert ex.plan.transfer_s == pytest.approx(2 * cut.seconds)
+    text = ex.explain()
+    assert "cut stage 0 -> 1: 1,024 B per micro-batch, 4 -> 2 devices, gathered" in text
+    resharded = [t for t in ex.audit().transfers if t.resharded]
+    assert {(t.src, t.dst) for t in resharded} == {("F0", "F1"), ("B1", "B0")}
+
+
+def test_auto_stages_avoid_a_resharding_cut_when_cheaper():
+    """choose_stages with AutoStageOption: a heavy then a light layer on 4 devices go on 3 + 1
+    devices by compute alone; with the activation between them priced, on 2 + 2."""
+    from autoshard.pipeline import AutoStageOption
+    from autoshard.pipeline.build import choose_stages, cut_seconds_both
+
+    option = AutoStageOption(
+        submesh_physical_shape_space="manual", manually_specified_submeshes=[(1, 1), (1, 2), (1, 3)]
+    )
+    cost = ([1e14, 1e13], [0.0, 0.0])  # FLOPs of the two layers (1 s and 0.1 s on one device)
+    _, sizes, _, _ = choose_stages(option, 2, 4, 4, cost)
+    assert sizes == [3, 1]
+
+    def cut_cost(j, n, m):
+        return cut_seconds_both([0, 3e9, 0][j], n, m, True)
+
+    _, sizes, _, _ = choose_stages(option, 2, 4, 4, cost, cut_cost)
+    assert sizes == [2, 2]

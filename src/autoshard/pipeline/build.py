@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from .._compat import Var
 from .._mesh import resolve_devices
 from ..markers import pipeline_p
+from ..sharding.cost import FLOP_COST_S
 from .compile import stage_auto_option
 from .layers import AutoLayerOption, auto_layers, check_no_nested_markers, manual_layers
 from .partition import (
@@ -23,10 +24,34 @@ from .stages import (
     AutoStageOption,
     ManualStageOption,
     UniformStageOption,
+    cut_seconds,
     logical_choices,
     stage_dp,
     submesh_choices,
 )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Crossing:
+    """The values crossing the cut between two consecutive stages, as the plan prices them."""
+
+    src_stage: int
+    """The stage before the cut."""
+    dst_stage: int
+    """The stage after it."""
+    num_bytes: int
+    """Bytes per micro-batch of the forward values crossing (their cotangents cross back)."""
+    src_devices: int
+    """Devices of the sending sub-mesh."""
+    dst_devices: int
+    """Devices of the receiving sub-mesh."""
+    seconds: float
+    """Estimated time per micro-batch, both ways (``stages.cut_seconds``)."""
+
+    @property
+    def resharded(self) -> bool:
+        """Sub-meshes of other device counts: gathered on the source, then copied whole."""
+        return self.src_devices != self.dst_devices
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +77,13 @@ class PipelinePlan:
     submesh_axis_names: tuple[tuple[str, ...], ...] | None = None
     """Per stage, the axis names of its sub-mesh (a ``ManualShardingOption``'s; None: ``x``
     or ``x0, x1, ...``)."""
+    crossings: tuple[Crossing, ...] = ()
+    """Per cut between consecutive stages, the values crossing it and their estimated cost."""
+
+    @property
+    def transfer_s(self) -> float:
+        """Estimated seconds per step of the copies between stages (every micro-batch)."""
+        return self.num_micro_batches * sum(c.seconds for c in self.crossings)
     objective: None = None
     """No ILP objective for the pipeline as a whole (readers of ShardingPlan check it)."""
 
@@ -69,6 +101,14 @@ class PipelinePlan:
                 f" axes {self.submesh_axis_names[s]}")
             lines.append(f"  stage {s}: layers {list(ids)} on sub-mesh {shape}{names} devices "
                          f"{list(devs)}")
+        for c in self.crossings:
+            how = ("gathered on the source and copied whole to every device (different "
+                   "device counts)" if c.resharded else "shard for shard")
+            lines.append(f"  cut stage {c.src_stage} -> {c.dst_stage}: {c.num_bytes:,} B per "
+                         f"micro-batch, {c.src_devices} -> {c.dst_devices} devices, {how}: "
+                         f"est. {c.seconds * 1e6:.1f} us per micro-batch")
+        if self.crossings:
+            lines.append(f"  copies between stages: est. {self.transfer_s * 1e3:.4f} ms per step")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -96,8 +136,13 @@ def choose_layers(pre, fwd_end: int, layer_option) -> tuple[dict, int]:
     return manual_layers(pre, fwd_end)
 
 
-def choose_stages(stage_option, num_layers: int, num_devices: int, k: int, layer_cost=None):
-    """(stage of each layer, devices per stage, logical shape per stage, option dict per stage)."""
+def choose_stages(stage_option, num_layers: int, num_devices: int, k: int, layer_cost=None,
+                  cut_cost=None):
+    """(stage of each layer, devices per stage, logical shape per stage, option dict per stage).
+
+    ``cut_cost(j, n, m)``: seconds per micro-batch of the values crossing the cut before layer
+    ``j`` from a sub-mesh of ``n`` devices to one of ``m`` (``AutoStageOption`` adds it to the
+    time of the stage before the cut)."""
     if isinstance(stage_option, ManualStageOption):
         ids = [list(x) for x in stage_option.forward_stage_layer_ids]
         if sum(len(x) for x in ids) != num_layers:
@@ -111,7 +156,7 @@ def choose_stages(stage_option, num_layers: int, num_devices: int, k: int, layer
         check_cover(sizes, num_devices, "ManualStageOption.submesh_physical_shapes")
         return [s for s, x in enumerate(ids) for _ in x], sizes, logical, dicts
     if isinstance(stage_option, AutoStageOption):
-        return _auto_stages(stage_option, num_layers, num_devices, k, layer_cost)
+        return _auto_stages(stage_option, num_layers, num_devices, k, layer_cost, cut_cost)
     opt = stage_option or UniformStageOption()
     n = opt.num_stages or num_layers
     if num_layers < n:
@@ -146,7 +191,8 @@ def check_cover(sizes, num_devices: int, what: str):
             f"device counts add up to {num_devices}, or pass devices= with that many devices.")
 
 
-def _auto_stages(option: AutoStageOption, num_layers, num_devices, k, layer_cost):
+def _auto_stages(option: AutoStageOption, num_layers, num_devices, k, layer_cost,
+                 cut_cost=None):
     shapes = submesh_choices(option, num_devices)
     sizes = [math.prod(s) for s in shapes]
     budget = option.memory_budget_per_device
@@ -170,8 +216,12 @@ def _auto_stages(option: AutoStageOption, num_layers, num_devices, k, layer_cost
             n = sizes[c]
             if budget is not None and sum(mem[i:j]) / n > budget:
                 return math.inf
-            return sum(flops[i:j]) / n * (1 + 0.05 * (n - 1)) + 1.0
-    obj, stages = stage_dp(num_layers, num_devices, sizes, cost, k)
+            return (sum(flops[i:j]) / n * (1 + 0.05 * (n - 1)) + 1.0) * FLOP_COST_S
+
+    def boundary(j, a, b):  # the values crossing the cut, priced as the runtime moves them
+        return cut_cost(j, sizes[a], sizes[b])
+    obj, stages = stage_dp(num_layers, num_devices, sizes, cost, k,
+                           None if cut_cost is None else boundary)
     if not stages:
         raise ValueError(
             f"AutoStageOption found no stage layout: every candidate stage needs more than "
@@ -207,6 +257,11 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
             "fori_loop body is dropped when JAX differentiates the loop), or use "
             "layer_option=AutoLayerOption(layer_num=...).")
     layer_cost = _layer_costs(pre, layer_of, num_layers)
+    cut_bytes = _cut_bytes(pre, fwd_end, layer_of, num_layers)
+    backward = fwd_end < len(pre)
+
+    def cut_cost(j, n, m):
+        return cut_seconds_both(cut_bytes[j], n, m, backward)
     if isinstance(method.stage_option, AutoStageOption) and method.stage_option.profile:
         batch_vars = [v for v, b in zip(closed.jaxpr.invars, program.batch_invars, strict=True)
                       if b]
@@ -220,7 +275,7 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
     virtual = _virtual(method)
     stage_of_layer, sizes, logical, dicts = choose_stages(
         method.stage_option, num_layers, len(devices) * virtual, program.num_micro_batches,
-        layer_cost)
+        layer_cost, cut_cost)
     num_stages = len(sizes)
     if num_stages % virtual:
         raise ValueError(
@@ -241,9 +296,17 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
     logical = [logical[s % num_ranks] for s in range(num_stages)]
     for s in range(num_stages):
         ids.append(tuple(layer for layer, x in enumerate(stage_of_layer) if x == s))
+    crossings = []
+    for s in range(num_stages - 1):
+        if not ids[s + 1]:
+            continue
+        a, b = len(devs[s]), len(devs[s + 1])
+        j = min(ids[s + 1])
+        crossings.append(Crossing(src_stage=s, dst_stage=s + 1, num_bytes=int(cut_bytes[j]),
+                                  src_devices=a, dst_devices=b, seconds=cut_cost(j, a, b)))
     plan = PipelinePlan(num_layers=num_layers, stage_layer_ids=tuple(ids),
                         submesh_shapes=tuple(tuple(x) for x in logical),
-                        stage_devices=tuple(devs),
+                        stage_devices=tuple(devs), crossings=tuple(crossings),
                         schedule=method.pipeline_schedule if part.has_backward else "inference",
                         num_micro_batches=program.num_micro_batches)
     return part, plan, sizes, dicts
@@ -267,6 +330,37 @@ def _num_requested_stages(option) -> int:
     if isinstance(option, ManualStageOption):
         return len(option.forward_stage_layer_ids)
     return 1
+
+
+def _cut_bytes(pre, fwd_end: int, layer_of: dict, num_layers: int) -> list[float]:
+    """Per cut before layer ``j``: bytes per micro-batch of the forward values made in layers
+    below ``j`` and read at or above it (their cotangents cross back in the backward)."""
+    made: dict = {}
+    for i in range(fwd_end):
+        if i in layer_of:
+            for v in pre[i].outvars:
+                made[v] = layer_of[i]
+    last_reader: dict = {}
+    for i in range(fwd_end):
+        if i not in layer_of:
+            continue
+        for v in pre[i].invars:
+            if isinstance(v, Var) and v in made and layer_of[i] > made[v]:
+                last_reader[v] = max(last_reader.get(v, 0), layer_of[i])
+    out = [0.0] * (num_layers + 1)
+    for v, top in last_reader.items():
+        aval = v.aval
+        size = math.prod(getattr(aval, "shape", ())) * getattr(
+            getattr(aval, "dtype", None), "itemsize", 4)
+        for j in range(made[v] + 1, top + 1):
+            out[j] += size
+    return out
+
+
+def cut_seconds_both(num_bytes: float, a: int, b: int, backward: bool) -> float:
+    """``num_bytes`` across a cut from ``a`` to ``b`` devices, and back when ``backward``."""
+    there = cut_seconds(num_bytes, a, b)
+    return there + cut_seconds(num_bytes, b, a) if backward else there
 
 
 def _layer_costs(pre, layer_of, num_layers):

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..sharding.cost import DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE
+
 
 @dataclass(frozen=True)
 class UniformStageOption:
@@ -125,15 +127,39 @@ def logical_choices(option: AutoStageOption, n: int) -> list[tuple[int, int]]:
     return [(a, n // a) for a in range(1, n + 1) if n % a == 0]
 
 
+def cut_seconds(num_bytes: float, n: int, m: int, *, alpha: float = DEFAULT_ALPHA_S,
+                beta: float = DEFAULT_BETA_S_PER_BYTE) -> float:
+    """Time to move a value of ``num_bytes`` from a sub-mesh of ``n`` devices to one of ``m``.
+
+    As ``runtime``'s ``Mover`` moves it: between sub-meshes of one device count, device i
+    sends its shard to device i (all at once: ``num_bytes / n`` each, the layout carried
+    over); between other counts the value is first gathered on the source (an all-gather
+    over its ``n`` devices), then every destination device receives all of it.
+    """
+    if num_bytes <= 0:
+        return 0.0
+    if n == m:
+        return alpha + beta * num_bytes / n
+    gather = 0.0 if n == 1 else alpha + beta * (n - 1) / n * num_bytes
+    return gather + alpha + beta * num_bytes
+
+
 def stage_dp(num_layers: int, num_devices: int, sizes: Sequence[int],
-             cost: Callable[[int, int, int], float], num_micro_batches: int
+             cost: Callable[[int, int, int], float], num_micro_batches: int,
+             boundary: Callable[[int, int, int], float] | None = None
              ) -> tuple[float, list[tuple[int, int, int]]]:
     """Best cut of layers into stages on sub-meshes using exactly ``num_devices`` devices.
 
     ``cost(i, j, k)``: time of layers ``[i, j)`` on sub-mesh choice ``k`` of ``sizes[k]``
-    devices (``math.inf`` if it does not fit). Returns the objective
-    ``sum(times) + (num_micro_batches - 1) * max(times)`` and the stages ``(i, j, k)``.
+    devices (``math.inf`` if it does not fit). ``boundary(j, k, k2)``: time per micro-batch
+    of the values crossing the cut before layer ``j`` from sub-mesh choice ``k`` to ``k2``
+    (both ways in training; ``cut_seconds``), added to the time of the stage that ends at
+    ``j``. Returns the objective ``sum(times) + (num_micro_batches - 1) * max(times)`` and
+    the stages ``(i, j, k)``.
     """
+    if boundary is not None:
+        return _stage_dp_cuts(num_layers, num_devices, sizes, cost, num_micro_batches,
+                              boundary)
     table = {(i, j, k): cost(i, j, k) for i in range(num_layers)
              for j in range(i + 1, num_layers + 1) for k in range(len(sizes))}
     candidates = sorted({t for t in table.values() if t < math.inf})
@@ -170,7 +196,71 @@ def stage_dp(num_layers: int, num_devices: int, sizes: Sequence[int],
     return best
 
 
-def stage_exhaustive(num_layers, num_devices, sizes, cost, num_micro_batches):
+def _stage_times(stages, cost, boundary):
+    """Each stage's time: its layers' plus its outgoing cut's (``boundary``)."""
+    times = []
+    for n, (i, j, k) in enumerate(stages):
+        t = cost(i, j, k)
+        if boundary is not None and n + 1 < len(stages):
+            t += boundary(j, k, stages[n + 1][2])
+        times.append(t)
+    return times
+
+
+def _stage_dp_cuts(num_layers, num_devices, sizes, cost, num_micro_batches, boundary):
+    """``stage_dp`` where a stage's time depends on the next stage's sub-mesh (its cut)."""
+    big_l, kk = num_layers, range(len(sizes))
+    table = {(i, j, k): cost(i, j, k) for i in range(big_l)
+             for j in range(i + 1, big_l + 1) for k in kk}
+    cut = {(j, k, k2): boundary(j, k, k2) for j in range(1, big_l) for k in kk for k2 in kk}
+
+    def time(i, j, k, k2):
+        t = table[(i, j, k)]
+        return t if k2 is None else t + cut[(j, k, k2)]
+    candidates = sorted({t for (i, j, k), c in table.items() if c < math.inf
+                         for k2 in ([None] if j == big_l else kk)
+                         if (t := time(i, j, k, k2)) < math.inf})
+    best: tuple[float, list] = (math.inf, [])
+    for tmax in candidates:
+        if (num_micro_batches - 1) * tmax >= best[0]:
+            break
+        # f[(i, d, k)]: least total for layers [i, L) on exactly d devices, the stage starting
+        # at i on choice k, every stage's time (cut included) <= tmax.
+        f: dict = {(big_l, 0, None): 0.0}
+        arg: dict = {}
+        for i in range(big_l - 1, -1, -1):
+            for d in range(1, num_devices + 1):
+                for k in kk:
+                    n = sizes[k]
+                    if n > d:
+                        continue
+                    val = math.inf
+                    for j in range(i + 1, big_l + 1):
+                        for k2 in ([None] if j == big_l else kk):
+                            rest = f.get((j, d - n, k2), math.inf)
+                            t = time(i, j, k, k2)
+                            if rest == math.inf or t > tmax or t + rest >= val:
+                                continue
+                            val, arg[(i, d, k)] = t + rest, (j, k2)
+                    if val < math.inf:
+                        f[(i, d, k)] = val
+        starts = [k for k in kk if (0, num_devices, k) in f]
+        if not starts:
+            continue
+        k = min(starts, key=lambda c: f[(0, num_devices, c)])
+        stages, i, d = [], 0, num_devices
+        while i < big_l:
+            j, k2 = arg[(i, d, k)]
+            stages.append((i, j, k))
+            i, d, k = j, d - sizes[k], k2
+        times = _stage_times(stages, lambda a, b, c: table[(a, b, c)], boundary)
+        obj = sum(times) + (num_micro_batches - 1) * max(times)
+        if obj < best[0]:
+            best = (obj, stages)
+    return best
+
+
+def stage_exhaustive(num_layers, num_devices, sizes, cost, num_micro_batches, boundary=None):
     """The same objective by enumerating every cut and sub-mesh choice (for tests)."""
     best: tuple[float, Any] = (math.inf, [])
 
@@ -178,7 +268,7 @@ def stage_exhaustive(num_layers, num_devices, sizes, cost, num_micro_batches):
         nonlocal best
         if i == num_layers:
             if d == 0:
-                times = [cost(*s) for s in stages]
+                times = _stage_times(stages, cost, boundary)
                 obj = sum(times) + (num_micro_batches - 1) * max(times)
                 if obj < best[0]:
                     best = (obj, list(stages))
@@ -192,4 +282,4 @@ def stage_exhaustive(num_layers, num_devices, sizes, cost, num_micro_batches):
 
 
 __all__ = ["AutoStageOption", "ManualStageOption", "StageOption", "UniformStageOption",
-           "logical_choices", "stage_dp", "stage_exhaustive", "submesh_choices"]
+           "cut_seconds", "logical_choices", "stage_dp", "stage_exhaustive", "submesh_choices"]

@@ -108,6 +108,11 @@ def plan(fun: Callable, *args, method: ParallelMethod | None = None,
             f"The method's devices ({len(resolve_devices(method.devices)[0])}) and the cluster "
             f"({cluster.num_devices} devices, {cluster.name}) differ. Give one of the two.")
     if pipeline:
+        if method.manual_sharding_option is not None:
+            raise ValueError(
+                "autoshard.plan does not price PipeshardParallel's manual_sharding_option yet "
+                "(its specs would be ignored). Price the pipeline without it, or run it and "
+                "read executable.explain().")
         return price_pipeline(method, program, cluster)
     if method.manual_sharding_option is not None:
         return _price_manual(method, program, cluster)

@@ -178,3 +178,18 @@ def test_shard_parallel_refuses_the_pipeline_fields():
                 ("x",), submesh_axis_names=(("x",),)
             )
         )
+
+
+def test_autoshard_plan_refuses_a_pipeline_manual_sharding_option():
+    p = mlp_params(widths=WIDTHS)
+    with pytest.raises(
+        ValueError, match="does not price PipeshardParallel's manual_sharding_option yet"
+    ):
+        autoshard.plan(
+            adam_step,
+            p,
+            optax.adam(1e-2).init(p),
+            mlp_batch(),
+            method=method(option()),
+            batch_argnums=(2,),
+        )

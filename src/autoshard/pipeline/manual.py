@@ -60,8 +60,8 @@ def submesh_axis_names(option, logical_shapes) -> list[tuple[str, ...]] | None:
             raise ValueError(
                 f"manual_sharding_option.{what.format(r=r)} {n} must name each axis of "
                 f"sub-mesh {r} once, but its logical shape is {shape}. Give {len(shape)} "
-                "distinct names, or set the logical shape with ManualStageOption("
-                "submesh_logical_shapes=...)."
+                "distinct names, or set the logical shape (UniformStageOption("
+                "submesh_logical_shape=...) or ManualStageOption(submesh_logical_shapes=...))."
             )
     return names
 

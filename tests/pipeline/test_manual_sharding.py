@@ -105,7 +105,7 @@ def test_specs_fixed_in_every_stage_and_numerics_match_jit():
     assert ex.audit().unpredicted == ()
 
 
-def test_intermediate_axes_apply_on_the_sub_meshes_that_have_the_axis():
+def test_intermediate_axes_apply_on_the_sub_meshes_that_have_the_axis(monkeypatch):
     """Alpa's example: stage 0 names its axes (dummy, model), stage 1 (dummy, data); the
     activation is split over data only where it arrives."""
     specs = {"w0": P(None, "model"), "w1": P("model", None), "w2": P(), "w3": P()}
@@ -116,6 +116,16 @@ def test_intermediate_axes_apply_on_the_sub_meshes_that_have_the_axis():
         submesh_axis_names=(("dummy", "model"), ("dummy", "data")),
         pipeline_intermediate_axes=(("data", 0),),
     )
+    from autoshard.pipeline import runtime
+
+    asked = {}
+
+    class Spy(runtime.CompiledTask):
+        def __init__(self, task, *a, **kw):
+            asked[task.name] = kw["input_specs"]
+            super().__init__(task, *a, **kw)
+
+    monkeypatch.setattr(runtime, "CompiledTask", Spy)
     got, want, ex = run(method(man, shapes=((1, 2), (1, 2)), devices=jax.devices()[:4]), 2)
     assert_trees_close(got, want)
     f1 = ex.tasks[("F", 1)]
@@ -125,6 +135,11 @@ def test_intermediate_axes_apply_on_the_sub_meshes_that_have_the_axis():
     f0 = ex.tasks[("F", 0)]  # stage 0 has no data axis: its output is planned freely
     assert "data" not in str(f0.out_shardings[f0.outvars.index(h)].spec)
     assert "axes ('dummy', 'data')" in ex.plan.explain()
+    # a replicated spec (P()) is a pin too: stage 1 takes w2 and w3 whole, not as planned
+    w2, w3 = ex.part.jaxpr.invars[2:4]
+    assert [f1.in_shardings[f1.invars.index(w)].spec for w in (w2, w3)] == [P(), P()]
+    assert [asked["F1"][f1.invars.index(w)] for w in (w2, w3)] == [P(), P()]
+    assert entry_param_shapes(f1.compiled.as_text())["f32[32,32]"] >= 1
 
 
 @pytest.mark.parametrize(

@@ -107,8 +107,8 @@ class PipelineExecutable:
                     f"its forward task has {len(invars)} inputs; pass "
                     "executable.stage_input_shard_specs of the same step and options.")
             want = list(given) if given is not None else [
-                pinned(v, t.stage) or (wanted(v, mesh) if v in layout else None)
-                for v in invars]
+                p if (p := pinned(v, t.stage)) is not None else
+                wanted(v, mesh) if v in layout else None for v in invars]
             c = CompiledTask(t, part, mesh, with_index=with_index,
                              option=options[t.stage], fallback=self.specs, rows=rows,
                              aliases=aliases, input_specs=want,

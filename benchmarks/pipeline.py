@@ -15,6 +15,10 @@ stage overlap. On CPU this measures:
   planned, the transfers per step (reshards on a sub-mesh, device-to-device copies) and the
   audit: collective bytes per step the task plans predict against the compiled tasks, and
   compiled collectives no plan predicted.
+* **optimizer and cut moves**: a 2-stage MLP with Adam after global-norm clipping: copies
+  and reshards per step (Adam's moments stay on their parameter's sub-mesh), the values
+  crossing between apply tasks; and the plan's estimate for the cut between sub-meshes of
+  4 and 2 devices (gathered and copied whole) against 2 and 2 (shard for shard).
 
 Run: ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/pipeline.py``;
 writes ``benchmarks/results/pipeline.{json,md,png}``.
@@ -154,11 +158,64 @@ def stage_plans(k=8, width=64, repeats=5) -> dict:
     return out
 
 
+def optimizer_and_cut_moves(width=64, k=4, repeats=3) -> dict:
+    """Copies per step of a 2-stage Adam+clipping step; the plan's cut estimates."""
+    import optax
+
+    from autoshard.pipeline import ManualStageOption
+
+    step_sgd, params, x = mlp(width, 4, 16 * k)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+
+    def loss(p, x):
+        h = x
+        for i in range(4):
+            h = jnp.tanh(h @ p[f"w{i}"])
+            if i < 3:
+                autoshard.mark_pipeline_boundary()
+        return jnp.mean(h ** 2)
+
+    def step(p, opt, x):
+        g = autoshard.grad(loss)(p, x)
+        updates, opt = tx.update(g, opt, p)
+        return optax.apply_updates(p, updates), opt
+
+    f = autoshard.parallelize(step, batch_argnums=(2,), method=PipeshardParallel(
+        devices=jax.devices()[:4], num_micro_batches=k, layer_option="manual", blocking=True,
+        stage_option=UniformStageOption(num_stages=2)))
+    state = (params, tx.init(params))
+    state = f(*state, x)
+    ex = f.get_last_executable()
+    before = dict(ex.move.counts)
+    for _ in range(repeats):
+        state = jax.block_until_ready(f(*state, x))
+    moves = {key: (ex.move.counts[key] - before[key]) / repeats for key in before}
+    apply_moves = [t for t in ex.audit().transfers if t.src.startswith("apply")]
+    out = {"adam_copies_per_step": moves["copy"], "adam_reshards_per_step": moves["reshard"],
+           "apply_values_crossing": len(apply_moves),
+           "apply_bytes_crossing": sum(t.num_bytes for t in apply_moves)}
+    for name, shapes in (("4->2", [(4,), (2,)]), ("2->2", [(2,), (2,)])):
+        n = sum(s[0] for s in shapes)
+        g = autoshard.parallelize(step_sgd, method=PipeshardParallel(
+            devices=jax.devices()[:n], num_micro_batches=k, layer_option="manual",
+            blocking=True, stage_option=ManualStageOption(
+                [[0, 1], [2, 3]], [(1, s[0]) for s in shapes], shapes, [{}, {}])))
+        g(params, x)
+        plan = g.get_last_executable().plan
+        (cut,) = plan.crossings
+        out[f"cut_{name}"] = {"bytes_per_micro_batch": cut.num_bytes,
+                              "resharded": cut.resharded,
+                              "est_us_per_micro_batch": round(cut.seconds * 1e6, 2),
+                              "est_ms_per_step": round(plan.transfer_s * 1e3, 4)}
+    return out
+
+
 def main():
     RESULTS.mkdir(exist_ok=True)
     result = {"jax": jax.__version__, "platform": jax.devices()[0].platform,
               "devices": jax.device_count(), "controller": controller_overhead(),
-              "bubble": measured_bubble(), "stage_plans": stage_plans()}
+              "bubble": measured_bubble(), "stage_plans": stage_plans(),
+              "moves": optimizer_and_cut_moves()}
     (RESULTS / "pipeline.json").write_text(json.dumps(result, indent=1))
     c, b = result["controller"], result["bubble"]
     lines = ["# Pipeline benchmark", "",
@@ -184,6 +241,19 @@ def main():
                      f"{r['reshards_per_step']:g} | {r['copies_per_step']:g} | "
                      f"{r['audit_predicted_bytes']:,} | {r['audit_compiled_bytes']:,} | "
                      f"{r['audit_unpredicted']} | {r['transfer_bytes_per_step']:,} |")
+    m = result["moves"]
+    lines += ["", "## Optimizer and cut moves (MLP width 64, 4 micro-batches)", "",
+              f"2 stages x 2 devices, Adam after global-norm clipping: "
+              f"{m['adam_copies_per_step']:g} copies and {m['adam_reshards_per_step']:g} "
+              f"reshards per step; {m['apply_values_crossing']} values "
+              f"({m['apply_bytes_crossing']} B) cross between apply tasks (scalars: the "
+              "clipping norm's partial sums and the step count's bias corrections).", "",
+              "| cut | B per micro-batch | resharded | est. us per micro-batch (both ways) | "
+              "est. ms per step |", "|---|---|---|---|---|"]
+    for name in ("4->2", "2->2"):
+        c = m[f"cut_{name}"]
+        lines.append(f"| {name} devices | {c['bytes_per_micro_batch']:,} | {c['resharded']} | "
+                     f"{c['est_us_per_micro_batch']} | {c['est_ms_per_step']} |")
     (RESULTS / "pipeline.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -142,33 +142,12 @@ def megatron_pin(mesh: AbstractMesh):
     return pin
 
 
-def make_pipeline_step(layers_per_boundary: int):
-    """The unrolled step with ``autoshard.value_and_grad`` (the loss marker splits forward from
-    backward) and a pipeline boundary every ``layers_per_boundary`` layers."""
-    remat_block = jax.checkpoint(block)
-
-    def loss_fn(params, tokens, targets):
-        embed = params["embed"].astype(BF16)
-        x = embed[tokens]
-        for i, p in enumerate(params["layers"]):
-            if i and i % layers_per_boundary == 0:
-                autoshard.mark_pipeline_boundary()
-            x = remat_block(x, p)
-        logits = (layer_norm(x, params["ln_f"]) @ embed.T).astype(jnp.float32)
-        logp = jax.nn.log_softmax(logits)
-        return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
-
-    def train_step(state, tokens, targets):
-        params, opt = state
-        loss, grads = autoshard.value_and_grad(loss_fn)(params, tokens, targets)
-        updates, opt = TX.update(grads, opt, params)
-        return (optax.apply_updates(params, updates), opt), loss
-
-    return train_step
-
-
-def make_step(scan: bool, pin=no_pin):
+def make_step(scan: bool, pin=no_pin, layers_per_boundary: int | None = None):
+    """The GPT step: layers as a ``lax.scan`` or unrolled. With ``layers_per_boundary`` the
+    unrolled layers get a pipeline boundary that often, and the gradient is
+    ``autoshard.value_and_grad`` (its loss marker splits forward from backward)."""
     remat_block = jax.checkpoint(lambda x, p: block(x, p, pin))
+    grad = autoshard.value_and_grad if layers_per_boundary else jax.value_and_grad
 
     def loss_fn(params, tokens, targets):
         embed = params["embed"].astype(BF16)
@@ -176,7 +155,9 @@ def make_step(scan: bool, pin=no_pin):
         if scan:
             x, _ = jax.lax.scan(lambda c, p: (remat_block(c, p), None), x, params["layers"])
         else:
-            for p in params["layers"]:
+            for i, p in enumerate(params["layers"]):
+                if layers_per_boundary and i and i % layers_per_boundary == 0:
+                    autoshard.mark_pipeline_boundary()
                 x = remat_block(x, p)
         logits = pin((layer_norm(x, params["ln_f"]) @ embed.T).astype(jnp.float32),
                      "data", None, "model")
@@ -185,7 +166,7 @@ def make_step(scan: bool, pin=no_pin):
 
     def train_step(state, tokens, targets):
         params, opt = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets)
+        loss, grads = grad(loss_fn)(params, tokens, targets)
         updates, opt = TX.update(grads, opt, params)
         return (optax.apply_updates(params, updates), opt), loss
 
@@ -357,7 +338,7 @@ def run_pipeline(name: str) -> dict:
            "batch": batch, "paper_tensor": t, "paper_pipeline": p, "paper_data": gpus // (t * p),
            "paper_tflops": paper_tflops, "layers_as": "pipeline", "num_micro_batches": k,
            "pipeline_layers": PIPELINE_LAYERS}
-    step = make_pipeline_step(group)
+    step = make_step(False, layers_per_boundary=group)
     args = abstract_args(hidden, heads, layers, batch, scan=False)
     hosts = gpus // 8
     cluster = Cluster.a100_80gb(hosts)

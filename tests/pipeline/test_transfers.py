@@ -95,3 +95,51 @@ def test_auto_stages_avoid_a_resharding_cut_when_cheaper():
 
     _, sizes, _, _ = choose_stages(option, 2, 4, 4, cost, cut_cost)
     assert sizes == [2, 2]
+
+
+def test_audit_counts_every_copy_the_runtime_makes_with_tied_embeddings():
+    """The audit's transfers are every copy between sub-meshes in a step, step inputs
+    included: the tied embedding read on both stages, the targets read by the last."""
+    from flax.training.train_state import TrainState
+    from pipeline_models import GPT
+
+    model = GPT(layers=1)
+    tokens = jax.numpy.asarray(
+        __import__("numpy").random.default_rng(0).integers(0, 32, size=(8, 8)), "int32"
+    )
+    params = model.init(jax.random.key(0), tokens[:, :-1])
+    # eps as in the other GPT tests: the attention key bias has a zero gradient up to rounding
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2, eps=1e-3))
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    def step(state, tokens):
+        def loss(p):
+            logits = state.apply_fn(p, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        return state.apply_gradients(grads=autoshard.grad(loss)(state.params))
+
+    method = PipeshardParallel(
+        devices=jax.devices()[:4],
+        num_micro_batches=2,
+        blocking=True,
+        layer_option="manual",
+        stage_option=UniformStageOption(num_stages=2),
+    )
+    f = autoshard.parallelize(step, method=method)
+    got, want = f(state, tokens), jax.jit(step)(state, tokens)
+    ex = f.get_last_executable()
+    before = dict(ex.move.counts)
+    got, want = f(got, tokens), jax.jit(step)(want, tokens)
+    assert_trees_close(got.params, want.params)
+    copies = ex.move.counts["copy"] - before["copy"]
+    audit = ex.audit()
+    assert sum(t.runs for t in audit.transfers) == copies
+    inputs = {
+        (t.dst, t.value.split(":")[-1].split()[0], t.runs)
+        for t in audit.transfers
+        if t.src == "input"
+    }
+    # the embedding (32, 16) once per step; the token micro-batches (4, 8) once each
+    assert {(d, r) for d, v, r in inputs if v == "float32[32,16]"} == {("F1", 1)}
+    assert {(d, r) for d, v, r in inputs if v == "int32[4,8]"} == {("F1", 2)}

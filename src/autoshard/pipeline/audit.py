@@ -37,7 +37,7 @@ class Transfer:
     value: str
     """The value (its jaxpr variable and shape)."""
     src: str
-    """Producing task."""
+    """Producing task, or ``input`` for a step input (from where its first reader takes it)."""
     dst: str
     """Consuming task."""
     num_bytes: int

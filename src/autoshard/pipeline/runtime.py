@@ -390,20 +390,29 @@ class PipelineExecutable:
         tasks = self._ordered_tasks()
         made = {v: (t, sh) for t in tasks
                 for v, sh in zip(t.outvars, t.out_shardings, strict=False)}
+        # step inputs arrive where their first reader takes them; readers on other sub-meshes
+        # get a copy per step (per micro-batch for batch inputs)
+        arrive = dict(zip(self.part.jaxpr.invars, self.in_shardings, strict=True))
         transfers, seen = [], set()
         for t in tasks:
             for v, dst in zip(t.invars, t.in_shardings, strict=False):
                 src_task, src = made.get(v, (None, None))
-                if src_task is None or src.device_set == dst.device_set or (v, dst) in seen:
+                src_name = None if src_task is None else src_task.task.name
+                if src_task is None and v in arrive:
+                    src_name, src = "input", arrive[v]
+                if src_name is None or src.device_set == dst.device_set or (v, dst) in seen:
                     continue  # a copy in one sharding serves every reader that takes it
                 seen.add((v, dst))
                 moved = carried_spec(src, t.mesh, v.aval.shape)
                 same = moved is not None and NamedSharding(t.mesh, moved).is_equivalent_to(
                     dst, len(v.aval.shape))
+                n = runs.get(keys[id(t)], 0) if id(t) in keys else 1
+                if src_name == "input":
+                    n = self.k if v in self.batch_vars else 1
                 transfers.append(Transfer(
-                    value=f"{v} {v.aval.str_short()}", src=src_task.task.name, dst=t.task.name,
+                    value=f"{v} {v.aval.str_short()}", src=src_name, dst=t.task.name,
                     num_bytes=v.aval.size * getattr(v.aval.dtype, "itemsize", 4),
-                    runs=runs.get(keys[id(t)], 0) if id(t) in keys else 1, resharded=not same))
+                    runs=n, resharded=not same))
         return PipelineAudit(tasks=tuple(
             task_audit(t, runs.get(keys[id(t)], 0) if id(t) in keys else 1) for t in tasks),
             transfers=tuple(transfers))

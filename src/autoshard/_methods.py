@@ -37,7 +37,8 @@ class ManualShardingOption:
                  *, submesh_axis_names=None, pipeline_intermediate_axes=None):
         if mesh_axis_names is None and submesh_axis_names is None:
             raise TypeError("ManualShardingOption needs mesh_axis_names (e.g. ('data', 'model')) "
-                            "or, for PipeshardParallel, submesh_axis_names.")
+                            "or, for PipeshardParallel, submesh_axis_names=... (a keyword: "
+                            "the second positional argument is in_axis_resources).")
         for names in ([] if mesh_axis_names is None else [mesh_axis_names]) + list(
                 submesh_axis_names or []):
             if isinstance(names, str) or not all(isinstance(n, str) for n in names):

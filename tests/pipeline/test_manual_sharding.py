@@ -208,3 +208,8 @@ def test_autoshard_plan_refuses_a_pipeline_manual_sharding_option():
             method=method(option()),
             batch_argnums=(2,),
         )
+
+
+def test_alpas_positional_submesh_axis_names_is_a_clear_error():
+    with pytest.raises(TypeError, match=r"submesh_axis_names=\.\.\. \(a keyword"):
+        autoshard.ManualShardingOption(None, (("dummy", "model"), ("dummy", "data")))

@@ -144,17 +144,10 @@ def choose_stages(stage_option, num_layers: int, num_devices: int, k: int, layer
     ``j`` from a sub-mesh of ``n`` devices to one of ``m`` (``AutoStageOption`` adds it to the
     time of the stage before the cut)."""
     if isinstance(stage_option, ManualStageOption):
-        ids = [list(x) for x in stage_option.forward_stage_layer_ids]
-        if sum(len(x) for x in ids) != num_layers:
-            raise ValueError(
-                f"ManualStageOption.forward_stage_layer_ids covers "
-                f"{sum(len(x) for x in ids)} layers but the step has {num_layers}. List every "
-                f"layer id in range({num_layers}) once.")
-        sizes = [math.prod(s) for s in stage_option.submesh_physical_shapes]
-        logical = [tuple(s) for s in stage_option.submesh_logical_shapes]
+        stage_of_layer, sizes, logical = manual_stages(stage_option, num_layers)
         dicts = [dict(d or {}) for d in stage_option.submesh_autosharding_option_dicts]
         check_cover(sizes, num_devices, "ManualStageOption.submesh_physical_shapes")
-        return [s for s, x in enumerate(ids) for _ in x], sizes, logical, dicts
+        return stage_of_layer, sizes, logical, dicts
     if isinstance(stage_option, AutoStageOption):
         return _auto_stages(stage_option, num_layers, num_devices, k, layer_cost, cut_cost)
     opt = stage_option or UniformStageOption()
@@ -181,6 +174,32 @@ def choose_stages(stage_option, num_layers: int, num_devices: int, k: int, layer
     stage_of_layer = [layer * n // num_layers for layer in range(num_layers)]
     dicts = [dict(opt.submesh_autosharding_option or {}) for _ in range(n)]
     return stage_of_layer, [per] * n, [logical] * n, dicts
+
+
+def manual_stages(option: ManualStageOption, num_layers: int):
+    """(stage of each layer, devices per stage, logical shape per stage) of a manual option."""
+    ids = [list(x) for x in option.forward_stage_layer_ids]
+    if sum(len(x) for x in ids) != num_layers:
+        raise ValueError(
+            f"ManualStageOption.forward_stage_layer_ids covers {sum(len(x) for x in ids)} "
+            f"layers but the step has {num_layers}. List every layer id in "
+            f"range({num_layers}) once.")
+    sizes = [math.prod(s) for s in option.submesh_physical_shapes]
+    logical = [tuple(s) for s in option.submesh_logical_shapes]
+    return [s for s, x in enumerate(ids) for _ in x], sizes, logical
+
+
+def cut_program(program, method):
+    """The step as the pipeline cuts it: (closed jaxpr with identity markers inlined, the
+    equations before the gradient marker, the marker, those after it, inference?, index where
+    the forward ends in ``pre``, layer of each forward equation, number of layers)."""
+    closed = inline_identity_markers(program.closed)
+    check_no_nested_markers(closed.jaxpr)
+    pre, marker, post = split_pre_post(closed.jaxpr)
+    inference = method.pipeline_schedule == "inference"
+    fwd_end = forward_end(pre, inference)
+    layer_of, num_layers = choose_layers(pre, fwd_end, method.layer_option)
+    return closed, pre, marker, post, inference, fwd_end, layer_of, num_layers
 
 
 def check_cover(sizes, num_devices: int, what: str):
@@ -241,12 +260,8 @@ def auto_logical_shape(option: AutoStageOption, n: int) -> tuple[int, ...]:
 
 
 def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, list, list]:
-    closed = inline_identity_markers(program.closed)
-    check_no_nested_markers(closed.jaxpr)
-    pre, marker, post = split_pre_post(closed.jaxpr)
-    inference = method.pipeline_schedule == "inference"
-    fwd_end = forward_end(pre, inference)
-    layer_of, num_layers = choose_layers(pre, fwd_end, method.layer_option)
+    closed, pre, marker, post, inference, fwd_end, layer_of, num_layers = cut_program(
+        program, method)
     if not isinstance(method.layer_option, AutoLayerOption) and not boundary_positions(
             pre[:fwd_end]) and _num_requested_stages(method.stage_option) > 1:
         raise ValueError(

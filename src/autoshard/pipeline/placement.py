@@ -12,6 +12,7 @@ import math
 
 from ..cluster import Cluster
 from ..sharding.options import AutoShardingOption
+from .build import manual_stages
 from .stages import AutoStageOption, ManualStageOption, UniformStageOption
 
 
@@ -69,15 +70,7 @@ def given_stages(option, num_layers: int, cluster: Cluster):
     """(stage of each layer, ((first, n), physical shape) per stage, logical shape per stage
     or None) for a uniform or manual stage option."""
     if isinstance(option, ManualStageOption):
-        ids = [list(x) for x in option.forward_stage_layer_ids]
-        if sum(len(x) for x in ids) != num_layers:
-            raise ValueError(
-                f"ManualStageOption.forward_stage_layer_ids covers {sum(len(x) for x in ids)} "
-                f"layers but the step has {num_layers}. List every layer id in "
-                f"range({num_layers}) once.")
-        sizes = [math.prod(s) for s in option.submesh_physical_shapes]
-        shapes = [tuple(s) for s in option.submesh_logical_shapes]
-        stage_of_layer = [s for s, x in enumerate(ids) for _ in x]
+        stage_of_layer, sizes, shapes = manual_stages(option, num_layers)
     else:
         opt = option or UniformStageOption()
         n = opt.num_stages or num_layers

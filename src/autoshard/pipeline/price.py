@@ -43,10 +43,10 @@ from ..cluster import GIB, Cluster
 from ..sharding import plan_auto
 from ..sharding.options import AutoShardingOption
 from ..sharding.plan import ShardingPlan
-from .build import choose_layers, inline_identity_markers
+from .build import cut_program
 from .compile import _FIXES, _task_fn, acc_dtype
-from .layers import AutoLayerOption, check_no_nested_markers
-from .partition import build_partition, forward_end, split_pre_post
+from .layers import AutoLayerOption
+from .partition import build_partition
 from .placement import (
     axis_names,
     given_stages,
@@ -169,12 +169,7 @@ class PipelineEstimate:
 
 def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
     """``method`` (a PipeshardParallel) planned and priced on ``cluster`` (see module doc)."""
-    closed = inline_identity_markers(program.closed)
-    check_no_nested_markers(closed.jaxpr)
-    pre, _, _ = split_pre_post(closed.jaxpr)
-    inference = method.pipeline_schedule == "inference"
-    fwd_end = forward_end(pre, inference)
-    layer_of, num_layers = choose_layers(pre, fwd_end, method.layer_option)
+    closed, pre, _, _, inference, fwd_end, layer_of, num_layers = cut_program(program, method)
     k = program.num_micro_batches
     pricer = _Pricer(method, program, closed, cluster, layer_of, fwd_end)
     notes = []

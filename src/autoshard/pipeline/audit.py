@@ -144,17 +144,22 @@ def task_audit(task, runs: int) -> TaskAudit:
     platform = task.mesh.devices.flat[0].platform
     if task.plan is not None:
         result = audit(task.plan, text, memory, platform=platform)
-    else:
+    else:  # no plan; a task run per device or a reduce task predicts its collectives itself
         mesh = task.mesh
+        predicted = getattr(task, "predicted", None)
         found: dict = {}
         for c in hlo.collectives(text, tuple(mesh.axis_names), tuple(mesh.devices.shape)):
             found.setdefault((c.kind, c.axes), []).append(c)
-        rows = tuple(AuditRow(kind=kind, axes=axes, predicted_bytes=0,
-                              compiled_bytes=sum(c.num_bytes * c.count for c in cs),
-                              compiled_count=sum(c.count for c in cs))
-                     for (kind, axes), cs in sorted(found.items(), key=str))
-        result = Audit(rows=rows, unpredicted=(), predicted_memory=None,
-                       compiled_memory=memory, has_prediction=False)
+        rows = tuple(AuditRow(kind=kind, axes=axes,
+                              predicted_bytes=(predicted or {}).get((kind, axes), 0),
+                              compiled_bytes=sum(c.num_bytes * c.count
+                                                 for c in found.get((kind, axes), [])),
+                              compiled_count=sum(c.count for c in found.get((kind, axes), [])))
+                     for kind, axes in sorted(set(found) | set(predicted or {}), key=str))
+        unpredicted = () if predicted is None else tuple(
+            c for key, cs in found.items() if key not in predicted for c in cs)
+        result = Audit(rows=rows, unpredicted=unpredicted, predicted_memory=None,
+                       compiled_memory=memory, has_prediction=predicted is not None)
     return TaskAudit(name=task.task.name, stage=task.stage, runs=runs, audit=result)
 
 

@@ -33,12 +33,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import _compat
-from .._compat import Var
+from .._compat import Literal, Var
 from .._jaxpr import Env
-from .._local import LocalEval
+from .._local import LocalEval, R, split
 from ..grad_accum import KEY_USERS, reductions_of
 from ..sharding import apply_plan, plan_auto
 from ..sharding.options import AutoShardingOption
+from ..sharding.plan import spec_axes
 from . import _cross_process
 from .partition import Partition, Task
 
@@ -122,29 +123,53 @@ class CompiledTask:
 
     def __init__(self, task: Task, part: Partition, mesh, *, with_index: bool, option,
                  fallback: Specs, rows=frozenset(), aliases=(), input_specs=None,
-                 output_pins=None):
+                 output_pins=None, partial_accumulators: bool = False):
         self.task, self.stage, self.mesh = task, task.stage, mesh
         consts = dict(zip(part.jaxpr.constvars, part.consts, strict=True))
         self.invars = [v for v in task.invars if v not in consts]
         self.outvars = [v for v in task.outvars if v not in task.accumulated]
         self.accumulated = list(task.accumulated)
         self.random = with_index and task.draws_random
-        self.plan, self.note = None, ""
+        self.plan, self.note, self.predicted = None, "", None
+        pins = dict(output_pins or {})
+        # Per device over the batch axes: accumulators stay partial sums, (groups, *shape).
+        self.batch_axes = () if pins or not partial_accumulators or not self.accumulated else (
+            _row_axes(self.invars, rows, input_specs))
+        sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+        model_axes = {a for a, m in sizes.items() if m > 1} - set(self.batch_axes)
+        if self.batch_axes and model_axes:
+            # the planner keeps the model axes' layouts; it has no partial outputs, so this
+            # task's plan reduces its accumulated values over the batch axes every micro-batch
+            self.note = (f"{task.name}: accumulated values reduced per micro-batch (the "
+                         f"sub-mesh also splits over {sorted(model_axes)}, which the planner "
+                         "keeps)")
+            self.batch_axes = ()
+        groups = math.prod(sizes[a] for a in self.batch_axes)
+        self.acc_shapes = [((groups,) if self.batch_axes else ()) + tuple(v.aval.shape)
+                           for v in self.accumulated]
         fn = _task_fn(task.eqns, self.invars, self.outvars, self.accumulated, consts,
                       self.random)
-        pins = dict(output_pins or {})
         if pins:
             fn = _pinned(fn, pins, mesh)
         n, n_acc = len(self.invars), len(self.accumulated)
         abstract = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.invars]
-        abstract += [jax.ShapeDtypeStruct(v.aval.shape, acc_dtype(v.aval.dtype))
-                     for v in self.accumulated]
+        abstract += [jax.ShapeDtypeStruct(shape, acc_dtype(v.aval.dtype))
+                     for v, shape in zip(self.accumulated, self.acc_shapes, strict=True)]
         if self.random:
             abstract.append(jax.ShapeDtypeStruct((), jnp.int32))
         n_args = len(abstract)
         acc_aliases = [(n + i, len(self.outvars) + i) for i in range(n_acc)]
         run, in_specs, out_specs = fn, None, None
-        if option is not None:
+        if self.batch_axes:
+            run, in_specs, out_specs = _local_task(
+                task.eqns, self.invars, self.outvars, self.accumulated, consts, self.random,
+                rows, self.batch_axes, groups, mesh, input_specs)
+            self.predicted = {}  # per device: no collective (LocalEval communicates only
+            # for an operation without a per-row rule; the audit shows any as unpredicted)
+            self.note = (f"{task.name}: runs per device over the batch axes "
+                         f"{self.batch_axes}; its {n_acc} accumulator(s) stay partial sums "
+                         "over micro-batches and are reduced once per step")
+        elif option is not None:
             closed = jax.make_jaxpr(fn)(*abstract)
             batch = [v in rows for v in self.invars] + [False] * (n_args - n)
             fixed = None if input_specs is None else [
@@ -168,7 +193,7 @@ class CompiledTask:
             in_specs = [fallback.get(v) for v in self.invars] + [
                 fallback.get(v) for v in self.accumulated] + [P()] * (n_args - n - n_acc)
             out_specs = [fallback.get(v) for v in self.outvars] + in_specs[n:n + n_acc]
-        if input_specs is not None:
+        if input_specs is not None and not self.batch_axes:
             assert len(input_specs) == n
             in_specs[:n] = [_spec(s) if s is not None else in_specs[i]
                             for i, s in enumerate(input_specs)]
@@ -288,8 +313,75 @@ def _task_fn(eqns, invars, outvars, acc, consts, random):
     return fn
 
 
-def finalize_fn(part: Partition, stage: int, k: int):
-    """Per stage: accumulators -> gradient-marker outputs (mean divides by ``k``)."""
+def _row_axes(invars, rows, input_specs) -> tuple[str, ...]:
+    """The mesh axes splitting dim 0 of every micro-batch-row input as it arrives (empty when
+    they differ, some arrive unpinned, or none is split)."""
+    if input_specs is None:
+        return ()
+    found = set()
+    for v, s in zip(invars, input_specs, strict=True):
+        if v in rows:
+            if s is None:
+                return ()
+            spec = _spec(s)
+            found.add(spec_axes(spec[0]) if len(spec) else ())
+    return found.pop() if len(found) == 1 else ()
+
+
+def _local_task(eqns, invars, outvars, acc, consts, random, rows, axes, size, mesh,
+                input_specs):
+    """A task run per device over the batch ``axes`` (``shard_map``, ``_local.LocalEval``):
+    micro-batch-row values are each device's own rows, reductions over them stay partial, and
+    every accumulator gains a leading dim of one partial sum per device group, added to
+    locally. Returns (function, input specs, output specs)."""
+    entry = axes if len(axes) > 1 else axes[0]
+    rows_spec = stacked = P(entry)
+    n, n_acc = len(invars), len(acc)
+    in_specs = [_spec(s) if s is not None else rows_spec if v in rows else P()
+                for v, s in zip(invars, input_specs, strict=True)]
+    in_specs += [stacked] * n_acc + ([P()] if random else [])
+    out_specs = [rows_spec if v in rows else P() for v in outvars] + [stacked] * n_acc
+    # inside the shard_map only the manual axes are named: rows split, the rest whole
+    body_in = [rows_spec if v in rows else P() for v in invars] + [stacked] * n_acc + (
+        [P()] if random else [])
+
+    def body(*args):
+        local = LocalEval(axes, size)
+        values = dict(zip(invars, args[:n], strict=True))
+        values.update(consts)
+        kinds = {v: split(0) for v in invars if v in rows}
+        if random:
+            j = args[-1]
+
+            def hook(e, ins):
+                if e.primitive.name in KEY_USERS:
+                    ins = [jax.random.fold_in(ins[0], j)] + list(ins[1:])
+                return ins
+            local.key_hook = hook
+        local.run(eqns, values, kinds)
+
+        def read(v):
+            if isinstance(v, Literal):
+                return jnp.asarray(v.val, v.aval.dtype), R
+            return values[v], kinds.get(v, R)
+        outs = [local.to_split(*read(v), 0) if v in rows else local.to_r(*read(v))
+                for v in outvars]
+        new = [a + local.to_p(*read(v))[None].astype(a.dtype)
+               for a, v in zip(args[n:n + n_acc], acc, strict=True)]
+        return tuple(outs + new)
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=tuple(body_in),
+                           out_specs=tuple(out_specs), axis_names=set(axes), check_vma=False)
+
+    def run(*args):
+        return list(mapped(*args))
+    return run, in_specs, out_specs
+
+
+def finalize_fn(part: Partition, stage: int, k: int, stacked=frozenset()):
+    """Per stage: accumulators -> gradient-marker outputs (mean divides by ``k``). An
+    accumulator in ``stacked`` holds one partial sum per device group along dim 0: summing
+    them is the step's one reduction of that value."""
     if part.marker is None:
         return None, []
     reds = reductions_of(part.marker)
@@ -298,6 +390,8 @@ def finalize_fn(part: Partition, stage: int, k: int):
              if isinstance(v, Var) and part.home.get(o) == stage and v in part.per_micro_batch]
 
     def fn(*accs):
+        accs = [a.sum(axis=0) if v in stacked else a
+                for a, (v, _, _) in zip(accs, pairs, strict=True)]
         return [(a / k if r == "mean" else a).astype(v.aval.dtype)
                 for a, (v, _, r) in zip(accs, pairs, strict=True)]
     return fn, pairs

@@ -97,7 +97,7 @@ class PipelineExecutable:
         def pinned(v, stage):  # a ManualShardingOption's spec for v on the stage, or None
             return None if self.manual is None else self.manual.input_spec(v, stage)
 
-        def compile_task(t, with_index, aliases=(), given=None):
+        def compile_task(t, with_index, aliases=(), given=None, partial=False):
             mesh = self.meshes[t.stage]
             consts = set(jaxpr.constvars)
             invars = [v for v in t.invars if v not in consts]
@@ -113,7 +113,7 @@ class PipelineExecutable:
                              option=options[t.stage], fallback=self.specs, rows=rows,
                              aliases=aliases, input_specs=want,
                              output_pins=None if self.manual is None else
-                             self.manual.output_pins(t))
+                             self.manual.output_pins(t), partial_accumulators=partial)
             for v, sh in zip(c.invars + c.outvars, c.in_shardings[:len(c.invars)] +
                              c.out_shardings[:len(c.outvars)], strict=True):
                 if sh not in layout.setdefault(v, [sh]):
@@ -129,24 +129,43 @@ class PipelineExecutable:
                 pairs = ([("Ba", part.split_backward[s][0]), ("Bw", part.split_backward[s][1])]
                          if split else [("B", part.backward[s])])
                 for kind, t in pairs:
-                    self.tasks[(kind, s)] = compile_task(t, True)
+                    self.tasks[(kind, s)] = compile_task(t, True, partial=True)
+        # accumulators a backward task keeps partial over its batch axes (one slice per group)
+        batch_axes_of = {v: t.batch_axes for t in self.tasks.values() if t.batch_axes
+                         for v in t.accumulated}
+        stacked = set(batch_axes_of)
         for t in self.tasks.values():  # accumulated gradients: their finalised values too
             for v, sh in zip(t.accumulated, t.acc_shardings, strict=True):
                 o = part.marker.outvars[list(part.marker.invars).index(v)]
-                layout.setdefault(o, [sh])
+                if v not in stacked:  # partial sums: reduced into their reader's layout
+                    layout.setdefault(o, [sh])
         self.apply = [compile_task(t, False, _step_aliases(t, jaxpr, program.aliases))
                       for t in part.apply]
         self.finalize = []
         acc_sh = {v: sh for t in self._all_tasks()
                   for v, sh in zip(t.accumulated, t.acc_shardings, strict=True)}
         self._acc_sh = acc_sh
+        self._acc_shape = {v: shape for t in self._all_tasks()
+                           for v, shape in zip(t.accumulated, t.acc_shapes, strict=True)}
+        self.reduce_tasks = []  # per stage with partial accumulators: its one reduction
         for s in range(part.num_stages):
-            fn, pairs = finalize_fn(part, s, k)
+            fn, pairs = finalize_fn(part, s, k, stacked)
             if pairs:
                 sh = [acc_sh[v] for v, _, _ in pairs]
-                self.finalize.append((s, jax.jit(fn, in_shardings=sh, out_shardings=sh,
-                                                 donate_argnums=tuple(range(len(pairs)))),
-                                      pairs, sh))
+                out_sh = [self._reader_sharding(o, self.meshes[s]) if v in stacked else a
+                          for (v, o, _), a in zip(pairs, sh, strict=True)]
+                donate = tuple(i for i, (v, _, _) in enumerate(pairs) if v not in stacked)
+                compiled = jax.jit(fn, in_shardings=sh, out_shardings=out_sh,
+                                   donate_argnums=donate).lower(*[
+                    jax.ShapeDtypeStruct(self._acc_shape[v], acc_dtype(v.aval.dtype),
+                                         sharding=x)
+                    for (v, _, _), x in zip(pairs, sh, strict=True)]).compile()
+                self.finalize.append((s, compiled, pairs, out_sh))
+                if any(v in stacked for v, _, _ in pairs):
+                    self.reduce_tasks.append(ReduceTask(
+                        s, self.meshes[s], compiled, _reduce_prediction(
+                            [(v, x) for (v, _, _), x in zip(pairs, out_sh, strict=True)
+                             if v in stacked], batch_axes_of)))
         self.move = Mover()
         self._split_fns: dict = {}
         self._zeros_fns: dict = {}
@@ -283,7 +302,7 @@ class PipelineExecutable:
         if fn is None:
             acc = list(dict.fromkeys(v for t in self._all_tasks() if t.stage == s
                                      for v in t.accumulated))
-            make = jax.jit(lambda: [jnp.zeros(v.aval.shape, acc_dtype(v.aval.dtype))
+            make = jax.jit(lambda: [jnp.zeros(self._acc_shape[v], acc_dtype(v.aval.dtype))
                                     for v in acc],
                            out_shardings=[self._acc_sh[v] for v in acc])
             fn = self._zeros_fns[s] = (acc, make)
@@ -350,6 +369,14 @@ class PipelineExecutable:
             by_action.setdefault(n, []).append(key)
         return by_action
 
+    def _reader_sharding(self, v, mesh):
+        """The sharding the first apply task on ``mesh`` reading ``v`` takes it in (else
+        replicated on ``mesh``)."""
+        for t in self.apply:
+            if t.mesh == mesh and v in t.invars:
+                return t.in_shardings[t.invars.index(v)]
+        return NamedSharding(mesh, P())
+
     def _input_sharding(self, v):
         """Where a step input goes first: the sharding of its first reader in the schedule."""
         readers = [self.tasks[(a.kind, a.stage)] for a in self.order
@@ -414,8 +441,8 @@ class PipelineExecutable:
                     num_bytes=v.aval.size * getattr(v.aval.dtype, "itemsize", 4),
                     runs=n, resharded=not same))
         return PipelineAudit(tasks=tuple(
-            task_audit(t, runs.get(keys[id(t)], 0) if id(t) in keys else 1) for t in tasks),
-            transfers=tuple(transfers))
+            task_audit(t, runs.get(keys[id(t)], 0) if id(t) in keys else 1)
+            for t in tasks + self.reduce_tasks), transfers=tuple(transfers))
 
     def explain(self) -> str:
         """The pipeline plan, each task's plan, then the audit of the compiled tasks."""
@@ -454,6 +481,38 @@ class PipelineExecutable:
         with open(path, "w") as f:
             json.dump({"traceEvents": events}, f)
         return path
+
+
+class ReduceTask:
+    """A stage's once-per-step reduction of its partial accumulators (with the finalisation:
+    mean, dtype), as the audit reads it: compiled, no plan, its reductions predicted."""
+
+    plan = None
+
+    def __init__(self, stage: int, mesh, compiled, predicted: dict):
+        self.stage, self.mesh, self.compiled = stage, mesh, compiled
+        self.task = dataclasses.make_dataclass("Named", ["name"])(f"reduce{stage}")
+        self.predicted = predicted
+        """(collective kind, batch axes) -> bytes of its results on one device per step."""
+
+
+def _reduce_prediction(reduced, batch_axes_of) -> dict:
+    """The collectives summing partial accumulators: per value, an all-reduce over its batch
+    axes into a result replicated over them, else a reduce-scatter into the result's shard."""
+    out: dict = {}
+    for v, sh in reduced:
+        axes = batch_axes_of[v]
+        num_bytes = int(np.prod(sh.shard_shape(v.aval.shape))) * acc_dtype(
+            v.aval.dtype).itemsize
+        used = {a for e in sh.spec if e is not None
+                for a in ((e,) if isinstance(e, str) else e)} & set(axes)
+        kind = "reduce-scatter" if used else "all-reduce"
+        if used and sh.mesh.devices.flat[0].platform == "cpu":
+            # XLA:CPU all-reduces the whole value, then slices (as ``sharding.audit`` counts)
+            sizes = dict(zip(sh.mesh.axis_names, sh.mesh.devices.shape, strict=True))
+            kind, num_bytes = "all-reduce", num_bytes * int(np.prod([sizes[a] for a in used]))
+        out[(kind, axes)] = out.get((kind, axes), 0) + num_bytes
+    return out
 
 
 def carried_spec(src: NamedSharding, mesh, shape) -> P | None:

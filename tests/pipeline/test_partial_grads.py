@@ -82,3 +82,36 @@ def test_backward_tasks_keep_gradients_partial_and_reduce_once_per_step(shape):
         assert t.audit.has_prediction
         assert t.audit.predicted_bytes == t.audit.compiled_bytes > 0
     assert audit.within(0.10)
+
+
+def test_stage_that_also_splits_over_a_model_axis_keeps_its_planned_backward():
+    """Rows over x0, weights over x1 (tensor parallel): the planner keeps the B tasks' model
+    layouts, so their gradients are reduced per micro-batch, and the plan says so."""
+    from jax.sharding import PartitionSpec as P
+    from pipeline_models import sgd_step
+
+    stage = ManualStageOption([[0, 1], [2, 3]], [(1, 4), (1, 4)], [(2, 2), (2, 2)], [{}, {}])
+    inputs = [
+        [P("x0"), P(None, "x1"), P("x1", None)],
+        [P("x0"), P(None, "x1"), P("x1", None), P("x0")],
+    ]
+    f = autoshard.parallelize(
+        sgd_step(mlp_loss),
+        method=PipeshardParallel(
+            num_micro_batches=2,
+            layer_option="manual",
+            stage_option=stage,
+            blocking=True,
+            stage_input_shardings=inputs,
+        ),
+    )
+    params, batch = mlp_params(widths=(8, 64, 64, 64, 4)), mlp_batch(batch=16)
+    got = f(params, batch)
+    assert_trees_close(got, jax.jit(sgd_step(mlp_loss))(params, batch))
+    ex = f.get_last_executable()
+    for s in (0, 1):
+        b = ex.tasks[("B", s)]
+        assert not b.batch_axes and b.plan is not None
+        assert "reduced per micro-batch" in b.note and "['x1']" in b.note
+    assert ex.reduce_tasks == []
+    assert "B1: accumulated values reduced per micro-batch" in ex.plan.explain()

@@ -145,6 +145,20 @@ class CompiledTask:
                          "keeps)")
             self.batch_axes = ()
         groups = math.prod(sizes[a] for a in self.batch_axes)
+        local = None
+        if self.batch_axes:
+            local = _local_task(task.eqns, self.invars, self.outvars, self.accumulated, consts,
+                                self.random, rows, self.batch_axes, groups, mesh, input_specs)
+            shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.invars]
+            shapes += [jax.ShapeDtypeStruct((groups,) + tuple(v.aval.shape),
+                                            acc_dtype(v.aval.dtype)) for v in self.accumulated]
+            shapes += [jax.ShapeDtypeStruct((), jnp.int32)] if self.random else []
+            talks = _collectives_in(jax.make_jaxpr(local[0])(*shapes).jaxpr)
+            if talks:  # an operation without a per-row rule: the planned task does better
+                self.note = (f"{task.name}: accumulated values reduced per micro-batch (run "
+                             f"per device over {self.batch_axes} it would communicate: "
+                             f"{', '.join(sorted(talks))})")
+                self.batch_axes, local, groups = (), None, 1
         self.acc_shapes = [((groups,) if self.batch_axes else ()) + tuple(v.aval.shape)
                            for v in self.accumulated]
         fn = _task_fn(task.eqns, self.invars, self.outvars, self.accumulated, consts,
@@ -160,12 +174,9 @@ class CompiledTask:
         n_args = len(abstract)
         acc_aliases = [(n + i, len(self.outvars) + i) for i in range(n_acc)]
         run, in_specs, out_specs = fn, None, None
-        if self.batch_axes:
-            run, in_specs, out_specs = _local_task(
-                task.eqns, self.invars, self.outvars, self.accumulated, consts, self.random,
-                rows, self.batch_axes, groups, mesh, input_specs)
-            self.predicted = {}  # per device: no collective (LocalEval communicates only
-            # for an operation without a per-row rule; the audit shows any as unpredicted)
+        if local is not None:
+            run, in_specs, out_specs = local
+            self.predicted = {}  # per device: no collective (checked on its trace above)
             self.note = (f"{task.name}: runs per device over the batch axes "
                          f"{self.batch_axes}; its {n_acc} accumulator(s) stay partial sums "
                          "over micro-batches and are reduced once per step")
@@ -326,6 +337,24 @@ def _row_axes(invars, rows, input_specs) -> tuple[str, ...]:
             spec = _spec(s)
             found.add(spec_axes(spec[0]) if len(spec) else ())
     return found.pop() if len(found) == 1 else ()
+
+
+_COLLECTIVES = ("psum", "all_gather", "all_to_all", "ppermute", "reduce_scatter", "pmax",
+                "pmin")
+
+
+def _collectives_in(jaxpr) -> set[str]:
+    """Names of the collective primitives in ``jaxpr``, at any depth."""
+    found = set()
+    for e in jaxpr.eqns:
+        if e.primitive.name.startswith(_COLLECTIVES):
+            found.add(e.primitive.name)
+        for p in e.params.values():
+            for sub in p if isinstance(p, tuple | list) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found |= _collectives_in(inner)
+    return found
 
 
 def _local_task(eqns, invars, outvars, acc, consts, random, rows, axes, size, mesh,

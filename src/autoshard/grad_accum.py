@@ -193,7 +193,7 @@ class _Loop:
             kinds = {}
             for v, x in zip(self.batch_vars, rows, strict=True):
                 env[v], kinds[v] = x, (split(0) if local.axes else R)
-            local.key_hook = self._fold_keys(j)
+            local.key_hook = fold_keys(j)
             local.run(self.looped, env, kinds)
             new = []
             for a, v in zip(acc, self.marker.invars, strict=True):
@@ -208,13 +208,16 @@ class _Loop:
         total, _ = lax.scan(body, init, (jnp.arange(self.k), xs))
         return total
 
-    def _fold_keys(self, j):
-        """Every key a random draw uses gets the micro-batch index folded in (at any depth)."""
-        def hook(e, ins):
-            if e.primitive.name in KEY_USERS:
-                ins = [jax.random.fold_in(ins[0], j)] + list(ins[1:])
-            return ins
-        return hook
+
+
+def fold_keys(j):
+    """A ``LocalEval`` key hook: every key a random draw uses gets the micro-batch index ``j``
+    folded in (at any depth), so micro-batches draw different numbers."""
+    def hook(e, ins):
+        if e.primitive.name in KEY_USERS:
+            ins = [jax.random.fold_in(ins[0], j)] + list(ins[1:])
+        return ins
+    return hook
 
 
 def draws_random(eqn) -> bool:

@@ -36,7 +36,7 @@ from .. import _compat
 from .._compat import Literal, Var
 from .._jaxpr import Env
 from .._local import LocalEval, R, split
-from ..grad_accum import KEY_USERS, reductions_of
+from ..grad_accum import fold_keys, reductions_of
 from ..sharding import apply_plan, plan_auto
 from ..sharding.options import AutoShardingOption
 from ..sharding.plan import spec_axes
@@ -307,13 +307,7 @@ def _task_fn(eqns, invars, outvars, acc, consts, random):
         values = dict(zip(invars, args[:n], strict=True))
         values.update(consts)
         if random:
-            j = args[-1]
-
-            def hook(e, ins):
-                if e.primitive.name in KEY_USERS:
-                    ins = [jax.random.fold_in(ins[0], j)] + list(ins[1:])
-                return ins
-            LocalEval((), 1, key_hook=hook).run(eqns, values, {})
+            LocalEval((), 1, key_hook=fold_keys(args[-1])).run(eqns, values, {})
         else:
             env = Env()
             env.values = values
@@ -380,13 +374,7 @@ def _local_task(eqns, invars, outvars, acc, consts, random, rows, axes, size, me
         values.update(consts)
         kinds = {v: split(0) for v in invars if v in rows}
         if random:
-            j = args[-1]
-
-            def hook(e, ins):
-                if e.primitive.name in KEY_USERS:
-                    ins = [jax.random.fold_in(ins[0], j)] + list(ins[1:])
-                return ins
-            local.key_hook = hook
+            local.key_hook = fold_keys(args[-1])
         local.run(eqns, values, kinds)
 
         def read(v):

@@ -159,7 +159,7 @@ def test_backward_and_next_stage_take_the_layouts_their_producers_give(two_stage
 
 def test_carried_spec_finds_the_same_shards_on_a_sub_mesh_of_another_shape():
     from autoshard import _compat
-    from autoshard.pipeline.runtime import carried_spec
+    from autoshard.pipeline.layouts import carried_spec
 
     devs = np.array(jax.devices()[:4], dtype=object)
     square = _compat.make_auto_mesh(devs.reshape(2, 2), ("x0", "x1"))
@@ -175,7 +175,7 @@ def test_carried_spec_finds_the_same_shards_on_a_sub_mesh_of_another_shape():
 
 def test_values_cross_to_another_sub_mesh_shape_in_their_producers_layout():
     """(4,) -> (2, 2): stage 1 takes stage 0's activations shard for shard: no reshard."""
-    from autoshard.pipeline.runtime import carried_spec
+    from autoshard.pipeline.layouts import carried_spec
 
     stage = ManualStageOption([[0, 1], [2, 3]], [(1, 4), (1, 4)], [(4,), (2, 2)], [{}, {}])
     method = PipeshardParallel(num_micro_batches=2, layer_option="manual", stage_option=stage,

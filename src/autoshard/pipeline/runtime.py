@@ -18,7 +18,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -26,11 +25,12 @@ from .. import _compat
 from .._compat import Literal, Var
 from .._executable import MISS, deleted_error, select_dynamic
 from .._jaxpr import flatten_args
-from ..sharding.spec import candidate_specs, to_partition_spec
 from . import _cross_process
 from .audit import PipelineAudit, Transfer, task_audit
 from .compile import CompiledTask, Specs, acc_dtype, finalize_fn, make_submeshes
+from .layouts import carried_spec, step_aliases
 from .manual import ManualSpecs
+from .reduce import ReduceTask, reduce_prediction
 from .schedules import get_schedule
 from .simulate import simulate
 from .timeline import draw_timeline
@@ -139,7 +139,7 @@ class PipelineExecutable:
                 o = part.marker.outvars[list(part.marker.invars).index(v)]
                 if v not in stacked:  # partial sums: reduced into their reader's layout
                     layout.setdefault(o, [sh])
-        self.apply = [compile_task(t, False, _step_aliases(t, jaxpr, program.aliases))
+        self.apply = [compile_task(t, False, step_aliases(t, jaxpr, program.aliases))
                       for t in part.apply]
         self.finalize = []
         acc_sh = {v: sh for t in self._all_tasks()
@@ -163,7 +163,7 @@ class PipelineExecutable:
                 self.finalize.append((s, compiled, pairs, out_sh))
                 if any(v in stacked for v, _, _ in pairs):
                     self.reduce_tasks.append(ReduceTask(
-                        s, self.meshes[s], compiled, _reduce_prediction(
+                        s, self.meshes[s], compiled, reduce_prediction(
                             [(v, x) for (v, _, _), x in zip(pairs, out_sh, strict=True)
                              if v in stacked], batch_axes_of)))
         self.move = Mover()
@@ -481,70 +481,6 @@ class PipelineExecutable:
         with open(path, "w") as f:
             json.dump({"traceEvents": events}, f)
         return path
-
-
-class ReduceTask:
-    """A stage's once-per-step reduction of its partial accumulators (with the finalisation:
-    mean, dtype), as the audit reads it: compiled, no plan, its reductions predicted."""
-
-    plan = None
-
-    def __init__(self, stage: int, mesh, compiled, predicted: dict):
-        self.stage, self.mesh, self.compiled = stage, mesh, compiled
-        self.task = dataclasses.make_dataclass("Named", ["name"])(f"reduce{stage}")
-        self.predicted = predicted
-        """(collective kind, batch axes) -> bytes of its results on one device per step."""
-
-
-def _reduce_prediction(reduced, batch_axes_of) -> dict:
-    """The collectives summing partial accumulators: per value, an all-reduce over its batch
-    axes into a result replicated over them, else a reduce-scatter into the result's shard."""
-    out: dict = {}
-    for v, sh in reduced:
-        axes = batch_axes_of[v]
-        num_bytes = int(np.prod(sh.shard_shape(v.aval.shape))) * acc_dtype(
-            v.aval.dtype).itemsize
-        used = {a for e in sh.spec if e is not None
-                for a in ((e,) if isinstance(e, str) else e)} & set(axes)
-        kind = "reduce-scatter" if used else "all-reduce"
-        if used and sh.mesh.devices.flat[0].platform == "cpu":
-            # XLA:CPU all-reduces the whole value, then slices (as ``sharding.audit`` counts)
-            sizes = dict(zip(sh.mesh.axis_names, sh.mesh.devices.shape, strict=True))
-            kind, num_bytes = "all-reduce", num_bytes * int(np.prod([sizes[a] for a in used]))
-        out[(kind, axes)] = out.get((kind, axes), 0) + num_bytes
-    return out
-
-
-def carried_spec(src: NamedSharding, mesh, shape) -> P | None:
-    """The spec on ``mesh`` whose shards are ``src``'s, device i of ``src``'s mesh standing for
-    device i of ``mesh`` (so the move is one device-to-device copy), or None if none is."""
-    if tuple(src.mesh.devices.shape) == tuple(mesh.devices.shape):
-        rename = dict(zip(src.mesh.axis_names, mesh.axis_names, strict=True))
-        return P(*[None if e is None else tuple(rename[a] for a in e) if isinstance(e, tuple)
-                   else rename[e] for e in src.spec])
-    if src.mesh.devices.size != mesh.devices.size:
-        return P() if src.is_fully_replicated else None
-    like = _compat.make_auto_mesh(np.array(list(src.mesh.devices.flat), dtype=object).reshape(
-        mesh.devices.shape), mesh.axis_names)
-    for spec in candidate_specs(tuple(shape), tuple(mesh.devices.shape)):
-        pspec = to_partition_spec(spec, tuple(mesh.axis_names))
-        if NamedSharding(like, pspec).is_equivalent_to(src, len(shape)):
-            return pspec
-    return None
-
-
-def _step_aliases(task, jaxpr, aliases) -> list[tuple[int, int]]:
-    """(input, output) positions in ``task`` of step inputs it replaces (the train state)."""
-    consts = set(jaxpr.constvars)
-    invars = [v for v in task.invars if v not in consts]
-    out = []
-    for i, o in aliases:
-        v, w = jaxpr.invars[i], jaxpr.outvars[o]
-        if v in invars and w in task.outvars and v.aval.shape == w.aval.shape:
-            pair = (invars.index(v), task.outvars.index(w))
-            if pair[0] not in [p[0] for p in out] and pair[1] not in [p[1] for p in out]:
-                out.append(pair)
-    return out
 
 
 __all__ = ["PipelineExecutable"]

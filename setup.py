@@ -102,16 +102,29 @@ class BuildMPIExtension(build_ext):
         self._beside_sources = bool(self.inplace or getattr(self, "editable_mode", False))
         super().run()
 
+    def copy_extensions_to_source(self) -> None:
+        # In-place and editable builds copy each built extension beside the sources; one that
+        # was not built (no MPI) is skipped, so that the install still succeeds.
+        built = [e for e in self.extensions if e.name in getattr(self, "_built", ())]
+        self.extensions, every = built, self.extensions
+        try:
+            super().copy_extensions_to_source()
+        finally:
+            self.extensions = every
+
     def build_extension(self, ext: Extension) -> None:
         output = pathlib.Path(self.get_ext_fullpath(ext.name))
         status = build(output)
         print(f"autoshard.mpi: native extension {status}", flush=True)
+        if output.exists():
+            self._built = {*getattr(self, "_built", ()), ext.name}
         records = [output.with_name("_build.txt")]
         if self._beside_sources:
             package = ".".join(ext.name.split(".")[:-1])
             package_dir = self.get_finalized_command("build_py").get_package_dir(package)
             records.append(pathlib.Path(package_dir) / "_build.txt")
         for record in records:
+            record.parent.mkdir(parents=True, exist_ok=True)  # absent when nothing was built
             record.write_text(status + "\n")
 
 

@@ -125,7 +125,7 @@ class LocalEval(Walker):
             return list(ins), list(ks)
         if name in INLINE_CALLS:   # reached only with the walk's inlining turned off
             return self._fallback(e, ins, ks)
-        rule = getattr(self, "_" + name, None)
+        rule = getattr(self, "_" + name.replace("-", "_"), None)  # "scatter-add" too
         if rule is None and name in ELEMENTWISE:
             rule = self._elementwise
         if rule is None and name in AXIS_OPS:
@@ -350,11 +350,14 @@ class LocalEval(Walker):
         ko, ki, ku = ks
         if ki == R and ku in (R, P) and ko in (R, P):
             return bind_eqn(e, [self.to_p(operand, ko), indices, self.to_p(updates, ku)])[0], P
-        if not (is_split(ki) and is_split(ku)):
-            return None
         dn = e.params["dimension_numbers"]
         nidx, nupd = len(e.invars[1].aval.shape), len(e.invars[2].aval.shape)
         scatter_dims = [i for i in range(nupd) if i not in dn.update_window_dims]
+        if is_split(ki) and ku == R and ki[1] < nidx - 1:  # each device takes its rows' updates
+            ku = split(scatter_dims[ki[1]])
+            updates = self.to_split(updates, R, ku[1])
+        if not (is_split(ki) and is_split(ku)):
+            return None
         if ki[1] == nidx - 1 or scatter_dims[ki[1]] != ku[1]:
             return None
         if _paired(dn.operand_batching_dims, ko[1] if is_split(ko) else -1,

@@ -18,8 +18,8 @@ from autoshard.sharding import hlo
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 
 
-def adam_step(loss_fn):
-    tx = optax.adam(1e-2)
+def adam_step(loss_fn, eps=1e-8):
+    tx = optax.adam(1e-2, eps=eps)
 
     def step(state, batch):
         p, opt = state
@@ -84,34 +84,89 @@ def test_backward_tasks_keep_gradients_partial_and_reduce_once_per_step(shape):
     assert audit.within(0.10)
 
 
-def test_stage_that_also_splits_over_a_model_axis_keeps_its_planned_backward():
-    """Rows over x0, weights over x1 (tensor parallel): the planner keeps the B tasks' model
-    layouts, so their gradients are reduced per micro-batch, and the plan says so."""
-    from jax.sharding import PartitionSpec as P
-    from pipeline_models import sgd_step
+def _check_once_per_step(ex, grad_bytes, num_reduce):
+    """No gradient-sized reduction in any B task; each reduce task's collectives exactly as
+    predicted; nothing unpredicted in the pipeline."""
+    for (kind, _), t in ex.tasks.items():
+        if kind != "B":
+            continue
+        assert t.batch_axes, t.note
+        big = [c for c in _collectives(t.compiled.as_text(), t.mesh)
+               if c.kind in REDUCTIONS and c.num_bytes >= grad_bytes]
+        assert not big, (t.task.name, big)
+    assert len(ex.reduce_tasks) == num_reduce
+    for r in ex.reduce_tasks:
+        found: dict = {}
+        for c in _collectives(r.compiled.as_text(), r.mesh):
+            found[(c.kind, c.axes)] = found.get((c.kind, c.axes), 0) + c.num_bytes * c.count
+        assert found == r.predicted, (r.task.name, found, r.predicted)
+    audit = ex.audit()
+    assert audit.unpredicted == ()
+    assert audit.bytes_ratio() <= 1.10
 
+
+def test_stage_split_over_data_and_model_axes_reduces_gradients_once_per_step():
+    """Rows over x0, weights over x1 (tensor parallel), each task planned by the planner: the
+    B tasks run per device over x0 and auto over x1, keeping their gradients partial over x0;
+    the reduce task all-reduces each over x0 once per step."""
+    from jax.sharding import PartitionSpec as P
+
+    step, tx = adam_step(mlp_loss, eps=1e-3)
+    params = mlp_params(widths=(8, 64, 64, 64, 4))
+    state, batch = (params, tx.init(params)), mlp_batch(batch=16)
     stage = ManualStageOption([[0, 1], [2, 3]], [(1, 4), (1, 4)], [(2, 2), (2, 2)], [{}, {}])
     inputs = [
         [P("x0"), P(None, "x1"), P("x1", None)],
         [P("x0"), P(None, "x1"), P("x1", None), P("x0")],
     ]
-    f = autoshard.parallelize(
-        sgd_step(mlp_loss),
-        method=PipeshardParallel(
-            num_micro_batches=2,
-            layer_option="manual",
-            stage_option=stage,
-            blocking=True,
-            stage_input_shardings=inputs,
-        ),
-    )
-    params, batch = mlp_params(widths=(8, 64, 64, 64, 4)), mlp_batch(batch=16)
-    got = f(params, batch)
-    assert_trees_close(got, jax.jit(sgd_step(mlp_loss))(params, batch))
+    f = autoshard.parallelize(step, method=PipeshardParallel(
+        num_micro_batches=4, layer_option="manual", stage_option=stage, blocking=True,
+        stage_input_shardings=inputs))
+    ref = jax.jit(step)
+    got, want = state, state
+    for _ in range(3):
+        got, want = f(got, batch), ref(want, batch)
+    assert_trees_close(got, want)
     ex = f.get_last_executable()
     for s in (0, 1):
         b = ex.tasks[("B", s)]
-        assert not b.batch_axes and b.plan is not None
-        assert "reduced per micro-batch" in b.note and "['x1']" in b.note
-    assert ex.reduce_tasks == []
-    assert "B1: accumulated values reduced per micro-batch" in ex.plan.explain()
+        assert b.batch_axes == ("x0",) and b.plan is not None, b.note
+        # its plan keeps the model axis's collectives and none over the batch axis
+        assert all("x0" not in c.axes for c in b.plan.collectives)
+    # weights over x1 only: no B task holds a 64 x 32 gradient shard reduced over anything
+    _check_once_per_step(ex, 64 * 32 * 4, num_reduce=2)
+    for r in ex.reduce_tasks:
+        assert set(r.predicted) == {("all-reduce", ("x0",))}
+    assert "B1: runs per device over the batch axes ('x0',)" in ex.plan.explain()
+
+
+def test_tied_embedding_gpt_reduces_gradients_once_per_step():
+    """The embedding's backward is a scatter-add of batch-split updates: a partial sum over
+    the batch, so B0 runs per device too (no gather, no per-micro-batch reduction)."""
+    from flax.training.train_state import TrainState
+    from pipeline_models import GPT
+
+    model = GPT(layers=1)
+    tokens = jax.numpy.asarray(np.random.default_rng(0).integers(0, 32, size=(16, 9)), "int32")
+    params = model.init(jax.random.key(0), tokens[:, :-1])
+    tx = optax.adam(1e-2, eps=1e-3)
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    def step(state, tokens):
+        def loss(p):
+            logits = state.apply_fn(p, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        return state.apply_gradients(grads=autoshard.grad(loss)(state.params))
+
+    f = autoshard.parallelize(step, method=PipeshardParallel(
+        num_micro_batches=2, layer_option="manual", blocking=True,
+        stage_option=ManualStageOption([[0], [1]], [(1, 4), (1, 4)], [(4,), (4,)], [{}, {}])))
+    ref = jax.jit(step)
+    got, want = state, state
+    for _ in range(3):
+        got, want = f(got, tokens), ref(want, tokens)
+    assert_trees_close(got.params, want.params)
+    ex = f.get_last_executable()
+    assert "reduced per micro-batch" not in ex.plan.explain()
+    _check_once_per_step(ex, 32 * 16 * 4, num_reduce=2)

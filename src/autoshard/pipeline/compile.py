@@ -42,6 +42,7 @@ from ..sharding.options import AutoShardingOption
 from ..sharding.plan import spec_axes
 from . import _cross_process
 from .partition import Partition, Task
+from .reduce import acc_dtype, stacked_spec, without_batch_reductions
 
 
 def make_submeshes(devices, sizes, logical_shapes, axis_names=None):
@@ -104,12 +105,6 @@ class Specs:
         return self.spec.get(v, P())
 
 
-def acc_dtype(dtype):
-    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
-        return jnp.float32
-    return dtype
-
-
 class CompiledTask:
     """A task as a jit: ``(*inputs, *accumulators[, micro_batch]) -> (*outputs, *accumulators)``.
 
@@ -131,56 +126,34 @@ class CompiledTask:
         self.accumulated = list(task.accumulated)
         self.random = with_index and task.draws_random
         self.plan, self.note, self.predicted = None, "", None
+        self.reduced_specs = None
+        """Per accumulator kept partial: the spec its plan gives the reduced value (None: no
+        plan, the reduced value goes where its reader wants it)."""
         pins = dict(output_pins or {})
         # Per device over the batch axes: accumulators stay partial sums, (groups, *shape).
         self.batch_axes = () if pins or not partial_accumulators or not self.accumulated else (
             _row_axes(self.invars, rows, input_specs))
         sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
         model_axes = {a for a, m in sizes.items() if m > 1} - set(self.batch_axes)
-        if self.batch_axes and model_axes:
-            # the planner keeps the model axes' layouts; it has no partial outputs, so this
-            # task's plan reduces its accumulated values over the batch axes every micro-batch
+        if self.batch_axes and model_axes and option is None:
             self.note = (f"{task.name}: accumulated values reduced per micro-batch (the "
-                         f"sub-mesh also splits over {sorted(model_axes)}, which the planner "
-                         "keeps)")
+                         f"sub-mesh also splits over {sorted(model_axes)} and the task has no "
+                         "plan to keep their layouts)")
             self.batch_axes = ()
-        groups = math.prod(sizes[a] for a in self.batch_axes)
-        local = None
-        if self.batch_axes:
-            local = _local_task(task.eqns, self.invars, self.outvars, self.accumulated, consts,
-                                self.random, rows, self.batch_axes, groups, mesh, input_specs)
-            shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.invars]
-            shapes += [jax.ShapeDtypeStruct((groups,) + tuple(v.aval.shape),
-                                            acc_dtype(v.aval.dtype)) for v in self.accumulated]
-            shapes += [jax.ShapeDtypeStruct((), jnp.int32)] if self.random else []
-            talks = _collectives_in(jax.make_jaxpr(local[0])(*shapes).jaxpr)
-            if talks:  # an operation without a per-row rule: the planned task does better
-                self.note = (f"{task.name}: accumulated values reduced per micro-batch (run "
-                             f"per device over {self.batch_axes} it would communicate: "
-                             f"{', '.join(sorted(talks))})")
-                self.batch_axes, local, groups = (), None, 1
-        self.acc_shapes = [((groups,) if self.batch_axes else ()) + tuple(v.aval.shape)
-                           for v in self.accumulated]
         fn = _task_fn(task.eqns, self.invars, self.outvars, self.accumulated, consts,
                       self.random)
         if pins:
             fn = _pinned(fn, pins, mesh)
         n, n_acc = len(self.invars), len(self.accumulated)
         abstract = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.invars]
-        abstract += [jax.ShapeDtypeStruct(shape, acc_dtype(v.aval.dtype))
-                     for v, shape in zip(self.accumulated, self.acc_shapes, strict=True)]
+        abstract += [jax.ShapeDtypeStruct(v.aval.shape, acc_dtype(v.aval.dtype))
+                     for v in self.accumulated]
         if self.random:
             abstract.append(jax.ShapeDtypeStruct((), jnp.int32))
         n_args = len(abstract)
         acc_aliases = [(n + i, len(self.outvars) + i) for i in range(n_acc)]
         run, in_specs, out_specs = fn, None, None
-        if local is not None:
-            run, in_specs, out_specs = local
-            self.predicted = {}  # per device: no collective (checked on its trace above)
-            self.note = (f"{task.name}: runs per device over the batch axes "
-                         f"{self.batch_axes}; its {n_acc} accumulator(s) stay partial sums "
-                         "over micro-batches and are reduced once per step")
-        elif option is not None:
+        if option is not None:
             closed = jax.make_jaxpr(fn)(*abstract)
             batch = [v in rows for v in self.invars] + [False] * (n_args - n)
             fixed = None if input_specs is None else [
@@ -200,6 +173,24 @@ class CompiledTask:
                 self.note = (f"{task.name}: planner failed ({type(err).__name__}: {err}); "
                              "data parallel instead")
                 warnings.warn(f"autoshard pipeline: {self.note}", stacklevel=2)
+                if model_axes:
+                    self.batch_axes = ()
+        local = self._local(task, consts, rows, input_specs, in_specs, out_specs, sizes) if (
+            self.batch_axes) else None
+        self.acc_shapes = [tuple(v.aval.shape) for v in self.accumulated]
+        if local is not None:
+            run, in_specs, out_specs = local
+            groups = math.prod(sizes[a] for a in self.batch_axes)
+            self.acc_shapes = [(groups,) + s for s in self.acc_shapes]
+            abstract[n:n + n_acc] = [jax.ShapeDtypeStruct(s, a.dtype) for s, a in zip(
+                self.acc_shapes, abstract[n:n + n_acc], strict=True)]
+            if self.plan is None:
+                self.predicted = {}  # per device: no collective (checked on its trace)
+            else:  # the plan less its reductions over the batch axes
+                self.plan = without_batch_reductions(self.plan, self.batch_axes)
+            self.note = (f"{task.name}: runs per device over the batch axes "
+                         f"{self.batch_axes}; its {n_acc} accumulator(s) stay partial sums "
+                         "over micro-batches and are reduced once per step")
         if in_specs is None:
             in_specs = [fallback.get(v) for v in self.invars] + [
                 fallback.get(v) for v in self.accumulated] + [P()] * (n_args - n - n_acc)
@@ -222,6 +213,45 @@ class CompiledTask:
                                            for a, s in zip(abstract, in_sh, strict=True)])
         self.compiled = _cross_process.compile_task(self.lowered, mesh)  # own stages only
         self._check_memory(option, mesh)
+
+    def _local(self, task, consts, rows, input_specs, plan_in, plan_out, sizes):
+        """(function, input specs, output specs) of the task run per device over its batch
+        axes, the other axes as its plan lays them out; None (with a note, no batch axes)
+        when the plan takes the rows otherwise or the per-device run would communicate."""
+        axes, mesh = self.batch_axes, self.mesh
+        n, n_acc = len(self.invars), len(self.accumulated)
+        entry = P(axes if len(axes) > 1 else axes[0])
+        if plan_in is not None:
+            takes = {spec_axes(s[0]) if len(s) else () for v, s in zip(
+                self.invars, plan_in, strict=False) if v in rows} - {()}
+            if takes != {axes}:
+                self.note = (f"{task.name}: accumulated values reduced per micro-batch (its "
+                             f"plan takes the rows over {sorted(takes)}, not {axes})")
+                self.batch_axes = ()
+                return None
+            ins, outs = plan_in[:n], plan_out[:len(self.outvars)]
+            accs = [stacked_spec(s, axes) for s in plan_in[n:n + n_acc]]
+            self.reduced_specs = list(plan_in[n:n + n_acc])
+        else:
+            ins = [_spec(s) if s is not None else entry if v in rows else P()
+                   for v, s in zip(self.invars, input_specs, strict=True)]
+            outs = [entry if v in rows else P() for v in self.outvars]
+            accs = [entry] * n_acc
+        groups = math.prod(sizes[a] for a in axes)
+        local = _local_task(task.eqns, self.invars, self.outvars, self.accumulated, consts,
+                            self.random, rows, axes, groups, mesh, ins, accs, outs)
+        shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.invars]
+        shapes += [jax.ShapeDtypeStruct((groups,) + tuple(v.aval.shape),
+                                        acc_dtype(v.aval.dtype)) for v in self.accumulated]
+        shapes += [jax.ShapeDtypeStruct((), jnp.int32)] if self.random else []
+        talks = _collectives_in(jax.make_jaxpr(local[0])(*shapes).jaxpr)
+        if talks:  # an operation without a per-row rule: the planned task does better
+            self.note = (f"{task.name}: accumulated values reduced per micro-batch (run "
+                         f"per device over {axes} it would communicate: "
+                         f"{', '.join(sorted(talks))})")
+            self.batch_axes = ()
+            return None
+        return local
 
     def _check_memory(self, option, mesh):
         """A task XLA compiled to more bytes per device than the budget (the option's, else
@@ -319,8 +349,9 @@ def _task_fn(eqns, invars, outvars, acc, consts, random):
 
 
 def _row_axes(invars, rows, input_specs) -> tuple[str, ...]:
-    """The mesh axes splitting dim 0 of every micro-batch-row input as it arrives (empty when
-    they differ, some arrive unpinned, or none is split)."""
+    """The mesh axes splitting dim 0 of the micro-batch-row inputs as they arrive (empty when
+    they differ, some arrive unpinned, or none is split; rows split on another dim do not
+    count: the task reshards them)."""
     if input_specs is None:
         return ()
     found = set()
@@ -330,6 +361,8 @@ def _row_axes(invars, rows, input_specs) -> tuple[str, ...]:
                 return ()
             spec = _spec(s)
             found.add(spec_axes(spec[0]) if len(spec) else ())
+    # rows split on another dim are resharded into the task (their plan prices that)
+    found.discard(())
     return found.pop() if len(found) == 1 else ()
 
 
@@ -352,21 +385,22 @@ def _collectives_in(jaxpr) -> set[str]:
 
 
 def _local_task(eqns, invars, outvars, acc, consts, random, rows, axes, size, mesh,
-                input_specs):
-    """A task run per device over the batch ``axes`` (``shard_map``, ``_local.LocalEval``):
-    micro-batch-row values are each device's own rows, reductions over them stay partial, and
-    every accumulator gains a leading dim of one partial sum per device group, added to
-    locally. Returns (function, input specs, output specs)."""
+                in_specs, acc_specs, out_specs):
+    """A task run per device over the batch ``axes`` (``shard_map`` manual over them, auto
+    over the other axes, ``_local.LocalEval``): micro-batch-row values are each device's own
+    rows, reductions over them stay partial, and every accumulator gains a leading dim of one
+    partial sum per device group, added to locally. ``in_specs``/``acc_specs``/``out_specs``:
+    the jit's specs of the inputs, the stacked accumulators and the outputs. Returns
+    (function, input specs, output specs)."""
     entry = axes if len(axes) > 1 else axes[0]
     rows_spec = stacked = P(entry)
     n, n_acc = len(invars), len(acc)
-    in_specs = [_spec(s) if s is not None else rows_spec if v in rows else P()
-                for v, s in zip(invars, input_specs, strict=True)]
-    in_specs += [stacked] * n_acc + ([P()] if random else [])
-    out_specs = [rows_spec if v in rows else P() for v in outvars] + [stacked] * n_acc
+    in_specs = list(in_specs) + list(acc_specs) + ([P()] if random else [])
+    out_specs = list(out_specs) + list(acc_specs)
     # inside the shard_map only the manual axes are named: rows split, the rest whole
     body_in = [rows_spec if v in rows else P() for v in invars] + [stacked] * n_acc + (
         [P()] if random else [])
+    body_out = [rows_spec if v in rows else P() for v in outvars] + [stacked] * n_acc
 
     def body(*args):
         local = LocalEval(axes, size)
@@ -388,7 +422,7 @@ def _local_task(eqns, invars, outvars, acc, consts, random, rows, axes, size, me
         return tuple(outs + new)
 
     mapped = jax.shard_map(body, mesh=mesh, in_specs=tuple(body_in),
-                           out_specs=tuple(out_specs), axis_names=set(axes), check_vma=False)
+                           out_specs=tuple(body_out), axis_names=set(axes), check_vma=False)
 
     def run(*args):
         return list(mapped(*args))

@@ -139,6 +139,9 @@ class PipelineExecutable:
                 o = part.marker.outvars[list(part.marker.invars).index(v)]
                 if v not in stacked:  # partial sums: reduced into their reader's layout
                     layout.setdefault(o, [sh])
+                elif t.reduced_specs is not None:  # ... the one their task's plan gives them
+                    spec = t.reduced_specs[t.accumulated.index(v)]
+                    layout.setdefault(o, [NamedSharding(t.mesh, spec)])
         self.apply = [compile_task(t, False, step_aliases(t, jaxpr, program.aliases))
                       for t in part.apply]
         self.finalize = []
@@ -164,7 +167,7 @@ class PipelineExecutable:
                 if any(v in stacked for v, _, _ in pairs):
                     self.reduce_tasks.append(ReduceTask(
                         s, self.meshes[s], compiled, reduce_prediction(
-                            [(v, x) for (v, _, _), x in zip(pairs, out_sh, strict=True)
+                            [(v, a, x) for (v, _, _), a, x in zip(pairs, sh, out_sh, strict=True)
                              if v in stacked], batch_axes_of)))
         self.move = Mover()
         self._split_fns: dict = {}

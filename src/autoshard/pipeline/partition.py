@@ -26,6 +26,8 @@ from .._compat import Literal, Var
 from .._jaxpr import dependents, grad_marker_index
 from ..grad_accum import draws_random
 from ..markers import pipeline_p
+from .levels import assign_apply
+from .sums import cross_stage_sums, split_tied_gradients
 
 
 @dataclass(eq=False)
@@ -75,6 +77,9 @@ class Partition:
     """Variables that depend on a batch input."""
     home: dict
     """Stage of every variable produced by a task (marker outputs: their accumulating stage)."""
+    sums: list = field(default_factory=list)
+    """Sums whose terms live on several stages (``sums.CrossStageSum``), in program order:
+    one all-reduce over a mesh spanning the stages each, before apply task ``before``."""
 
     @property
     def has_backward(self) -> bool:
@@ -194,11 +199,19 @@ def build_partition(
     num_stages = max(stage_of_layer) + 1
     free = free_eqns(pre, post, jaxpr.constvars)
     bwd = assign_backward(pre, fwd_end, layer_of_fwd, num_layers, jaxpr.invars)
+    made_on: dict = {}
+    for i, e in enumerate(pre):
+        if id(e) in free or _is_boundary(e) or (i < fwd_end and i not in layer_of_fwd):
+            continue
+        s = stage_of_layer[layer_of_fwd[i] if i < fwd_end else bwd[i]]
+        made_on.update((v, s) for v in e.outvars)
+    # gradient contributions of several stages (tied parameters) accumulate on their stages
+    marker, skipped, post, tied = split_tied_gradients(marker, pre, post, made_on.get)
     producer = {v: e for e in list(pre) + list(post) for v in e.outvars}
 
     groups: dict = {}
     for i, e in enumerate(pre):
-        if id(e) in free or _is_boundary(e):
+        if id(e) in free or _is_boundary(e) or id(e) in skipped:
             continue
         if i < fwd_end:
             groups.setdefault(("F", stage_of_layer[layer_of_fwd[i]]), []).append(e)
@@ -219,17 +232,27 @@ def build_partition(
         for v, o in zip(marker.invars, marker.outvars, strict=True):
             home[o] = home.get(v, 0) if isinstance(v, Var) else 0
     first_use = _first_use_stage(groups, jaxpr.invars)
-    apply_groups = _assign_apply(post, free, home, first_use)
+    outs = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    constant = {v for e in list(pre) + list(post) if id(e) in free for v in e.outvars}
+    constant |= set(jaxpr.constvars)
+    sums: list = []
+    while True:  # placed without the sums' additions, whose results are on every stage
+        placed = dict(home)
+        apply_groups, dup = assign_apply(post, free, placed, first_use, sums, constant)
+        more = cross_stage_sums(post, outs, placed, tied, sums)
+        if not more:
+            break
+        sums = more
+    home.update(placed)
 
     batch_vars = {v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b}
     per_mb = {v for key, eqns in groups.items() for e in eqns for v in e.outvars}
     batch_dep = dependents(pre, batch_vars | {o for e in pre if draws_random(e) for o in e.outvars})
     needed_by: dict = {}
     marker_in = set(v for v in marker.invars if isinstance(v, Var)) if marker is not None else set()
-    outs = {v for v in jaxpr.outvars if isinstance(v, Var)}
 
     def make(name, kind, stage, eqns):
-        return _task(name, kind, stage, eqns, producer, free)
+        return _task(name, kind, stage, eqns, producer, free | dup)
 
     fwd = [make(f"F{s}", "F", s, groups.get(("F", s), [])) for s in range(num_stages)]
     back = [make(f"B{s}", "B", s, groups.get(("B", s), [])) for s in range(num_stages)]
@@ -240,6 +263,12 @@ def build_partition(
     for t in all_tasks:
         for v in t.invars:
             needed_by.setdefault(v, set()).add(t.name)
+    levels = [lv for lv, _ in sorted(apply_groups)]
+    for s in sums:
+        for v in s.terms:
+            if isinstance(v, Var):
+                needed_by.setdefault(v, set()).add(s.name)
+        s.before = next((i for i, lv in enumerate(levels) if lv > s.level), len(levels))
     for t in all_tasks:
         produced = [v for e in t.eqns for v in e.outvars if not _is_dropped(v)]
         t.outvars = [
@@ -262,6 +291,7 @@ def build_partition(
         per_micro_batch=per_mb,
         batch_dependent=batch_dep,
         home=home,
+        sums=sums,
     )
 
 
@@ -355,68 +385,6 @@ def _first_use_stage(groups, invars) -> dict:
                 if isinstance(v, Var):
                     out.setdefault(v, s)
     return out
-
-
-def _assign_apply(post, free, home, first_use) -> dict:
-    """(level, stage) -> equations; a level reads other stages' values of earlier levels.
-
-    An equation goes to the stage holding its largest input. One that reads no value with a
-    stage (only step inputs no task reads, such as optimizer moments, and values computed from
-    those alone) waits: it joins the first equation that reads its result, on that one's stage
-    and level. Adam's ``b1 * mu`` thus runs where the gradient it is added to lives, instead of
-    on stage 0 with its result copied to the parameter's stage every step. What nothing placed
-    reads runs on stage 0.
-    """
-    level: dict = {}
-    groups: dict = {}
-    waiting: dict = {}  # var -> the waiting equations that compute it (itself included)
-
-    def place(eqns, lv, stage):
-        for e in eqns:
-            for v in e.outvars:
-                level[v] = (lv, stage)
-                home[v] = stage
-                waiting.pop(v, None)
-        groups.setdefault((lv, stage), []).extend(eqns)
-
-    for e in post:
-        if id(e) in free:
-            continue
-        ins = [v for v in e.invars if isinstance(v, Var)]
-        pulled = list(dict.fromkeys(x for v in ins if v in waiting for x in waiting[v]))
-        where = [
-            (_nbytes(v), -i, home.get(v, first_use.get(v)))
-            for i, v in enumerate(ins)
-            if v not in waiting
-        ]
-        where = [w for w in where if w[2] is not None]
-        if not where:
-            chain = list(dict.fromkeys(pulled + [e]))
-            for v in e.outvars:
-                waiting[v] = chain
-            continue
-        stage = max(where)[2]
-        lv = 0
-        for v in ins:
-            if v in level:
-                lv = max(lv, level[v][0] + (level[v][1] != stage))
-        place(sorted(pulled, key=lambda x: _position(post, x)) + [e], lv, stage)
-    rest = list(dict.fromkeys(x for chain in waiting.values() for x in chain))
-    if rest:
-        place(sorted(rest, key=lambda x: _position(post, x)), 0, 0)
-    return groups
-
-
-def _position(eqns, e) -> int:
-    return next(i for i, x in enumerate(eqns) if x is e)
-
-
-def _nbytes(v) -> int:
-    aval = v.aval
-    size = 1
-    for d in getattr(aval, "shape", ()):
-        size *= d
-    return size * getattr(getattr(aval, "dtype", None), "itemsize", 1)
 
 
 def is_loss_marker(e) -> bool:

@@ -33,6 +33,7 @@ from .manual import ManualSpecs
 from .reduce import ReduceTask, reduce_prediction
 from .schedules import get_schedule
 from .simulate import simulate
+from .span import SpanReduce, run_sums
 from .timeline import draw_timeline
 from .transfer import Mover
 
@@ -142,8 +143,12 @@ class PipelineExecutable:
                 elif t.reduced_specs is not None:  # ... the one their task's plan gives them
                     spec = t.reduced_specs[t.accumulated.index(v)]
                     layout.setdefault(o, [NamedSharding(t.mesh, spec)])
+        for cs in part.sums:  # after its all-reduce, on every sub-mesh
+            layout[cs.out] = [NamedSharding(m, P()) for m in self.rank_meshes]
         self.apply = [compile_task(t, False, step_aliases(t, jaxpr, program.aliases))
                       for t in part.apply]
+        self.sums = [SpanReduce(cs, part.home, self.meshes, self.rank_meshes)
+                     for cs in part.sums]
         self.finalize = []
         acc_sh = {v: sh for t in self._all_tasks()
                   for v, sh in zip(t.accumulated, t.acc_shardings, strict=True)}
@@ -253,7 +258,8 @@ class PipelineExecutable:
             vals = fn(*[accs[s][v] for v, _, _ in pairs])
             for (_, o, _), x, sh in zip(pairs, vals, shardings, strict=True):
                 self._step[o] = {sh: x}
-        for t in self.apply:
+        for i, t in enumerate(self.apply):
+            run_sums(self.sums, i, self._step)
             t0 = time.perf_counter()
             outs = t(self._gather(t, None))
             for v, o, sh in zip(t.outvars, outs, t.out_shardings, strict=True):
@@ -262,6 +268,7 @@ class PipelineExecutable:
                 jax.block_until_ready(outs)
             if record:
                 self.trace.append((t.task.name, t.stage, t0 - t_start, time.perf_counter() - t0))
+        run_sums(self.sums, len(self.apply), self._step)
         out = _cross_process.readable_outputs(self, [self._placed(v, self._output(v, args))
                                                      for v in jaxpr.outvars])
         self._mb, self._step = {}, {}

@@ -126,9 +126,28 @@ def train_pipeline(stages=("uniform",), steps: int = STEPS, devices=None):
                 sorted({d.process_index for d in m.devices.flat}) for m in ex.rank_meshes
             ],
             "moves": dict(ex.move.counts),
+            "sums": _sums(ex),
             "planner_calls": len(planned),
         }
     return out
+
+
+def _sums(ex) -> list:
+    """Per cross-stage sum: its shape, the devices its all-reduce spans, the all-reduces in its
+    compiled program, and how many of its terms the audit sees copied between sub-meshes."""
+    terms = [{str(t) for t in s.sum.terms} for s in ex.sums]
+    moved = [t.value.split(" ")[0] for t in ex.audit().transfers]
+    return [
+        {
+            "shape": s.shape,
+            "devices": len(s.mesh.devices.flat),
+            "all_reduces": sum(
+                1 for line in s.compiled.as_text().splitlines() if " all-reduce(" in line
+            ),
+            "moved_terms": sum(1 for v in moved if v in ts),
+        }
+        for s, ts in zip(ex.sums, terms, strict=True)
+    ]
 
 
 @contextlib.contextmanager

@@ -16,6 +16,8 @@ import pytest
 import autoshard
 from autoshard.distributed import PlanMismatchError
 
+VOCAB, DIM = pw.VOCAB, pw.DIM
+
 TIMEOUT_S = 240
 
 
@@ -41,6 +43,14 @@ def test_two_stage_pipeline_across_two_processes_equals_one_process_run():
         assert runs[0]["stage_processes"] == [[0], [1]]
         # every task planned once, on process 0; process 1 received the plans
         assert runs[0]["planner_calls"] > 0 and runs[1]["planner_calls"] == 0
+        # the tied embedding's gradient and the global norm: one all-reduce over both
+        # processes' devices each (gloo), no partial value copied between the stages
+        for run in runs:
+            assert [(s["shape"], s["all_reduces"], s["moved_terms"]) for s in run["sums"]] == [
+                ((VOCAB, DIM), 1, 0),
+                ((), 1, 0),
+            ]
+            assert {s["devices"] for s in run["sums"]} == {4 if layout == "uniform" else 3}
         for run in runs:  # the loss is on every device: both processes read all of it
             np.testing.assert_allclose(run["losses"], jitted["losses"], rtol=1e-5)
             assert run["moves"]["copy"] > 0

@@ -326,6 +326,7 @@ def pipeline_summary(est, cluster) -> dict:
                             for name, p in s.plans if name.startswith("B")),
                         "backward_inter_host_dot_all_reduce_s": inter_host_dot_all_reduce_s(
                             s, cluster),
+                        "reduce_bytes": s.reduce_bytes, "reduce_s": s.reduce_s,
                         "memory_gib": s.memory_bytes / 2**30} for s in est.stages],
             "explain": est.explain()}
 
@@ -469,8 +470,10 @@ def pipeline_lines(all_rows: list[dict]) -> list[str]:
              "The step unrolled, a `mark_pipeline_boundary()` every 6 transformer layers (8 "
              "pipeline layers), `autoshard.value_and_grad`, 1F1B. Each task (F, B, apply) of a "
              "stage is planned by the planner on its sub-mesh's cluster; a stage's time per "
-             "micro-batch is its planned F + B (gradients reduced inside every B, as "
-             "autoshard's pipeline runtime runs them, not once per step as Megatron does), "
+             "micro-batch is its planned F + B (a B whose rows arrive split over data axes "
+             "keeps its weight gradients partial over them; the stage's reduce task "
+             "all-reduces them once per step before apply, as Megatron does and as "
+             "autoshard's pipeline runtime runs it), "
              "activations cross sub-meshes on the link joining them, and the step is the "
              "replayed schedule plus the apply tasks. The micro-batch count is our choice "
              "(Table 1 gives none).", "",
@@ -503,24 +506,19 @@ def pipeline_lines(all_rows: list[dict]) -> list[str]:
         if e is None:
             continue
         comm = [s.get("backward_communication_s") for s in e["stages"]]
-        dots = [s.get("backward_inter_host_dot_all_reduce_s") for s in e["stages"]]
         b = [s["task_s"].get("B") for s in e["stages"]]
-        if None not in comm and None not in b and None not in dots:
+        red = [(s.get("reduce_bytes"), s.get("reduce_s")) for s in e["stages"]]
+        if None not in comm and None not in b and all(x is not None for x, _ in red):
             lines += ["", f"{r['model']}: in the paper's stages, every backward (one per "
                       "micro-batch) takes " + ", ".join(
-                          f"{t:.2f} s of which {c:.2f} s communicating and {d:.2f} s in "
-                          "all-reduces of matrix-product results over the inter-host (data) "
-                          "axis" for c, t, d in zip(comm, b, dots, strict=True))
-                      + " (stage by stage): the weight gradients are reduced "
-                      f"{r['num_micro_batches']} times a step, {r['num_micro_batches']} x "
-                      f"{max(dots):.2f} = {r['num_micro_batches'] * max(dots):.1f} s of the "
-                      f"{e['step_s']:.2f} s step"
-                      + (f", a large part of the gap to the planner's plan without a pipeline "
-                         f"(the scan row above, {flat['step_s']:.2f} s), which reduces them "
-                         "once per step" if flat else "")
-                      + ". Megatron-LM also reduces once per step; autoshard's pipeline "
-                      "runtime accumulates into reduced buffers per micro-batch, and the "
-                      "pricing prices what that runtime runs."]
+                          f"{t:.2f} s of which {c:.2f} s communicating" for c, t in zip(
+                              comm, b, strict=True))
+                      + " (stage by stage); the weight gradients are reduced once per step "
+                      "over the data axis: " + ", ".join(
+                          f"{x / 2**30:.2f} GiB per GPU in {y:.2f} s" for x, y in red)
+                      + f" (in the apply time), of the {e['step_s']:.2f} s step"
+                      + (f"; the planner's plan without a pipeline (the scan row above) "
+                         f"takes {flat['step_s']:.2f} s" if flat else "") + "."]
     return lines
 
 

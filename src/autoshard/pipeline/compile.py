@@ -15,6 +15,13 @@ stage its activations as the previous stage sent them, and any reshard is priced
 planner and predicted in the plan. Across sub-meshes of other shapes the runtime reshards on
 the source devices before copying (see ``runtime.Mover``).
 
+A backward task whose micro-batch rows arrive split on dim 0 over some axes (its batch axes)
+runs per device over them, auto over the other axes in the layouts its plan gives them, and
+keeps its accumulated gradients as partial sums over the batch axes: the stage's reduce task
+sums them once per step (``reduce``). It stays planned and reduces per micro-batch (with a
+note) when its plan takes the rows otherwise or running per device would communicate (an
+operation without a per-row rule in ``_local.LocalEval``).
+
 If the planner fails on a task, the task falls back to data parallelism (``Specs``): a value
 computed per micro-batch whose dim 0 is the micro-batch's rows is split on dim 0 over every
 axis of the sub-mesh, everything else is replicated; the plan's notes say which task and why.
@@ -229,7 +236,9 @@ class CompiledTask:
                              f"plan takes the rows over {sorted(takes)}, not {axes})")
                 self.batch_axes = ()
                 return None
-            ins, outs = plan_in[:n], plan_out[:len(self.outvars)]
+            ins = [_spec(s) if s is not None else plan_in[i]  # as they arrive
+                   for i, s in enumerate(input_specs or [None] * n)]
+            outs = plan_out[:len(self.outvars)]
             accs = [stacked_spec(s, axes) for s in plan_in[n:n + n_acc]]
             self.reduced_specs = list(plan_in[n:n + n_acc])
         else:

@@ -34,6 +34,11 @@ class StageEstimate:
     flight)."""
     plans: tuple[tuple[str, ShardingPlan], ...]
     """(task name, its plan) in planning order."""
+    reduce_bytes: int = 0
+    """Bytes per device of the partial gradients its backward tasks keep over the batch axes,
+    all-reduced once per step by its reduce task (before its apply tasks)."""
+    reduce_s: float = 0.0
+    """Seconds of that once-per-step reduction (included in ``task_s['apply']``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +102,9 @@ class PipelineEstimate:
             lines.append(f"  stage {s.stage}: layers {list(s.layers)} on devices "
                          f"{first}..{first + n - 1} ({s.physical_shape[0]} host(s) x "
                          f"{s.physical_shape[1]}), mesh {'x'.join(map(str, s.mesh_shape))}; "
-                         f"{times}; memory {s.memory_bytes / GIB:.3g} GiB per device")
+                         f"{times}; memory {s.memory_bytes / GIB:.3g} GiB per device"
+                         + (f"; gradients reduced once per step: {s.reduce_bytes:,} B/device "
+                            f"in {s.reduce_s:.3g} s (in apply)" if s.reduce_bytes else ""))
             for name, plan in s.plans:
                 o = plan.objective
                 lines.append(f"    {name}: mesh {plan.mesh_shape}, {o.total_s:.4g} s (compute "

@@ -41,8 +41,9 @@ import jax
 
 from ..cluster import GIB, Cluster
 from ..sharding import plan_auto
+from ..sharding.cost import CostModel
 from ..sharding.options import AutoShardingOption
-from ..sharding.plan import ShardingPlan
+from ..sharding.plan import ShardingPlan, spec_axes
 from .build import cut_program
 from .compile import _FIXES, _task_fn, acc_dtype
 from .estimate import PipelineEstimate, StageEstimate
@@ -59,6 +60,7 @@ from .placement import (
     sub_cluster_of,
     submesh_shapes,
 )
+from .reduce import reduce_seconds, without_batch_reductions
 from .schedules import get_schedule
 from .simulate import simulate
 from .stages import AutoStageOption, stage_dp
@@ -117,14 +119,16 @@ def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
             physical_shape=placement[s][1], mesh_shape=sp.mesh_shape, task_s=dict(sp.times),
             send_s={kind: v[0] for kind, v in sends[s].items()},
             send_bytes={kind: v[1] for kind, v in sends[s].items()},
-            memory_bytes=int(memory), plans=tuple(sp.plans)))
+            memory_bytes=int(memory), plans=tuple(sp.plans), reduce_bytes=sp.reduce_bytes,
+            reduce_s=sp.reduce_s))
     flops = sum(p.objective.flops * (1 if name.startswith("apply") else k)
                 for sp in stage_plans for name, p in sp.plans)
     notes += [
         "each task planned by sharding.plan_auto on its sub-mesh's cluster; a copy between "
         "stages is charged to the action producing the value (no overlap with compute assumed)",
-        "gradients are reduced inside every backward (per micro-batch), as the pipeline "
-        "runtime runs them",
+        "a backward task whose micro-batch rows arrive split over batch axes keeps its "
+        "gradients partial over them and the stage reduces them once per step before its "
+        "apply tasks (priced in apply), as the pipeline runtime runs them",
         *pricer.notes]
     return PipelineEstimate(
         method=_describe(method), cluster=cluster.describe(), schedule=schedule.name,
@@ -143,6 +147,8 @@ class _StagePlans:
     residual_bytes: int
     out_bytes: dict  # var -> bytes per device in its producer's spec
     producer_kind: dict  # var -> kind of the task that makes it
+    reduce_bytes: int = 0  # partial gradients reduced once per step (bytes per device)
+    reduce_s: float = 0.0  # seconds of that reduction (in times["apply"])
 
 
 class _Pricer:
@@ -250,6 +256,19 @@ class _Pricer:
                 plan = self._plan_or_fail(part, t, subs[s], mesh[s], overrides[s], s,
                                           fixed=[wanted(v, s) for v in invars],
                                           axis_names=names[s], **kw)
+            axes = self._partial_axes(part, t, invars, plan, [wanted(v, s) for v in invars])
+            if axes:  # run per device over them: its gradients reduced once per step
+                plan = without_batch_reductions(plan, axes)
+                sizes = dict(zip(plan.axis_names, plan.mesh_shape, strict=True))
+                shards = [(leaf.bytes_per_device({a: 1 if a in axes else m
+                                                  for a, m in sizes.items()}), axes)
+                          for leaf in plan.inputs[len(invars):len(invars) + len(t.accumulated)]]
+                alpha, beta = subs[s].mesh_costs(tuple(plan.mesh_shape))
+                secs = reduce_seconds(CostModel(tuple(plan.mesh_shape), alpha, beta),
+                                      plan.axis_names, shards)
+                out[s].times["apply"] = out[s].times.get("apply", 0.0) + secs
+                out[s].reduce_s += secs
+                out[s].reduce_bytes += sum(b for b, _ in shards)
             outs = [v for v in t.outvars if v not in t.accumulated]
             for v, spec in list(zip(invars, plan.in_specs, strict=False)) + list(
                     zip(outs, plan.out_specs, strict=False)):
@@ -286,6 +305,25 @@ class _Pricer:
         for t in part.apply:
             run(t, "apply", aliases=step_aliases(t, part.jaxpr, self.program.aliases))
         return out
+
+    def _partial_axes(self, part, t, invars, plan, fixed) -> tuple[str, ...]:
+        """The batch axes a backward task's gradients stay partial over at run time (as
+        ``compile.CompiledTask`` decides): those splitting dim 0 of the micro-batch rows as
+        they arrive and as the plan takes them; () for other tasks."""
+        if not t.accumulated or not t.name.startswith("B"):
+            return ()
+        found, takes = set(), set()
+        for v, f, spec in zip(invars, fixed, plan.in_specs, strict=False):
+            if not (v in part.batch_dependent and (v in self.batch_vars or v in part.per_micro_batch)
+                    and getattr(v.aval, "shape", ()) and v.aval.shape[0] == self.mb_rows):
+                continue
+            if f is None:
+                return ()
+            found.add(spec_axes(f[0]) if len(f) else ())
+            takes.add(spec_axes(spec[0]) if len(spec) else ())
+        found.discard(())
+        takes.discard(())
+        return found.pop() if len(found) == 1 and takes == found else ()
 
     def _plan_or_fail(self, part, t, sub, mesh, overrides, s, **kw):
         try:

@@ -64,15 +64,16 @@ def test_loop_carry_collapsed_into_huge_pages_results_unchanged(rank, size):
 
 
 def _mapping(address):
-    """(start, end, AnonHugePages KiB) of the mapping that holds ``address`` in this process."""
+    """(start, end, AnonHugePages KiB, name) of the mapping that holds ``address``."""
     start = end = None
     for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            lo, hi = (int(v, 16) for v in head.split("-"))
+        fields = line.split()
+        if "-" in fields[0] and all(c in "0123456789abcdef-" for c in fields[0]):
+            lo, hi = (int(v, 16) for v in fields[0].split("-"))
             start, end = (lo, hi) if lo <= address < hi else (None, None)
+            name = fields[5] if len(fields) > 5 else ""
         elif start is not None and line.startswith("AnonHugePages:"):
-            return start, end, int(line.split()[1])
+            return start, end, int(fields[1]), name
     return None
 
 
@@ -80,14 +81,16 @@ def _mapping(address):
 def test_buffer_ends_collapsed_where_the_mapping_holds_their_2mib_page(rank, size):
     # XLA places buffers side by side, so the 2 MiB page where one carry ends and the next
     # begins lies whole in one mapping; left on small pages it slowed 16 MiB sendrecv 1.1-1.2x.
+    # In place, with no temporary. Ends on the heap are not checked: glibc trims and regrows
+    # its top as other buffers come and go, which splits huge pages there again.
     huge, n = 2 << 20, (8 << 20) // 4
     loop = jax.jit(
         lambda c: jax.lax.fori_loop(
-            0, 2, lambda i, c: (mpi.bcast(c[0] + 1, 0)[0], mpi.bcast(c[1] + 2, 0)[0]), c
+            0, 2, lambda i, c: (mpi.bcast(c[0], 0)[0], mpi.bcast(c[1], 1 % size)[0]), c
         ),
         donate_argnums=0,
     )
-    state = (jnp.full(n, float(rank)), jnp.full(n, float(rank)))
+    state = (jnp.full(n, float(rank + 1)), jnp.full(n, float(rank + 1)))
     for _ in range(3):
         state = jax.block_until_ready(loop(state))
     checked = 0
@@ -96,13 +99,14 @@ def test_buffer_ends_collapsed_where_the_mapping_holds_their_2mib_page(rank, siz
         ends = [a - a % huge for a in (begin, end) if a % huge]
         for page in ends:
             mapping = _mapping(page)
-            if mapping and mapping[0] <= page and page + huge <= mapping[1]:
+            whole = mapping and mapping[0] <= page and page + huge <= mapping[1]
+            if whole and mapping[3] != "[heap]":
                 checked += 1
                 assert mapping[2] >= 2048, (hex(page), mapping)
-    np.testing.assert_array_equal(state[0], np.full(n, 6.0))
-    np.testing.assert_array_equal(state[1], np.full(n, 12.0))
+    np.testing.assert_array_equal(state[0], np.full(n, 1.0))  # root 0's value
+    np.testing.assert_array_equal(state[1], np.full(n, float(1 % size + 1)))
     if not checked:
-        pytest.skip("no buffer end fell in a 2 MiB page held whole by one mapping")
+        pytest.skip("no buffer end fell in a 2 MiB page held whole by one mapping off the heap")
 
 
 def test_small_buffers_left_alone(rank, size):

@@ -45,6 +45,7 @@ from .._jaxpr import Env
 from .._local import LocalEval, R, split
 from ..grad_accum import fold_keys, reductions_of
 from ..sharding import apply_plan, plan_auto
+from ..sharding.cost import CostModel
 from ..sharding.options import AutoShardingOption
 from ..sharding.plan import spec_axes
 from . import _cross_process
@@ -133,6 +134,7 @@ class CompiledTask:
         self.accumulated = list(task.accumulated)
         self.random = with_index and task.draws_random
         self.plan, self.note, self.predicted = None, "", None
+        self.option = option
         self.reduced_specs = None
         """Per accumulator kept partial: the spec its plan gives the reduced value (None: no
         plan, the reduced value goes where its reader wants it)."""
@@ -193,8 +195,6 @@ class CompiledTask:
                 self.acc_shapes, abstract[n:n + n_acc], strict=True)]
             if self.plan is None:
                 self.predicted = {}  # per device: no collective (checked on its trace)
-            else:  # the plan less its reductions over the batch axes
-                self.plan = without_batch_reductions(self.plan, self.batch_axes)
             self.note = (f"{task.name}: runs per device over the batch axes "
                          f"{self.batch_axes}; its {n_acc} accumulator(s) stay partial sums "
                          "over micro-batches and are reduced once per step")
@@ -238,10 +238,14 @@ class CompiledTask:
                 return None
             ins = [_spec(s) if s is not None else plan_in[i]  # as they arrive
                    for i, s in enumerate(input_specs or [None] * n)]
-            outs = plan_out[:len(self.outvars)]
+            costs = CostModel.from_option(tuple(mesh.devices.shape), self.option)
+            plan = without_batch_reductions(
+                self.plan, axes, costs, [i for i, v in enumerate(self.invars) if v in rows],
+                [i for i, v in enumerate(self.outvars) if v in rows])
+            outs = list(plan.out_specs[:len(self.outvars)])
             accs = [stacked_spec(s, axes) for s in plan_in[n:n + n_acc]]
-            self.reduced_specs = list(plan_in[n:n + n_acc])
         else:
+            plan = None
             ins = [_spec(s) if s is not None else entry if v in rows else P()
                    for v, s in zip(self.invars, input_specs, strict=True)]
             outs = [entry if v in rows else P() for v in self.outvars]
@@ -260,6 +264,8 @@ class CompiledTask:
                          f"{', '.join(sorted(talks))})")
             self.batch_axes = ()
             return None
+        if plan is not None:  # the plan less its reductions over the batch axes
+            self.plan, self.reduced_specs = plan, list(plan_in[n:n + n_acc])
         return local
 
     def _check_memory(self, option, mesh):

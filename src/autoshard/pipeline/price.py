@@ -258,14 +258,17 @@ class _Pricer:
                                           axis_names=names[s], **kw)
             axes = self._partial_axes(part, t, invars, plan, [wanted(v, s) for v in invars])
             if axes:  # run per device over them: its gradients reduced once per step
-                plan = without_batch_reductions(plan, axes)
+                outs = [v for v in t.outvars if v not in t.accumulated]
+                alpha, beta = subs[s].mesh_costs(tuple(plan.mesh_shape))
+                costs = CostModel(tuple(plan.mesh_shape), alpha, beta)
+                plan = without_batch_reductions(
+                    plan, axes, costs, [i for i, v in enumerate(invars) if self._is_rows(part, v)],
+                    [i for i, v in enumerate(outs) if self._is_rows(part, v)])
                 sizes = dict(zip(plan.axis_names, plan.mesh_shape, strict=True))
                 shards = [(leaf.bytes_per_device({a: 1 if a in axes else m
                                                   for a, m in sizes.items()}), axes)
                           for leaf in plan.inputs[len(invars):len(invars) + len(t.accumulated)]]
-                alpha, beta = subs[s].mesh_costs(tuple(plan.mesh_shape))
-                secs = reduce_seconds(CostModel(tuple(plan.mesh_shape), alpha, beta),
-                                      plan.axis_names, shards)
+                secs = reduce_seconds(costs, plan.axis_names, shards)
                 out[s].times["apply"] = out[s].times.get("apply", 0.0) + secs
                 out[s].reduce_s += secs
                 out[s].reduce_bytes += sum(b for b, _ in shards)
@@ -306,6 +309,11 @@ class _Pricer:
             run(t, "apply", aliases=step_aliases(t, part.jaxpr, self.program.aliases))
         return out
 
+    def _is_rows(self, part, v) -> bool:
+        """Whether ``v`` holds a micro-batch's rows on dim 0 (as the runtime decides)."""
+        return (v in part.batch_dependent and (v in self.batch_vars or v in part.per_micro_batch)
+                and bool(getattr(v.aval, "shape", ())) and v.aval.shape[0] == self.mb_rows)
+
     def _partial_axes(self, part, t, invars, plan, fixed) -> tuple[str, ...]:
         """The batch axes a backward task's gradients stay partial over at run time (as
         ``compile.CompiledTask`` decides): those splitting dim 0 of the micro-batch rows as
@@ -314,8 +322,7 @@ class _Pricer:
             return ()
         found, takes = set(), set()
         for v, f, spec in zip(invars, fixed, plan.in_specs, strict=False):
-            if not (v in part.batch_dependent and (v in self.batch_vars or v in part.per_micro_batch)
-                    and getattr(v.aval, "shape", ()) and v.aval.shape[0] == self.mb_rows):
+            if not self._is_rows(part, v):
                 continue
             if f is None:
                 return ()

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ..sharding.plan import spec_axes
+from ..sharding.plan import Collective, spec_axes
+from ..sharding.spec import axis_place
 
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 
@@ -57,22 +58,67 @@ def stacked_spec(spec, batch_axes) -> P:
     return P(entry, *[without_batch(e, batch_axes) for e in spec])
 
 
-def without_batch_reductions(plan, batch_axes):
-    """``plan`` with its reductions over the batch axes left out (and their seconds out of its
-    objective): the task runs per device over those axes and they run in the reduce task."""
+def rows_first(spec, batch_axes) -> P:
+    """A micro-batch-row value's spec in a task run per device over the batch axes: dim 0
+    split over them first (then any other axes ``spec`` puts on dim 0), the other dims as
+    ``spec`` splits them over the other axes. Each device's rows stay where they are."""
+    entries = list(spec) or [None]
+    head = tuple(batch_axes) + tuple(a for a in spec_axes(entries[0]) if a not in batch_axes)
+    return P(head if len(head) > 1 else head[0],
+             *[without_batch(e, batch_axes) for e in entries[1:]])
+
+
+def without_batch_reductions(plan, batch_axes, costs, row_inputs=(), row_outputs=()):
+    """``plan`` as the task runs per device over the batch axes: its reductions over them left
+    out (and their seconds out of its objective; they run in the reduce task), the inputs at
+    ``row_inputs`` (micro-batch rows) resharded on entry into ``rows_first`` layouts where
+    they arrive otherwise (priced on ``costs``, a ``sharding.cost.CostModel``, axis by axis
+    as the planner prices a reshard), the outputs at ``row_outputs`` left in them."""
     batch = set(batch_axes)
+    outputs = tuple(dataclasses.replace(leaf, spec=rows_first(leaf.spec, batch_axes))
+                    if i in set(row_outputs) else leaf for i, leaf in enumerate(plan.outputs))
     dropped = [c for c in plan.collectives if c.kind in REDUCTIONS and batch & set(c.axes)]
-    if not dropped:
+    entry = [c for i in row_inputs for c in _entry_reshard(plan, plan.inputs[i], batch_axes,
+                                                          costs)]
+    if outputs == plan.outputs and not dropped and not entry:
         return plan
-    kept = tuple(c for c in plan.collectives if c not in dropped)
-    saved = sum(c.cost_s for c in dropped)
+    saved, moved = sum(c.cost_s for c in dropped), sum(c.cost_s for c in entry)
     objective = dataclasses.replace(
-        plan.objective, communication_s=max(0.0, plan.objective.communication_s - saved))
+        plan.objective, communication_s=max(0.0, plan.objective.communication_s - saved),
+        resharding_s=plan.objective.resharding_s + moved)
     note = (f"run per device over the batch axes {tuple(batch_axes)}: {len(dropped)} "
             f"reduction(s) over them ({saved:.3g} s) left to the stage's once-per-step reduce "
-            "task")
-    return dataclasses.replace(plan, collectives=kept, objective=objective,
+            f"task; {len(entry)} reshard(s) of rows arriving split otherwise ({moved:.3g} s)")
+    kept = tuple(c for c in plan.collectives if c not in dropped) + tuple(entry)
+    return dataclasses.replace(plan, outputs=outputs, collectives=kept, objective=objective,
                                notes=plan.notes + (note,))
+
+
+def _entry_reshard(plan, leaf, batch_axes, costs) -> list:
+    """The collectives moving a row input from its spec to ``rows_first`` of it."""
+    index = {a: i for i, a in enumerate(plan.axis_names)}
+    rank = len(leaf.shape)
+
+    def internal(spec):  # mesh-axis indices per dim, in the spec's (major first) order
+        entries = list(spec) + [None] * (rank - len(spec))
+        return tuple(tuple(index[a] for a in spec_axes(e)) for e in entries)
+    src, dst = internal(leaf.spec), internal(rows_first(leaf.spec, batch_axes))
+    if src == dst:
+        return []
+    try:
+        itemsize = np.dtype(leaf.dtype).itemsize
+    except TypeError:  # a PRNG key array
+        itemsize = 8
+    total = math.prod(leaf.shape) * itemsize
+    out = []
+    for a, name in enumerate(plan.axis_names):
+        step = costs.axis_step(a, axis_place(src, a), axis_place(dst, a), total)
+        if step is not None:
+            kind, num_bytes, cost = step
+            out.append(Collective(kind=kind, axes=(name,), num_bytes=int(num_bytes),
+                                  cost_s=cost, where=f"rows of {leaf.path} into the "
+                                  "per-device task", dtype=leaf.dtype))
+    return out
 
 
 def reduce_prediction(reduced, batch_axes_of) -> dict:

@@ -295,7 +295,8 @@ def write(results):
         "- 4 KiB pages: the same loop with huge pages switched off for its buffers. XLA "
         "allocates on 4 KiB pages, NumPy asks for transparent huge pages from 4 MiB, and MPI's "
         "shared-memory transfers of large messages are slower over small pages; autoshard.mpi "
-        "therefore advises its buffers of 4 MiB and more onto huge pages (AUTOSHARD_MPI_HUGE_PAGES"
+        "therefore advises its buffers of 4 MiB and more onto huge pages, with the two 2 MiB "
+        "pages their ends fall in where one mapping holds them whole (AUTOSHARD_MPI_HUGE_PAGES"
         "=0 opts out).",
         "- call: one op per jitted call; target <= 2x (jitted no-op + mpi4py).",
         "- The loop carries a send and a receive buffer, like mpi4py's two buffers: sendrecv "

@@ -22,7 +22,8 @@ stage overlap. On CPU this measures:
 * **gradient reduction**: a 2-stage data-parallel MLP (4 devices per stage, 16 micro-batches):
   collective bytes per step in the backward tasks (gradients kept partial over the batch axis)
   and in the once-per-step reduce tasks, against ``k`` times that reduction (what reducing in
-  every backward task costs; the runtime did that before commit fafbed5).
+  every backward task costs; the runtime did that before commit fafbed5); the same on (2, 2)
+  sub-meshes split over data and model axes (reduced in every backward before 71d3703).
 
 Run: ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/pipeline.py``;
 writes ``benchmarks/results/pipeline.{json,md,png}``.
@@ -45,7 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import autoshard  # noqa: E402
-from autoshard.pipeline import PipeshardParallel, UniformStageOption  # noqa: E402
+from autoshard.pipeline import ManualStageOption, PipeshardParallel, UniformStageOption  # noqa: E402
 from autoshard.pipeline.schedules import get_schedule  # noqa: E402
 from autoshard.pipeline.simulate import simulate  # noqa: E402
 
@@ -166,7 +167,6 @@ def optimizer_and_cut_moves(width=64, k=4, repeats=3) -> dict:
     """Copies per step of a 2-stage Adam+clipping step; the plan's cut estimates."""
     import optax
 
-    from autoshard.pipeline import ManualStageOption
 
     step_sgd, params, x = mlp(width, 4, 16 * k)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
@@ -214,13 +214,23 @@ def optimizer_and_cut_moves(width=64, k=4, repeats=3) -> dict:
     return out
 
 
-def grad_reduction(width=64, k=16) -> dict:
-    """Collective bytes per step of a data-parallel 2-stage pipeline, by task kind."""
-    step, params, x = mlp(width, 2, 16 * k)
-    f = autoshard.parallelize(step, method=PipeshardParallel(
-        num_micro_batches=k, layer_option="manual", blocking=True,
-        stage_option=UniformStageOption(num_stages=2),
-        default_auto_sharding_option=autoshard.AutoShardingOption(force_data_parallel=True)))
+def grad_reduction(width=64, k=16, model_axis=False) -> dict:
+    """Collective bytes per step of a 2-stage pipeline, by task kind: data parallel on 4
+    devices per stage, or (``model_axis``) on (2, 2) sub-meshes planned with the batch over
+    the first axis and no replicated weights (rows over data, weights over the model axis)."""
+    step, params, x = mlp(width, 2, (4 if model_axis else 16) * k)
+    if model_axis:
+        opt = {"force_batch_dim_to_mesh_dim": 0, "allow_replicated_parameters": False}
+        method = PipeshardParallel(
+            num_micro_batches=k, layer_option="manual", blocking=True,
+            stage_option=ManualStageOption([[0], [1]], [(1, 4), (1, 4)], [(2, 2), (2, 2)],
+                                           [opt, opt]))
+    else:
+        method = PipeshardParallel(
+            num_micro_batches=k, layer_option="manual", blocking=True,
+            stage_option=UniformStageOption(num_stages=2),
+            default_auto_sharding_option=autoshard.AutoShardingOption(force_data_parallel=True))
+    f = autoshard.parallelize(step, method=method)
     f(params, x)
     audit = f.get_last_executable().audit()
 
@@ -239,7 +249,8 @@ def main():
     result = {"jax": jax.__version__, "platform": jax.devices()[0].platform,
               "devices": jax.device_count(), "controller": controller_overhead(),
               "bubble": measured_bubble(), "stage_plans": stage_plans(),
-              "moves": optimizer_and_cut_moves(), "grad_reduction": grad_reduction()}
+              "moves": optimizer_and_cut_moves(), "grad_reduction": grad_reduction(),
+              "grad_reduction_model_axis": grad_reduction(model_axis=True)}
     (RESULTS / "pipeline.json").write_text(json.dumps(result, indent=1))
     c, b = result["controller"], result["bubble"]
     lines = ["# Pipeline benchmark", "",
@@ -287,6 +298,16 @@ def main():
               f"({g['unpredicted']} unpredicted); reducing in every backward task instead: "
               f"{g['per_micro_batch_reduction_bytes']:,} B ({g['micro_batches']}x; measured "
               "524,288 B per step with the runtime before fafbed5)."]
+    g = result["grad_reduction_model_axis"]
+    lines += ["", f"Sub-meshes split over data and model axes (2 stages on (2, 2), MLP width 64, "
+              f"{g['micro_batches']} micro-batches, planned with the batch over the first "
+              "axis and no replicated weights): "
+              f"{g['backward_bytes_per_step']:,} B in the backward tasks, "
+              f"{g['reduce_bytes_per_step']:,} B in the reduce tasks, "
+              f"{g['compiled_bytes_per_step']:,} B in all ({g['unpredicted']} unpredicted); "
+              "measured with the runtime before 71d3703 (which reduced these stages' "
+              "gradients in every backward task): 262,144 B in the backward tasks, 270,336 B "
+              "in all."]
     (RESULTS / "pipeline.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -13,6 +13,12 @@ stages from the stage option, the same ``Partition`` of tasks); then, instead of
   shape), so on the devices at hand the priced plans are the compiled ones. A stage's first
   task chooses the sub-mesh's logical shape unless the stage option fixes it (the runtime
   uses a 1-D sub-mesh there); random-key folding per micro-batch is not priced;
+* a backward task whose micro-batch rows arrive split over batch axes is priced as the runtime
+  runs it, per device over them (``reduce.without_batch_reductions``: its gradient reductions
+  over them leave its plan; rows arriving split otherwise pay their reshard), and its stage's
+  once-per-step reduction of those gradients is added to the stage's apply time
+  (``StageEstimate.reduce_bytes``/``reduce_s``); the runtime's fallback for a backward that
+  would communicate per device (an operation without a per-row rule) is not modelled;
 * a value read on another stage is copied once per micro-batch (``F``/``B`` outputs) or per
   step (``apply``): each sending device sends its shard (the producer plan's spec) over the
   link joining the two sub-meshes (inside a host, or between hosts); the copy is charged to

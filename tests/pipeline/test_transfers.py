@@ -143,3 +143,24 @@ def test_audit_counts_every_copy_the_runtime_makes_with_tied_embeddings():
     # the embedding (32, 16) once per step; the token micro-batches (4, 8) once each
     assert {(d, r) for d, v, r in inputs if v == "float32[32,16]"} == {("F1", 1)}
     assert {(d, r) for d, v, r in inputs if v == "int32[4,8]"} == {("F1", 2)}
+
+
+def test_only_the_cpu_receiver_waits_for_cross_process_arrivals(monkeypatch):
+    """``settle`` (the XLA:CPU workaround) blocks on received CPU arrays only: a GPU pipeline's
+    transfers (NCCL) stay asynchronous."""
+    from types import SimpleNamespace
+
+    from autoshard.pipeline import _cross_process
+
+    waited = []
+    monkeypatch.setattr(_cross_process.jax, "block_until_ready", waited.append)
+
+    def received(platform):
+        shard = SimpleNamespace(device=SimpleNamespace(platform=platform))
+        return SimpleNamespace(addressable_shards=[shard])
+
+    _cross_process.settle([received("gpu"), received("gpu")])
+    assert waited == []
+    cpu = [received("cpu")]
+    _cross_process.settle(cpu)
+    assert waited == [cpu]

@@ -15,7 +15,12 @@ What else differs from one process:
 * Copies between sub-meshes of different sizes go as single-device pieces: each process issues
   the pieces it sends or receives, and the ones between two devices of another process are
   left to that process (``copy_replicated``).
-* On XLA:CPU a process waits for the arrays it receives from another process (``settle``).
+* On XLA:CPU a process waits for the arrays it receives from another process (``settle``,
+  which says what was observed without it).
+* Sums over several stages (a tied parameter's gradient, the global norm) are no transfers:
+  one jit over a mesh of every stage's devices (``span.SpanReduce``), a collective across the
+  processes (gloo on CPU, NCCL on GPU) that every process runs at the same point of the apply
+  list.
 * Outputs that do not replace a step input (the loss, metrics) are replicated over every device
   of the pipeline, so each process can read them (``readable_outputs``); the new train state
   stays on the stages that hold it for the next step.
@@ -109,10 +114,23 @@ def crosses(src, target) -> bool:
 def settle(received) -> None:
     """Wait until arrays this process receives from another process have arrived (XLA:CPU).
 
-    On XLA:CPU (jaxlib 0.10) a computation dispatched on a buffer that is still arriving from
-    another process can stall both processes for good: seen as a hang of a 2-process pipeline
-    whose stages differ in size, gone once the receiver waits. The sender does not wait, so
-    sending stays asynchronous; other backends (NCCL transfers on GPU) do not wait either.
+    On XLA:CPU (jaxlib 0.10.2) dispatching work on a buffer that is still arriving from another
+    process can stall both processes for good. Observed without this wait, 2 processes x 2 CPU
+    devices, tied GPT step of ``tests/distributed/pipeline_workers.py``, machine loaded: the
+    2+2 layout hung in 2 of 3 runs of 3 steps and in 3 of 9 runs of 1 step (so not XLA's
+    32-computation in-flight limit); the 2+1 layout, which hung before cross-stage sums became
+    one all-reduce, finished 3 of 3. Stacks of hung runs: once process 0's Python thread was
+    inside the call of a 2-device task of the action loop (the call never returned) while
+    process 1 waited for the loss; once process 0 waited for the loss with its compute threads
+    and its transfer server's send and recv threads all idle. XLA:CPU runs an executable with
+    several local devices by enqueuing one ExecuteHelper per device and blocking the calling
+    thread until they return, collectives gang-scheduled behind the previous collective launch
+    (``cpu_client.cc``); the likely cycle is such a call waiting on an arriving input while the
+    blocked thread cannot issue the transfer the other process needs first. Not proven: the
+    other process's native stack could not be captured. Waiting for arrivals breaks the cycle
+    (nothing is dispatched on a buffer in flight). The sender does not wait, so sending stays
+    asynchronous. Only the CPU waits: on GPU (NCCL transfers, and cross-stage sums as NCCL
+    all-reduces, ``span.py``) nothing here blocks.
     """
     arrays = [a for a in received if a.addressable_shards]
     if arrays and arrays[0].addressable_shards[0].device.platform == "cpu":

@@ -90,6 +90,12 @@ def test_tied_gradient_and_global_norm_are_one_all_reduce_each(layout):
         assert len(groups) == 1, s.compiled.as_text()
         assert groups[0] in ("{{" + everyone + "}}", f"[1,{num_devices}]<=[{num_devices}]")
         assert {d.id for d in s.mesh.devices.flat} == set(range(num_devices))
+    # the audit lists them as predicted, with nothing unpredicted
+    rows = {t.name: t.audit for t in ex.audit().tasks if t.name.startswith("sum")}
+    assert set(rows) == {"sum0", "sum1"}
+    assert rows["sum0"].predicted_bytes == rows["sum0"].compiled_bytes == 32 * 16 * 4
+    assert rows["sum1"].predicted_bytes == rows["sum1"].compiled_bytes == 4
+    assert not any(a.unpredicted for a in rows.values())
     # no term of either sum is copied between sub-meshes; what crosses from the optimizer is
     # Adam's two bias corrections of the step count
     terms = {str(t) for s in sums for t in s.terms}

@@ -452,7 +452,7 @@ class PipelineExecutable:
                     runs=n, resharded=not same))
         return PipelineAudit(tasks=tuple(
             task_audit(t, runs.get(keys[id(t)], 0) if id(t) in keys else 1)
-            for t in tasks + self.reduce_tasks), transfers=tuple(transfers))
+            for t in tasks + self.reduce_tasks + self.sums), transfers=tuple(transfers))
 
     def explain(self) -> str:
         """The pipeline plan, each task's plan, then the audit of the compiled tasks."""

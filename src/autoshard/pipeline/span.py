@@ -13,6 +13,8 @@ replicated over every device, so each sub-mesh reads its own devices' copies (no
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,10 +30,15 @@ AXIS = "x"
 
 class SpanReduce:
     """A compiled ``CrossStageSum`` of a pipeline whose model stage ``s`` runs on
-    ``meshes[s]`` (sub-meshes in ``rank_meshes`` order)."""
+    ``meshes[s]`` (sub-meshes in ``rank_meshes`` order). The audit reads it as a task without
+    a plan that predicts its one all-reduce (listed under stage 0)."""
+
+    plan = None
+    stage = 0
 
     def __init__(self, cross_sum, home: dict, meshes: list, rank_meshes: list):
         self.sum = cross_sum
+        self.task = SimpleNamespace(name=cross_sum.name)
         out = cross_sum.out.aval
         self.shape, self.dtype = tuple(out.shape), out.dtype
         self.rank_meshes = list(rank_meshes)
@@ -53,6 +60,11 @@ class SpanReduce:
             jax.ShapeDtypeStruct((len(devices),) + self.shape, self.dtype, sharding=self.rows)
         ).compile()
         """The all-reduce over the spanning mesh (for inspection: ``as_text()``)."""
+        itemsize = np.dtype(self.dtype).itemsize
+        if devices[0].platform == "cpu" and jnp.issubdtype(self.dtype, jnp.floating):
+            itemsize = max(itemsize, 4)  # XLA:CPU all-reduces bf16/f16 in float32
+        self.predicted = {("all-reduce", (AXIS,)): int(np.prod(self.shape)) * itemsize}
+        """(collective kind, axes) -> bytes of its result on one device per step."""
 
     def _lift_fn(self, r):
         terms, shape, dtype = self.terms[r], self.shape, self.dtype

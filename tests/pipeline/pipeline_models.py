@@ -76,3 +76,15 @@ def sgd_step(loss_fn, grad=None):
 def assert_trees_close(a, b, rtol=1e-4, atol=1e-6):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def gpt_lm_step(state, tokens):
+    """A language-model step of the GPT above: next-token cross entropy, gradients through
+    ``autoshard.grad`` (its marker splits accumulation from the update)."""
+    import optax
+
+    def loss(p):
+        logits = state.apply_fn(p, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return state.apply_gradients(grads=autoshard.grad(loss)(state.params))

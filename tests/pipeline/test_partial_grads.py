@@ -144,7 +144,7 @@ def test_tied_embedding_gpt_reduces_gradients_once_per_step():
     """The embedding's backward is a scatter-add of batch-split updates: a partial sum over
     the batch, so B0 runs per device too (no gather, no per-micro-batch reduction)."""
     from flax.training.train_state import TrainState
-    from pipeline_models import GPT
+    from pipeline_models import GPT, gpt_lm_step
 
     model = GPT(layers=1)
     tokens = jax.numpy.asarray(np.random.default_rng(0).integers(0, 32, size=(16, 9)), "int32")
@@ -152,12 +152,7 @@ def test_tied_embedding_gpt_reduces_gradients_once_per_step():
     tx = optax.adam(1e-2, eps=1e-3)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
-    def step(state, tokens):
-        def loss(p):
-            logits = state.apply_fn(p, tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        return state.apply_gradients(grads=autoshard.grad(loss)(state.params))
+    step = gpt_lm_step
 
     f = autoshard.parallelize(step, method=PipeshardParallel(
         num_micro_batches=2, layer_option="manual", blocking=True,

@@ -101,7 +101,7 @@ def test_audit_counts_every_copy_the_runtime_makes_with_tied_embeddings():
     """The audit's transfers are every copy between sub-meshes in a step, step inputs
     included: the tied embedding read on both stages, the targets read by the last."""
     from flax.training.train_state import TrainState
-    from pipeline_models import GPT
+    from pipeline_models import GPT, gpt_lm_step
 
     model = GPT(layers=1)
     tokens = jax.numpy.asarray(
@@ -112,12 +112,7 @@ def test_audit_counts_every_copy_the_runtime_makes_with_tied_embeddings():
     tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2, eps=1e-3))
     state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
-    def step(state, tokens):
-        def loss(p):
-            logits = state.apply_fn(p, tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        return state.apply_gradients(grads=autoshard.grad(loss)(state.params))
+    step = gpt_lm_step
 
     method = PipeshardParallel(
         devices=jax.devices()[:4],

@@ -13,18 +13,21 @@ from autoshard.sharding import hlo
 COLLECTIVES = hlo.KINDS
 
 
-def collective_bytes(hlo_text: str, num_devices: int
+def collective_bytes(hlo_text: str | list[str], num_devices: int
                      ) -> tuple[dict[str, int], dict[str, int], dict[str, float]]:
     """Per collective kind: result bytes one device receives per step, executions per step, and
     bytes one device sends per step (``wire_bytes``: ring algorithms over each group's size).
 
     Read by ``autoshard.sharding.hlo``, the audit's reader: loop bodies count their trips. On
     the CPU XLA lowers a reduce-scatter to an all-reduce and a slice, so it counts as one.
+    A list holds one module per compiled task (a pipeline), each read on its own: modules
+    joined into one text would share computation names.
     """
     num_bytes = dict.fromkeys(COLLECTIVES, 0)
     counts = dict.fromkeys(COLLECTIVES, 0)
     wire = dict.fromkeys(COLLECTIVES, 0.0)
-    for c in hlo.collectives(hlo_text, (), (num_devices,)):
+    texts = [hlo_text] if isinstance(hlo_text, str) else hlo_text
+    for c in (c for t in texts for c in hlo.collectives(t, (), (num_devices,))):
         num_bytes[c.kind] += c.num_bytes * c.count
         counts[c.kind] += c.count
         wire[c.kind] += c.wire_bytes * c.count

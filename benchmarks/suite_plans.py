@@ -242,8 +242,14 @@ def autoshard_methods(num_devices: int, solver_time_limit_s: float) -> dict[str,
         methods["autoshard:ShardParallel-2d"] = shard((2, n // 2))
     # Hook: PipeshardParallel joins the suite as soon as autoshard exports it.
     pipeshard = getattr(autoshard, "PipeshardParallel", None)
-    methods["autoshard:PipeshardParallel"] = (
+    methods["autoshard:PipeshardParallel"] = (  # Alpa's defaults: 2 auto layers, 2 stages, 1F1B
         (lambda d: pipeshard(devices=d, num_micro_batches=2, blocking=True))
+        if pipeshard is not None else None)
+    methods["autoshard:PipeshardParallel-4st"] = (
+        (lambda d: pipeshard(devices=d, num_micro_batches=4, blocking=True,
+                             pipeline_schedule="1f1b",
+                             layer_option=autoshard.AutoLayerOption(layer_num=4),
+                             stage_option=autoshard.UniformStageOption(num_stages=4)))
         if pipeshard is not None else None)
     return methods
 
@@ -296,8 +302,8 @@ class _Stages:
     def __init__(self, executable):
         self.executable = executable
 
-    def as_text(self) -> str:
-        return "\n".join(self.executable.get_hlo_text())
+    def as_text(self) -> list[str]:
+        return self.executable.get_hlo_text()
 
     def memory_analysis(self):
         total = self.executable.get_total_allocation_size()

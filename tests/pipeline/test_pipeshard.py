@@ -44,7 +44,10 @@ def test_mlp_matches_single_device(schedule, num_stages):
     assert_trees_close(got, want)
     assert len(ex.plan.stage_layer_ids) == num_stages
     assert len(ex.get_hlo_text()) == 2 * num_stages + len(ex.apply) + (
-        num_stages if schedule == "zero_bubble" else 0)
+        num_stages if schedule == "zero_bubble" else 0) + len(ex.reduce_tasks)
+    # a data-parallel stage's gradients: one all-reduce per step, in its reduce task
+    assert ex.reduce_tasks and all("all-reduce(" in t.compiled.as_text()
+                                   for t in ex.reduce_tasks)
 
 
 def test_gpt_tied_embeddings_adam_and_global_norm_clipping():

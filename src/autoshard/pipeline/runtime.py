@@ -405,8 +405,12 @@ class PipelineExecutable:
         return fwd + bwd + self.apply
 
     def get_hlo_text(self) -> list[str]:
-        """One optimized HLO text per task: forward stages, backward stages in reverse, apply."""
-        return [t.compiled.as_text() for t in self._ordered_tasks()]
+        """One optimized HLO text per task: forward stages, backward stages in reverse, the
+        stages' once-per-step gradient reductions, the sums spanning stages, apply."""
+        tasks = self._ordered_tasks()
+        tasks[len(tasks) - len(self.apply):len(tasks) - len(self.apply)] = (
+            self.reduce_tasks + self.sums)
+        return [t.compiled.as_text() for t in tasks]
 
     def get_total_allocation_size(self) -> int:
         """The largest per-device allocation (arguments + outputs + temporaries) of any task."""

@@ -20,6 +20,7 @@ from . import solver
 from .build import build_problem, data_parallel_variant
 from .cost import ClusterCosts, CostModel, device_speed, dominated_meshes
 from .graph import Graph, build_graph
+from .least_memory import least_memory
 from .memory import peak_bytes
 from .options import AutoShardingOption
 from .plan import Collective, LeafPlan, Objective, ShardingPlan
@@ -37,6 +38,7 @@ from .strategy import itemsize
 
 DEFAULT_AXIS_NAMES = {1: ("x",), 2: ("x", "y")}
 PINNED_KINDS_EXCLUDED = {"input", "output", "const", "carry_back"}
+SLICE_PINNED_KINDS = {"dot_general", "conv_general_dilated"}
 
 
 def mesh_candidates(num_devices: int, option: AutoShardingOption,
@@ -121,7 +123,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     graph = build_graph(closed_jaxpr, list(in_paths), list(out_paths))
     pruned = _prune(graph, shapes, options, devices_per_host)
     warned: set[str] = set()
-    tried, best, errors = [], None, []
+    tried, best, best_ilp, errors = [], None, None, []
     with speed:
         bar = tqdm(list(zip(shapes, options, strict=True)), desc="autoshard: planning",
                    disable=not option.show_progress, leave=False)
@@ -170,8 +172,10 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                 continue
             tried.append((shape, sol.objective_s))
             if best is None or sol.objective_s < best[2].objective_s * (1 - 1e-9) - 1e-15:
-                best = (shape, prob, sol)
+                best, best_ilp = (shape, prob, sol), ilp
         bar.close()
+        if best is not None and best_ilp is not None:
+            best = best[:2] + (least_memory(best_ilp, best[2], option.memory_tradeoff),)
         if best is None:
             if not errors:
                 raise _state_too_large(pruned, option.memory_budget_per_device, graph)
@@ -218,6 +222,9 @@ def _finish(best, tried, pruned, option, batch_invars, axis_names, graph) -> Sha
         notes.append("meshes tried: " + ", ".join(f"{s} {o * 1e3:.4f} ms" for s, o in tried))
     # No wall-clock time here: the same program and options must give an identical plan.
     notes.append(f"ILP: {sol.num_ilp_vars} columns, {sol.info.get('rows', 0)} rows")
+    if "least_memory" in sol.info:
+        notes.append("least memory among plans within memory_tradeoff of the fastest: "
+                     + sol.info["least_memory"])
     return dataclasses.replace(plan, objective=objective, notes=tuple(notes))
 
 
@@ -390,6 +397,7 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
         outputs.append(LeafPlan(path=node.where, shape=value.shape, dtype=str(value.dtype),
                                 spec=pspec(spec)))
     pinned, operand_specs, collectives = [], [], {}
+    resharded: set = set()
     comm = reshard = compute = 0.0
 
     def add(kind, axes, num_bytes, cost_s, where, count, dtype):
@@ -422,14 +430,20 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
             if src == dst:
                 continue
             steps = ctx.cost.reshard_steps(src, dst, value.shape, itemsize(value.dtype))
-            for kind, axis, num_bytes, cost_s in steps:
+            # Consumers that need one value in one layout share its resharding (XLA computes
+            # it once): it is counted once.
+            counted = (u, dst, node.mult) in resharded
+            resharded.add((u, dst, node.mult))
+            for kind, axes, num_bytes, cost_s in ([] if counted else _as_compiled(steps)):
                 reshard += cost_s * node.mult
-                add(kind, (axis,), num_bytes, cost_s * node.mult,
+                add(kind, axes, num_bytes, cost_s * node.mult,
                     f"reshard into {node.where}", node.mult, value.dtype)
-            # Pin a planned collective before its consumer; a local slice needs no pin (XLA
-            # slices by itself, and every extra constraint costs compile time).
-            if steps and node.kind not in PINNED_KINDS_EXCLUDED and node.kind not in (
-                    "carry", "xs", "ys", "cond_out"):
+            # Pin a planned collective before its consumer. A local slice needs no pin (XLA
+            # slices by itself, and every extra constraint costs compile time), except before
+            # a dot or convolution: there XLA would rather gather the other operand and
+            # compute replicated than slice and reduce partial sums as planned.
+            if (steps or node.kind in SLICE_PINNED_KINDS) and node.kind not in (
+                    PINNED_KINDS_EXCLUDED | {"carry", "xs", "ys", "cond_out"}):
                 operand_specs.append((g.node_sites[node.id], p, pspec(dst)))
     objective = Objective(communication_s=comm, resharding_s=reshard, compute_s=compute,
                           data_parallel_s=dp_objective,
@@ -447,6 +461,22 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
                         axis_names=names, inputs=tuple(inputs), outputs=tuple(outputs),
                         intermediates=tuple(pinned), operand_specs=tuple(operand_specs),
                         collectives=colls, objective=objective, notes=tuple(notes))
+
+
+def _as_compiled(steps: list[tuple[str, int, float, float]]
+                 ) -> list[tuple[str, tuple[int, ...], float, float]]:
+    """Reshard steps as XLA compiles them: a chain of all-gathers is one over all their axes.
+
+    Per axis the chain moves the same bytes as the single gather (each step receives
+    ``(n-1)/n`` of its result), so the cost is their sum; the one collective's result is the
+    last step's.
+    """
+    gathers = [st for st in steps if st[0] == "all-gather"]
+    if len(gathers) < 2:
+        return [(kind, (axis,), b, c) for kind, axis, b, c in steps]
+    rest = [(kind, (axis,), b, c) for kind, axis, b, c in steps if kind != "all-gather"]
+    axes = tuple(sorted(st[1] for st in gathers))
+    return rest + [("all-gather", axes, gathers[-1][2], sum(st[3] for st in gathers))]
 
 
 __all__ = ["plan_auto", "mesh_candidates", "make_plan", "Graph"]

@@ -349,7 +349,7 @@ def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:
                              np.inf)
             choice[r] = int(np.argmin(costs))
         return Solution(choice, "solver limit: no incumbent, greedy fallback",
-                        _evaluate(prob, choice, ilp.edges), time.perf_counter() - t0,
+                        evaluate(prob, choice, ilp.edges), time.perf_counter() - t0,
                         num_ilp_vars=total, info=info)
     gap = getattr(res, "mip_gap", None)
     gap_text = f" (gap {gap:.2%})" if gap is not None and np.isfinite(gap) else ""
@@ -362,7 +362,7 @@ def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:
         status = "node limit: best incumbent" + gap_text
     choice = {r: int(np.argmax(res.x[col0[r]:col0[r] + K[r]])) for r in roots}
     # With per-axis fallbacks the ILP saw an approximation: report the plan's exact cost.
-    objective = (_evaluate(prob, choice, ilp.edges) if ilp.approximate
+    objective = (evaluate(prob, choice, ilp.edges) if ilp.approximate
                  else float(res.fun) / OBJECTIVE_SCALE)
     return Solution(choice, status, objective, time.perf_counter() - t0,
                     num_ilp_vars=total, info=info)
@@ -376,7 +376,7 @@ def _warn_clock(prob: Problem, time_limit_s: float, found: str):
         "stop) or raise solver_time_limit_s.", RuntimeWarning, stacklevel=4)
 
 
-def _evaluate(prob: Problem, choice: dict[int, int], edges: _Edges) -> float:
+def evaluate(prob: Problem, choice: dict[int, int], edges: _Edges) -> float:
     """Objective of an assignment (strategy costs plus resharding on every edge)."""
     g = prob.graph
     total = 0.0

@@ -1,0 +1,67 @@
+"""The planner's second pass: trade a little estimated time for much less memory.
+
+The first ILP minimises estimated step time. That estimate is not finer than some percent
+(alpha-beta constants, per-axis resharding terms), and plans whose times differ by a few
+percent can differ a lot in memory: a GPT's model split over the 2-way axis of a 2x4 mesh
+instead of the 4-way one saves a few percent of collective bytes and holds twice the
+parameters and optimizer state per device. So the chosen mesh's ILP is solved a second time
+with the objective ``time / T + live / P``: ``T`` and ``P`` are the first plan's estimated
+time and peak bytes per device, ``live`` the bytes live at the first plan's peak point (one
+linear row of the memory model), so a fraction of memory saved there counts as much as the
+same fraction of time. The second plan replaces the first when its peak (over every point) is
+at least ``MIN_SAVING`` smaller and its time, priced exactly, is within
+``AutoShardingOption.memory_tradeoff`` of ``T``. One more solve of the same ILP, with the
+same deterministic limits. ``memory_tradeoff=0`` skips it (Alpa's behaviour: the fastest plan
+whatever its memory).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from scipy.optimize import milp
+
+from . import solver
+from .memory import live_bytes, memory_rows, peak_bytes
+from .solver import Ilp, Solution
+
+MIN_SAVING = 0.01
+"""The second plan replaces the first only when its peak is at least this fraction smaller."""
+SCALE = 1e3
+"""The second objective is a sum of fractions near 2; HiGHS wants it away from its tolerances."""
+
+
+def least_memory(ilp: Ilp, first: Solution, tradeoff: float) -> Solution:
+    """A plan of much less peak memory whose time is within ``tradeoff`` of ``first``'s."""
+    prob = ilp.prob
+    if tradeoff <= 0 or not first.choice or first.objective_s <= 0:
+        return first
+    t0 = time.perf_counter()
+    live = live_bytes(prob, first.choice)
+    first_peak = float(live.max()) if len(live) else 0.0
+    if first_peak <= 0:
+        return first
+    at_peak = memory_rows(prob, ilp.col0, ilp.K, ilp.total,
+                          points=[int(np.argmax(live))]).toarray()[0]
+    c = (ilp.c / first.objective_s + at_peak / first_peak) * SCALE
+    res = milp(c, integrality=ilp.integrality, bounds=ilp.bounds,
+               constraints=ilp.constraints, options=ilp.options)
+    if res.x is None:
+        return first
+    choice = {r: int(np.argmax(res.x[ilp.col0[r]:ilp.col0[r] + ilp.K[r]])) for r in ilp.roots}
+    peak = peak_bytes(prob, choice)
+    objective = solver.evaluate(prob, choice, ilp.edges)
+    if (peak > first_peak * (1 - MIN_SAVING)
+            or objective > (1 + tradeoff) * first.objective_s * (1 + 1e-9)):
+        return first
+    info = dict(first.info, least_memory=(
+        f"peak {int(first_peak):,} -> {peak:,} B per device for "
+        f"{objective / first.objective_s - 1:+.1%} estimated time "
+        f"(memory_tradeoff {tradeoff:g})"))
+    return Solution(choice, first.status, objective,
+                    first.solve_s + time.perf_counter() - t0, num_ilp_vars=first.num_ilp_vars,
+                    info=info)
+
+
+__all__ = ["least_memory"]

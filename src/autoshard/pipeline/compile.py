@@ -241,7 +241,7 @@ class CompiledTask:
             costs = CostModel.from_option(tuple(mesh.devices.shape), self.option)
             plan = without_batch_reductions(
                 self.plan, axes, costs, [i for i, v in enumerate(self.invars) if v in rows],
-                [i for i, v in enumerate(self.outvars) if v in rows])
+                [i for i, v in enumerate(self.outvars) if v in rows], arriving=ins)
             outs = list(plan.out_specs[:len(self.outvars)])
             accs = [stacked_spec(s, axes) for s in plan_in[n:n + n_acc]]
         else:

@@ -68,28 +68,41 @@ def rows_first(spec, batch_axes) -> P:
              *[without_batch(e, batch_axes) for e in entries[1:]])
 
 
-def without_batch_reductions(plan, batch_axes, costs, row_inputs=(), row_outputs=()):
+def without_batch_reductions(plan, batch_axes, costs, row_inputs=(), row_outputs=(),
+                             arriving=None):
     """``plan`` as the task runs per device over the batch axes: its reductions over them left
     out (and their seconds out of its objective; they run in the reduce task), the inputs at
-    ``row_inputs`` (micro-batch rows) resharded on entry into ``rows_first`` layouts where
-    they arrive otherwise (priced on ``costs``, a ``sharding.cost.CostModel``, axis by axis
-    as the planner prices a reshard), the outputs at ``row_outputs`` left in them."""
+    ``row_inputs`` (micro-batch rows the task reads) resharded on entry into ``rows_first``
+    layouts where they arrive otherwise (priced on ``costs``, a ``sharding.cost.CostModel``,
+    axis by axis as the planner prices a reshard) in place of the plan's reshards over the
+    batch axes alone, the outputs at ``row_outputs`` left in them. ``arriving``: the spec
+    each input arrives in (default: the plan's)."""
     batch = set(batch_axes)
     outputs = tuple(dataclasses.replace(leaf, spec=rows_first(leaf.spec, batch_axes))
                     if i in set(row_outputs) else leaf for i, leaf in enumerate(plan.outputs))
+    # Inside the task (manual over the batch axes) nothing moves over them: reductions wait
+    # for the reduce task, and an all-to-all over them only was the rows' move, which the
+    # entry reshard below makes once (gathers of other inputs still run, before the task).
     dropped = [c for c in plan.collectives if c.kind in REDUCTIONS and batch & set(c.axes)]
-    entry = [c for i in row_inputs for c in _entry_reshard(plan, plan.inputs[i], batch_axes,
-                                                          costs)]
-    if outputs == plan.outputs and not dropped and not entry:
+    moves = [c for c in plan.collectives
+             if c.kind == "all-to-all" and c.axes and set(c.axes) <= batch]
+    leaves = [leaf if arriving is None or i >= len(arriving) or arriving[i] is None
+              else dataclasses.replace(leaf, spec=arriving[i])
+              for i, leaf in enumerate(plan.inputs)]
+    entry = [c for i in row_inputs for c in _entry_reshard(plan, leaves[i], batch_axes, costs)]
+    if outputs == plan.outputs and not dropped and not moves and not entry:
         return plan
     saved, moved = sum(c.cost_s for c in dropped), sum(c.cost_s for c in entry)
+    unmoved = sum(c.cost_s for c in moves)
     objective = dataclasses.replace(
         plan.objective, communication_s=max(0.0, plan.objective.communication_s - saved),
-        resharding_s=plan.objective.resharding_s + moved)
+        resharding_s=max(0.0, plan.objective.resharding_s - unmoved) + moved)
     note = (f"run per device over the batch axes {tuple(batch_axes)}: {len(dropped)} "
             f"reduction(s) over them ({saved:.3g} s) left to the stage's once-per-step reduce "
-            f"task; {len(entry)} reshard(s) of rows arriving split otherwise ({moved:.3g} s)")
-    kept = tuple(c for c in plan.collectives if c not in dropped) + tuple(entry)
+            f"task; {len(entry)} reshard(s) of rows arriving split otherwise ({moved:.3g} s) "
+            f"in place of {len(moves)} reshard(s) over them inside ({unmoved:.3g} s)")
+    kept = tuple(c for c in plan.collectives if c not in dropped and c not in moves) + tuple(
+        entry)
     return dataclasses.replace(plan, outputs=outputs, collectives=kept, objective=objective,
                                notes=plan.notes + (note,))
 

@@ -11,12 +11,13 @@ import autoshard
 SUITE = Path(__file__).parent.parent.parent / "benchmarks"
 
 
-def _executable(model, mesh, **option):
+def _executable(model, mesh, sizes=None, **option):
+    """The suite's ``model`` (its quick sizes unless ``sizes``) planned on ``mesh``."""
     sys.path.insert(0, str(SUITE))
     from suite_models import SIZES, make_case
     from suite_plans import autoshard_step
 
-    case = make_case(model, **SIZES["quick"][model])
+    case = make_case(model, **(sizes or SIZES["quick"][model]))
     opt = autoshard.AutoShardingOption(show_progress=False, logical_mesh_shape=mesh, **option)
     f = autoshard.parallelize(autoshard_step,
                               method=autoshard.ShardParallel(auto_sharding_option=opt))
@@ -46,16 +47,8 @@ def test_expert_layer_all_to_alls_are_predicted_exactly():
     # Experts split over the mesh move tokens with all-to-alls; a resharding two consumers
     # share is counted once (XLA computes it once): at the suite's default size the plan
     # listed 9 all-to-alls where XLA ran 6 before this was so.
-    sys.path.insert(0, str(SUITE))
-    from suite_models import make_case
-    from suite_plans import autoshard_step
-
-    case = make_case("moe", vocab=128, dim=64, heads=8, layers=2, seq=32, batch=16,
-                     num_experts=8, moe_every=2)
-    opt = autoshard.AutoShardingOption(show_progress=False, logical_mesh_shape=(8,))
-    f = autoshard.parallelize(autoshard_step,
-                              method=autoshard.ShardParallel(auto_sharding_option=opt))
-    a = f.get_executable(case.init_state(), (case.inputs, case.labels)).audit()
+    a = _executable("moe", (8,), sizes=dict(vocab=128, dim=64, heads=8, layers=2, seq=32,
+                                           batch=16, num_experts=8, moe_every=2)).audit()
     rows = {r.kind: (r.predicted_bytes, r.compiled_bytes) for r in a.rows}
     assert rows["all-to-all"][0] == rows["all-to-all"][1] > 0, a.explain()
     assert a.bytes_ratio() == 1.0 and a.unpredicted == (), a.explain()

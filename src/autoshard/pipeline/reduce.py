@@ -72,7 +72,7 @@ def without_batch_reductions(plan, batch_axes, costs, row_inputs=(), row_outputs
                              arriving=None):
     """``plan`` as the task runs per device over the batch axes: its reductions over them left
     out (and their seconds out of its objective; they run in the reduce task), the inputs at
-    ``row_inputs`` (micro-batch rows the task reads) resharded on entry into ``rows_first``
+    ``row_inputs`` (micro-batch rows) resharded on entry into ``rows_first``
     layouts where they arrive otherwise (priced on ``costs``, a ``sharding.cost.CostModel``,
     axis by axis as the planner prices a reshard) in place of the plan's reshards over the
     batch axes alone, the outputs at ``row_outputs`` left in them. ``arriving``: the spec

@@ -12,9 +12,14 @@ from .cost import CostModel
 from .graph import Graph
 from .options import AutoShardingOption
 from .problem import Problem
+from .rules_linalg import heaviest_flops
 from .simplify import node_strategies
 from .spec import replicated, to_partition_spec
 from .strategy import RuleContext
+
+LIGHT_OP_FRACTION = 0.01
+"""A dot or convolution of at most this fraction of the program's largest one's FLOPs is light:
+it may be recomputed on several devices (``rules_linalg._heavy_filter``)."""
 
 
 def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardingOption, *,
@@ -23,11 +28,13 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
                   axis_names: tuple[str, ...] = (), fixed_in_specs=None) -> Problem:
     """``fixed_in_specs``: per input its only allowed spec (internal form), or None."""
     cost = CostModel.from_option(mesh_shape, option, devices_per_host)
+    light = LIGHT_OP_FRACTION * heaviest_flops(graph.nodes, graph.values)
     ctx = RuleContext(mesh_shape, cost, option, warned, keep_whole=conv_spatial_dims(graph),
-                      axis_names=tuple(axis_names))
+                      axis_names=tuple(axis_names), light_flops=light)
     prob = Problem(graph, ctx, [], list(range(len(graph.nodes))))
     for node in graph.nodes:
         prob.strategies.append(node_strategies(prob, node))
+    _combine_tail_reductions(prob)
     for a, b in graph.ties:
         prob.union(a, b)
     for i, o in aliases:
@@ -41,6 +48,80 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
         prob.union(ni, no)
     _input_masks(prob, batch_invars, fixed_in_specs)
     return prob
+
+
+COMBINED_KINDS = ("all-reduce", "reduce-scatter")
+"""Collectives XLA's combiners merge when they do not depend on each other."""
+LOOP_KINDS = frozenset({"carry", "carry_back", "xs", "ys", "cond_out"})
+CHAIN_KINDS = LOOP_KINDS | {"dot_general", "conv_general_dilated", "gather", "scatter-add",
+                            "scatter_add"}
+"""Nodes that put a reduction before them on the step's dependency chain: a heavy op waits for
+its operands, and a loop or branch boundary keeps the combiner from merging across it."""
+
+
+def _combine_tail_reductions(prob: Problem) -> None:
+    """Charge the all-reduces XLA's combiner merges into one a single latency between them.
+
+    XLA merges all-reduces (and reduce-scatters) over the same devices that do not depend on
+    each other into one collective. The reductions whose results feed no heavy op (weight
+    gradients, normalisation parameter gradients, the loss: what only the update and the
+    outputs read) are such a set, so they pay one latency per mesh axis between them, not one
+    each: their strategies keep their bytes and drop their alpha, and the ILP pays each axis's
+    alpha once when any of them reduces over it (``merged_reductions``). Without this, a plan
+    of one gradient all-reduce per weight looked costlier than one that gathers activations to
+    save a few small reductions, which XLA would have merged anyway.
+    """
+    g, cost = prob.graph, prob.ctx.cost
+    consumers: list[list[int]] = [[] for _ in g.values]
+    for node in g.nodes:
+        for v in node.operands:
+            if v is not None:
+                consumers[v].append(node.id)
+    feeds_chain = [False] * len(g.nodes)
+    for node in reversed(g.nodes):
+        feeds_chain[node.id] = any(
+            g.nodes[c].kind in CHAIN_KINDS or feeds_chain[c]
+            for v in node.outputs for c in consumers[v] if c > node.id)
+    replaced: dict[int, list] = {}  # one new list per shared list: repeated layers share it
+    for node in g.nodes:
+        if feeds_chain[node.id] or node.kind in LOOP_KINDS:
+            continue
+        strategies = prob.strategies[node.id]
+        if not any(k in COMBINED_KINDS for s in strategies for k, _, _ in s.collectives):
+            continue
+        prob.combined.add(node.id)
+        new = replaced.get(id(strategies))
+        if new is None:
+            new = replaced[id(strategies)] = [dataclasses.replace(s, comm_s=s.comm_s - sum(
+                cost.latency(axes) for k, axes, _ in s.collectives if k in COMBINED_KINDS))
+                for s in strategies]
+        prob.strategies[node.id] = new
+    prob.keepalive.extend(replaced.values())
+
+
+def merged_reductions(prob: Problem) -> dict[int, list[tuple[int, list[int]]]]:
+    """Mesh axis -> (ILP variable, its strategies that reduce over the axis) of the merged
+    reductions (``Problem.combined``): the axis's latency is paid once if any is chosen."""
+    memo: dict[int, list[tuple[int, list[int]]]] = {}
+    seen = set()
+    for node_id in sorted(prob.combined):
+        r = prob.var(node_id)
+        if r in seen:
+            continue
+        seen.add(r)
+        for a in prob.ctx.cost.live_axes():
+            ks = [k for k, s in enumerate(prob.strategies[node_id])
+                  if any(kind in COMBINED_KINDS and a in axes for kind, axes, _ in s.collectives)]
+            if ks:
+                memo.setdefault(a, []).append((r, ks))
+    return memo
+
+
+def merged_latency(prob: Problem, choice: dict[int, int]) -> float:
+    """The latency the merged reductions of a plan pay: each axis's alpha once, if used."""
+    alpha = prob.ctx.cost.alpha
+    return sum(alpha[a] for a, members in merged_reductions(prob).items()
+               if any(choice[r] in ks for r, ks in members))
 
 
 def conv_spatial_dims(graph: Graph) -> dict[tuple[int, ...], frozenset[int]]:
@@ -73,9 +154,9 @@ def data_parallel_variant(prob: Problem, batch_invars) -> Problem:
     cost = CostModel.from_option(prob.ctx.mesh_shape, option, prob.ctx.cost.devices_per_host)
     ctx = RuleContext(prob.ctx.mesh_shape, cost, option, prob.ctx.warned,
                       axis_names=prob.ctx.axis_names,
-                      keep_whole=prob.ctx.keep_whole)
+                      keep_whole=prob.ctx.keep_whole, light_flops=prob.ctx.light_flops)
     dp = Problem(prob.graph, ctx, prob.strategies, list(prob.parent), free=prob.free,
-                 no_reshard=True)
+                 no_reshard=True, combined=prob.combined)
     _input_masks(dp, batch_invars)
     return dp
 

@@ -101,6 +101,10 @@ class CostModel:
                 total += self.alpha[a] + self.beta[a] * VOLUME[kind](n) * num_bytes
         return total
 
+    def latency(self, axes: tuple[int, ...]) -> float:
+        """The alpha part of a collective over ``axes``."""
+        return sum(self.alpha[a] for a in axes if self.mesh_shape[a] > 1)
+
     def axis_step(self, a: int, ds, dd, total_bytes: float) -> tuple[str, float, float] | None:
         """The collective that moves mesh axis ``a`` from place ``ds`` to ``dd`` (None: unused).
 

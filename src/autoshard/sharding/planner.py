@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec
 from tqdm.auto import tqdm
 
 from . import solver
-from .build import build_problem, data_parallel_variant
+from .build import COMBINED_KINDS, build_problem, data_parallel_variant, merged_latency
 from .cost import ClusterCosts, CostModel, device_speed, dominated_meshes
 from .graph import Graph, build_graph
 from .least_memory import least_memory
@@ -405,6 +405,8 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
         c, n = collectives.get(key, (0.0, 0.0))
         collectives[key] = (c + cost_s, n + count)
 
+    latency_paid: set[int] = set()
+    comm = merged_latency(prob, sol.choice)
     for node in g.nodes:
         k = sol.k(prob, node.id)
         s = prob.strategies[node.id][k]
@@ -412,8 +414,12 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
         compute += s.compute_s * node.mult
         for kind, axes, num_bytes in s.collectives:
             dtype = g.values[node.outputs[0]].dtype if node.outputs else ""
-            add(kind, axes, num_bytes, ctx.cost.collective(kind, axes, num_bytes) * node.mult,
-                node.where, node.mult, dtype)
+            cost_s = ctx.cost.collective(kind, axes, num_bytes)
+            if node.id in prob.combined and kind in COMBINED_KINDS:
+                # Merged by XLA: one latency per axis, charged to the first reduction over it.
+                cost_s -= ctx.cost.latency(tuple(a for a in axes if a in latency_paid))
+                latency_paid.update(axes)
+            add(kind, axes, num_bytes, cost_s * node.mult, node.where, node.mult, dtype)
         # Every node is pinned, followers included: a value XLA may place by itself is a
         # value whose collectives the audit finds unpredicted (elementwise chains around
         # normalisations were re-placed by XLA's propagation when left free).

@@ -33,6 +33,9 @@ class Problem:
     allowed: dict[int, set[int]] = field(default_factory=dict)
     """Node id -> strategy indices it may take (absent: all)."""
     notes: list[str] = field(default_factory=list)
+    combined: set[int] = field(default_factory=set)
+    """Nodes whose reductions XLA merges with others': their latency is not charged
+    (``build._combine_tail_reductions``)."""
 
     def var(self, node_id: int) -> int:
         p = self.parent

@@ -29,13 +29,46 @@ def _enumerate_roles(ctx: RuleContext, roles: list):
         yield dict(zip(live, choice, strict=False))
 
 
-def _heavy_filter(ctx: RuleContext, found: list[tuple[int, Strategy]]) -> list[Strategy]:
-    """Keep strategies that use every live axis, when any does (found: (num axes used, s))."""
+def _heavy_filter(ctx: RuleContext, found: list[tuple[int, Strategy]], flops: float
+                  ) -> list[Strategy]:
+    """Keep strategies that use every live axis, when any does (found: (num axes used, s)).
+
+    A light op (``flops`` at most ``ctx.light_flops``) keeps them all: recomputing a small
+    projection (an input stem, a classifier head) on every device can save a collective of its
+    output that costs more than the repeated FLOPs, as Megatron's hand-written plans do.
+    """
     live = len(_live_axes(ctx))
     full = [s for used, s in found if used == live]
-    if full and not ctx.allow_recompute_heavy_op:
+    if full and not ctx.allow_recompute_heavy_op and flops > ctx.light_flops:
         return full
     return [s for _, s in found]
+
+
+def dot_flops(lhs_shape, out_shape, params) -> float:
+    """FLOPs of one dot_general: two per multiply-add."""
+    (lc, _), _ = params["dimension_numbers"]
+    return 2.0 * math.prod(out_shape) * math.prod(lhs_shape[d] for d in lc)
+
+
+def conv_flops(lhs_shape, rhs_shape, out_shape, params) -> float:
+    """FLOPs of one conv_general_dilated: two per multiply-add."""
+    dn = params["dimension_numbers"]
+    kernel = math.prod(rhs_shape[d] for d in dn.rhs_spec[2:])
+    groups = params.get("feature_group_count", 1)
+    return 2.0 * math.prod(out_shape) * (lhs_shape[dn.lhs_spec[1]] // groups) * kernel
+
+
+def heaviest_flops(nodes, values) -> float:
+    """The FLOPs of the program's largest dot or convolution (one execution, loops included)."""
+    best = 0.0
+    for node in nodes:
+        out = values[node.outputs[0]].shape if node.outputs else ()
+        if node.kind == "dot_general":
+            best = max(best, dot_flops(node.in_avals[0].shape, out, node.params))
+        elif node.kind == "conv_general_dilated":
+            best = max(best, conv_flops(node.in_avals[0].shape, node.in_avals[1].shape, out,
+                                        node.params))
+    return best
 
 
 def _contracting(ctx, out_spec: Spec, out_aval, axes, found, used, ins, compute):
@@ -75,7 +108,7 @@ def dot_general(ctx: RuleContext, in_avals, out_avals, params):
     nb = len(lb)
     roles = ([("b", i) for i in range(nb)] + [("l", i) for i in range(len(lfree))]
              + [("r", i) for i in range(len(rfree))] + [("c", i) for i in range(len(lc))])
-    flops = 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lc)
+    flops = dot_flops(lhs.shape, out.shape, params)
     found = []
     for assign in _enumerate_roles(ctx, roles):
         la, ra, oa, contract = {}, {}, {}, []
@@ -100,7 +133,7 @@ def dot_general(ctx: RuleContext, in_avals, out_avals, params):
         pieces = math.prod(ctx.mesh_shape[a] for a, r in assign.items() if r is not None)
         _contracting(ctx, os_, out, tuple(contract), found, used, (ls, rs),
                      flop_cost(flops, pieces))
-    return _heavy_filter(ctx, found)
+    return _heavy_filter(ctx, found, flops)
 
 
 @register("conv_general_dilated")
@@ -116,8 +149,7 @@ def conv(ctx: RuleContext, in_avals, out_avals, params):
         roles += ["out_feature", "in_feature"]
     elif groups > 1 and batch_groups == 1:
         roles += ["group"]  # grouped/depthwise: whole groups of in and out features per device
-    kernel = math.prod(rhs.shape[d] for d in rspec[2:])
-    flops = 2.0 * math.prod(out.shape) * (lhs.shape[lspec[1]] // groups) * kernel
+    flops = conv_flops(lhs.shape, rhs.shape, out.shape, params)
     found = []
     for assign in _enumerate_roles(ctx, roles):
         la, ra, oa, contract = {}, {}, {}, []
@@ -140,7 +172,7 @@ def conv(ctx: RuleContext, in_avals, out_avals, params):
         pieces = math.prod(ctx.mesh_shape[a] for a, r in assign.items() if r is not None)
         _contracting(ctx, os_, out, tuple(contract), found, used, (ls, rs),
                      flop_cost(flops, pieces))
-    return _heavy_filter(ctx, found)
+    return _heavy_filter(ctx, found, flops)
 
 
 def _gather_maps(operand_rank, indices_rank, out_rank, dn, slice_sizes, operand_shape):

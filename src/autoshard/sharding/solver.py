@@ -19,6 +19,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import LinearConstraint, milp
 
+from .build import merged_latency, merged_reductions
 from .memory import live_bytes, memory_rows
 from .problem import Problem
 from .spec import axis_place
@@ -242,6 +243,13 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
             add_terms(nub, rv, dst_dims, None, 1.0)
             add_terms(nub, ru, src_dims, None, -1.0)
             nub += 1
+    for a, members in merged_reductions(prob).items():  # z_a >= x_rk of merged reductions
+        z = ncols + len(c_extra)
+        c_extra.append(prob.ctx.cost.alpha[a])
+        for r, ks in members:
+            ub_rows.extend([nub] * (len(ks) + 1)), ub_vals.extend([1.0] * len(ks) + [-1.0])
+            ub_cols.extend([col0[r] + k for k in ks] + [z])
+            nub += 1
     num_edge = len(c_extra)
     total = ncols + num_edge
     rhs = [0.0] * nrows
@@ -379,7 +387,7 @@ def _warn_clock(prob: Problem, time_limit_s: float, found: str):
 def evaluate(prob: Problem, choice: dict[int, int], edges: _Edges) -> float:
     """Objective of an assignment (strategy costs plus resharding on every edge)."""
     g = prob.graph
-    total = 0.0
+    total = merged_latency(prob, choice)
     for node in g.nodes:
         s = prob.strategies[node.id][choice[prob.var(node.id)]]
         total += (s.comm_s + s.compute_s) * node.mult

@@ -38,6 +38,8 @@ class RuleContext:
     option: AutoShardingOption
     warned: set[str] = field(default_factory=set)
     allow_recompute_heavy_op: bool = False
+    light_flops: float = 0.0
+    """Dots and convolutions of at most this many FLOPs may run recomputed on several devices."""
     keep_whole: dict = field(default_factory=dict)
     """Shape -> dims never split in values of that shape (the spatial dims of conv images)."""
     axis_names: tuple[str, ...] = ()

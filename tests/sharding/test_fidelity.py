@@ -121,7 +121,7 @@ def test_expert_layer_all_to_alls_are_predicted_exactly():
 def test_memory_tradeoff_takes_a_plan_of_less_memory_within_the_time_given():
     sizes = dict(vocab=256, dim=64, heads=8, layers=1, seq=16, batch=8)
     fastest = _executable("gpt", (2, 4), sizes, memory_tradeoff=0.0)
-    lean = _executable("gpt", (2, 4), sizes, memory_tradeoff=0.1)
+    lean = _executable("gpt", (2, 4), sizes)  # the default: 0.1 for a whole step
     f_obj, l_obj = fastest.plan.objective, lean.plan.objective
     assert l_obj.peak_bytes_per_device <= 0.99 * f_obj.peak_bytes_per_device
     assert l_obj.total_s <= 1.1 * f_obj.total_s
@@ -130,6 +130,20 @@ def test_memory_tradeoff_takes_a_plan_of_less_memory_within_the_time_given():
     assert a.compiled_memory < fastest.audit().compiled_memory
     assert a.bytes_ratio() == pytest.approx(1.0, rel=0.10) and a.memory_ratio() <= 1.10
     assert not any("least memory" in n for n in fastest.plan.notes)
+
+
+def test_pipeline_tasks_are_planned_for_time_unless_told_otherwise():
+    import jax
+    import numpy as np
+
+    from autoshard.pipeline.compile import stage_auto_option
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    assert autoshard.AutoShardingOption().memory_tradeoff is None
+    assert stage_auto_option(None, mesh, {}).memory_tradeoff == 0.0
+    given = autoshard.AutoShardingOption(memory_tradeoff=0.2)
+    assert stage_auto_option(given, mesh, {}).memory_tradeoff == 0.2
+    assert stage_auto_option(None, mesh, {"memory_tradeoff": 0.3}).memory_tradeoff == 0.3
 
 
 def test_memory_tradeoff_must_be_a_fraction():

@@ -79,7 +79,8 @@ def stage_auto_option(default, mesh, overrides: dict) -> AutoShardingOption:
         raise ValueError(
             f"submesh_autosharding_option_dicts entry {overrides} names {unknown}, which are not "
             f"AutoShardingOption fields. Use fields such as 'force_batch_dim_to_mesh_dim'.")
-    changes = {"logical_mesh_shape": tuple(mesh.devices.shape), "show_progress": False}
+    changes = {"logical_mesh_shape": tuple(mesh.devices.shape), "show_progress": False,
+               "memory_tradeoff": base.memory_tradeoff or 0.0}  # None: 0 for task plans
     changes.update(overrides)
     return dataclasses.replace(base, **changes)
 

@@ -167,7 +167,8 @@ class _Pricer:
         if not isinstance(base, AutoShardingOption):
             raise TypeError(f"default_auto_sharding_option ({base!r}) must be an "
                             "AutoShardingOption or None.")
-        self.base = dataclasses.replace(base, show_progress=False)
+        self.base = dataclasses.replace(base, show_progress=False,  # as stage_auto_option
+                                        memory_tradeoff=base.memory_tradeoff or 0.0)
         self.batch_vars = {v for v, b in zip(closed.jaxpr.invars, program.batch_invars,
                                              strict=True) if b}
         self.mb_rows = next((v.aval.shape[0] for v in self.batch_vars if v.aval.shape), None)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+DEFAULT_MEMORY_TRADEOFF = 0.1
+"""``AutoShardingOption.memory_tradeoff`` of a whole step's plan when the option is None."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class AutoShardingOption:
@@ -31,14 +34,16 @@ class AutoShardingOption:
     """Allow resharding through all-to-all."""
     allow_replicated_parameters: bool = True
     """Allow parameters to stay replicated."""
-    memory_tradeoff: float = 0.1
+    memory_tradeoff: float | None = None
     """Estimated step time (a fraction) the planner may give up for less memory: the chosen
     mesh's ILP is solved again weighing a fraction of peak memory as much as the same fraction
     of time, and that plan is taken when its peak is at least 1% lower and its time within
-    this fraction of the fastest (``sharding/least_memory.py``). The default, 0.1, is about
-    the cost model's own error; 0: the fastest plan whatever its memory, as Alpa did. Example:
-    on the suite's GPT (2x4 mesh) 0.1 takes a plan with 18% less compiled memory (21.2 MB
-    against 26.0 MB) for 7.6% more estimated time."""
+    this fraction of the fastest (``sharding/least_memory.py``). None: ``DEFAULT_MEMORY_TRADEOFF``
+    (0.1, about the cost model's own error) for the plan of a whole step, 0 for a pipeline's
+    task plans (a task's peak is not its stage's: trading each task's time for its own memory
+    moved 5x the bytes on the pipeline benchmark). 0: the fastest plan whatever its memory, as
+    Alpa did. Example: on the suite's GPT (2x4 mesh) 0.1 takes a plan with 18% less compiled
+    memory (21.2 MB against 26.0 MB) for 7.6% more estimated time."""
     solver_node_limit: int = 20_000
     """Branch-and-bound nodes the ILP solver may explore per mesh. A deterministic stop: the
     same program, devices and options give the same plan on an idle or a loaded machine. On
@@ -71,11 +76,12 @@ class AutoShardingOption:
             raise ValueError(
                 f"memory_budget_per_device ({self.memory_budget_per_device}) must be a positive "
                 "number of bytes, or None for no budget.")
-        if not (isinstance(self.memory_tradeoff, (int, float))
+        if self.memory_tradeoff is not None and not (
+                isinstance(self.memory_tradeoff, (int, float))
                 and 0 <= self.memory_tradeoff < math.inf):
             raise ValueError(
                 f"memory_tradeoff ({self.memory_tradeoff!r}) must be a non-negative fraction of "
-                "the estimated step time, e.g. 0.1 (0: the fastest plan).")
+                "the estimated step time, e.g. 0.1 (0: the fastest plan; None: the default).")
         if self.exact_resharding_columns < 0:
             raise ValueError(
                 f"exact_resharding_columns ({self.exact_resharding_columns}) must be a "

@@ -22,7 +22,7 @@ from .cost import ClusterCosts, CostModel, device_speed, dominated_meshes
 from .graph import Graph, build_graph
 from .least_memory import least_memory
 from .memory import peak_bytes
-from .options import AutoShardingOption
+from .options import DEFAULT_MEMORY_TRADEOFF, AutoShardingOption
 from .plan import Collective, LeafPlan, Objective, ShardingPlan
 from .problem import Problem
 from .repeats import tie_repeated
@@ -175,7 +175,9 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                 best, best_ilp = (shape, prob, sol), ilp
         bar.close()
         if best is not None and best_ilp is not None:
-            best = best[:2] + (least_memory(best_ilp, best[2], option.memory_tradeoff),)
+            tradeoff = (DEFAULT_MEMORY_TRADEOFF if option.memory_tradeoff is None
+                        else option.memory_tradeoff)
+            best = best[:2] + (least_memory(best_ilp, best[2], tradeoff),)
         if best is None:
             if not errors:
                 raise _state_too_large(pruned, option.memory_budget_per_device, graph)

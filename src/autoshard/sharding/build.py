@@ -102,7 +102,7 @@ def _combine_tail_reductions(prob: Problem) -> None:
 def merged_reductions(prob: Problem) -> dict[int, list[tuple[int, list[int]]]]:
     """Mesh axis -> (ILP variable, its strategies that reduce over the axis) of the merged
     reductions (``Problem.combined``): the axis's latency is paid once if any is chosen."""
-    memo: dict[int, list[tuple[int, list[int]]]] = {}
+    members: dict[int, list[tuple[int, list[int]]]] = {}
     seen = set()
     for node_id in sorted(prob.combined):
         r = prob.var(node_id)
@@ -113,8 +113,8 @@ def merged_reductions(prob: Problem) -> dict[int, list[tuple[int, list[int]]]]:
             ks = [k for k, s in enumerate(prob.strategies[node_id])
                   if any(kind in COMBINED_KINDS and a in axes for kind, axes, _ in s.collectives)]
             if ks:
-                memo.setdefault(a, []).append((r, ks))
-    return memo
+                members.setdefault(a, []).append((r, ks))
+    return members
 
 
 def merged_latency(prob: Problem, choice: dict[int, int]) -> float:

@@ -34,8 +34,8 @@ class Problem:
     """Node id -> strategy indices it may take (absent: all)."""
     notes: list[str] = field(default_factory=list)
     combined: set[int] = field(default_factory=set)
-    """Nodes whose reductions XLA merges with others': their latency is not charged
-    (``build._combine_tail_reductions``)."""
+    """Nodes whose reductions XLA merges with others': their strategies carry no latency, the
+    ILP pays it once per mesh axis (``build._combine_tail_reductions``)."""
 
     def var(self, node_id: int) -> int:
         p = self.parent

@@ -46,7 +46,7 @@ from .._local import LocalEval, R, split
 from ..grad_accum import fold_keys, reductions_of
 from ..sharding import apply_plan, plan_auto
 from ..sharding.cost import CostModel
-from ..sharding.options import AutoShardingOption
+from ..sharding.options import AutoShardingOption, for_task_plans
 from ..sharding.plan import spec_axes
 from . import _cross_process
 from .partition import Partition, Task
@@ -79,10 +79,9 @@ def stage_auto_option(default, mesh, overrides: dict) -> AutoShardingOption:
         raise ValueError(
             f"submesh_autosharding_option_dicts entry {overrides} names {unknown}, which are not "
             f"AutoShardingOption fields. Use fields such as 'force_batch_dim_to_mesh_dim'.")
-    changes = {"logical_mesh_shape": tuple(mesh.devices.shape), "show_progress": False,
-               "memory_tradeoff": base.memory_tradeoff or 0.0}  # None: 0 for task plans
+    changes = {"logical_mesh_shape": tuple(mesh.devices.shape), "show_progress": False}
     changes.update(overrides)
-    return dataclasses.replace(base, **changes)
+    return for_task_plans(dataclasses.replace(base, **changes))
 
 
 class Specs:

@@ -48,7 +48,7 @@ import jax
 from ..cluster import GIB, Cluster
 from ..sharding import plan_auto
 from ..sharding.cost import CostModel
-from ..sharding.options import AutoShardingOption
+from ..sharding.options import AutoShardingOption, for_task_plans
 from ..sharding.plan import ShardingPlan, spec_axes
 from .build import cut_program
 from .compile import _FIXES, _task_fn, acc_dtype
@@ -167,8 +167,7 @@ class _Pricer:
         if not isinstance(base, AutoShardingOption):
             raise TypeError(f"default_auto_sharding_option ({base!r}) must be an "
                             "AutoShardingOption or None.")
-        self.base = dataclasses.replace(base, show_progress=False,  # as stage_auto_option
-                                        memory_tradeoff=base.memory_tradeoff or 0.0)
+        self.base = for_task_plans(dataclasses.replace(base, show_progress=False))
         self.batch_vars = {v for v, b in zip(closed.jaxpr.invars, program.batch_invars,
                                              strict=True) if b}
         self.mb_rows = next((v.aval.shape[0] for v in self.batch_vars if v.aval.shape), None)

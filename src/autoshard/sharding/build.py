@@ -72,16 +72,11 @@ def _combine_tail_reductions(prob: Problem) -> None:
     save a few small reductions, which XLA would have merged anyway.
     """
     g, cost = prob.graph, prob.ctx.cost
-    consumers: list[list[int]] = [[] for _ in g.values]
-    for node in g.nodes:
-        for v in node.operands:
-            if v is not None:
-                consumers[v].append(node.id)
+    consumers = g.consumers()
     feeds_chain = [False] * len(g.nodes)
     for node in reversed(g.nodes):
-        feeds_chain[node.id] = any(
-            g.nodes[c].kind in CHAIN_KINDS or feeds_chain[c]
-            for v in node.outputs for c in consumers[v] if c > node.id)
+        feeds_chain[node.id] = any(g.nodes[c].kind in CHAIN_KINDS or feeds_chain[c]
+                                   for c, _ in consumers[node.id] if c > node.id)
     replaced: dict[int, list] = {}  # one new list per shared list: repeated layers share it
     for node in g.nodes:
         if feeds_chain[node.id] or node.kind in LOOP_KINDS:

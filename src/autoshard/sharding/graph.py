@@ -85,6 +85,17 @@ class Graph:
             node.outputs.append(value.id)
         return node
 
+    def consumers(self) -> list[list[tuple[int, int]]]:
+        """Per node, the (consumer node id, operand position) pairs reading its outputs."""
+        memo = self.memo.get("consumers")
+        if memo is None:
+            memo = self.memo["consumers"] = [[] for _ in self.nodes]
+            for node in self.nodes:
+                for p, u in enumerate(node.operands):
+                    if u is not None:
+                        memo[self.values[u].producer].append((node.id, p))
+        return memo
+
     def aval(self, ref):
         if isinstance(ref, core.Literal):
             return ref.aval

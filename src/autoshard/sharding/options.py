@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -106,3 +107,11 @@ class AutoShardingOption:
         if self.solver_time_limit_s <= 0:
             raise ValueError(
                 f"solver_time_limit_s ({self.solver_time_limit_s}) must be positive seconds.")
+
+
+def for_task_plans(option: AutoShardingOption) -> AutoShardingOption:
+    """``option`` as a pipeline plans its tasks with: an unset ``memory_tradeoff`` is 0 there
+    (a task's peak is not its stage's); a value the user gave is kept."""
+    if option.memory_tradeoff is not None:
+        return option
+    return dataclasses.replace(option, memory_tradeoff=0.0)

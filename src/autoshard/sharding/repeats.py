@@ -82,11 +82,7 @@ def _refine(prob: Problem, batch_invars, rounds: int) -> list[int]:
     g = prob.graph
     names: dict = {}
     label = [names.setdefault(_initial_label(prob, n, batch_invars), len(names)) for n in g.nodes]
-    consumers: list[list[tuple[int, int]]] = [[] for _ in g.nodes]
-    for node in g.nodes:
-        for p, u in enumerate(node.operands):
-            if u is not None:
-                consumers[g.values[u].producer].append((node.id, p))
+    consumers = g.consumers()
     for _ in range(rounds):
         names = {}
         new = []

@@ -10,8 +10,16 @@ value has a kind:
 A reduction over the batch rows (``reduce_sum``, a ``dot_general`` contracting rows) yields a
 partial value without communicating; linear operations keep it partial; anything else turns
 it replicated with one ``psum``. That is what lets gradients accumulate on each device over
-micro-batches and be reduced once after the loop. An operation with no rule here gathers its
-split operands first: correct, only slower (``LocalEval.gathered`` names them; the loop warns).
+micro-batches and be reduced once after the loop. A rule that cannot take a partial operand
+(a nonlinear use of a batch statistic, e.g. BatchNorm's variance) gets it summed first: the
+statistic of the whole micro-batch over all devices, a small value, never the rows. An
+operation with no rule here gathers its split operands first: correct, only slower
+(``LocalEval.gathered`` names them; the loop warns).
+
+Rules cover what a per-device training step runs: elementwise ops, layout changes, dots and
+convolutions (grouped, depthwise, and the weight-gradient convolutions whose contraction over
+the rows is partial), pooling windows and their transposes, reductions, cumulative ops, sorts
+and top-k within a row, gathers and scatters by row indices, and dynamic slices.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ DROPPED = {"sharding_constraint"}  # global specs name the manual axes; propagat
 IDENTITY = {"pipeline_marker", "optimization_barrier"}
 AXIS_OPS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
             "cumlogsumexp": "axis", "sort": "dimension", "rev": "dimensions",
-            "argmax": "axes", "argmin": "axes"}
+            "argmax": "axes", "argmin": "axes", "top_k": "axis"}
 
 
 class LocalEval(Walker):
@@ -131,6 +139,12 @@ class LocalEval(Walker):
         if rule is None and name in AXIS_OPS:
             rule = self._axis_op
         result = rule(e, ins, ks) if rule is not None else None
+        if result is None and P in ks:  # a statistic of the rows, used nonlinearly: sum it
+            ins = [self.to_r(x, k) if k == P else x for x, k in zip(ins, ks, strict=True)]
+            ks = [R if k == P else k for k in ks]
+            if all(k == R for k in ks):
+                return bind_eqn(e, ins), [R] * len(e.outvars)
+            result = rule(e, ins, ks) if rule is not None else None
         if result is None:
             return self._fallback(e, ins, ks)
         outs, out_kind = result
@@ -139,7 +153,7 @@ class LocalEval(Walker):
         return outs, kinds
 
     def _fallback(self, e, ins, ks):
-        if any(k != R for k in ks):
+        if any(is_split(k) for k in ks):
             self.gathered.add(e.primitive.name)
         ins = [self.to_r(x, k) for x, k in zip(ins, ks, strict=True)]
         return bind_eqn(e, ins), [R] * len(e.outvars)
@@ -173,6 +187,10 @@ class LocalEval(Walker):
 
     def _broadcast_in_dim(self, e, ins, ks):
         if ks[0] == P:
+            # Kept partial only while no bigger: a statistic broadcast over the rows (the
+            # transpose of a mean) is summed first, not as the rows' whole array.
+            if math.prod(e.params["shape"]) != math.prod(e.invars[0].aval.shape):
+                return None
             return bind_eqn(e, ins)[0], P
         if not is_split(ks[0]) or len(ins) > 1:
             return None
@@ -190,10 +208,13 @@ class LocalEval(Walker):
     def _reshape(self, e, ins, ks):
         if ks[0] == P:
             return bind_eqn(e, ins)[0], P
-        if e.params.get("dimensions") is not None or len(ins) > 1:
+        if len(ins) > 1:
             return None
-        d = ks[0][1]
-        src, dst = e.invars[0].aval.shape, tuple(e.params["new_sizes"])
+        x, d, src = ins[0], ks[0][1], e.invars[0].aval.shape
+        order = e.params.get("dimensions")
+        if order is not None:  # a transpose first
+            x, d, src = lax.transpose(x, order), list(order).index(d), [src[i] for i in order]
+        dst = tuple(e.params["new_sizes"])
         before = math.prod(src[:d])
         for o in range(len(dst)):
             if math.prod(dst[:o]) != before:
@@ -204,7 +225,7 @@ class LocalEval(Walker):
             if merged or splits_major:
                 local = list(dst)
                 local[o] = dst[o] // self.size
-                return jnp.reshape(ins[0], local), split(o)
+                return jnp.reshape(x, local), split(o)
         return None
 
     def _squeeze(self, e, ins, ks):
@@ -241,13 +262,65 @@ class LocalEval(Walker):
         along = set(along) if isinstance(along, tuple | list) else {along}
         if name == "cumsum" and ks[0] == P:
             return bind_eqn(e, ins)[0], P
-        if not all(k == ks[0] for k in ks) or not is_split(ks[0]) or ks[0][1] in along:
+        kind = _one_split(ks)
+        if kind is None or kind[1] in along:
             return None
-        d = ks[0][1]
-        outs = bind_eqn(e, ins)
+        d = kind[1]
+        # operands made whole inside the step (the indices of an argsort) are sliced to the rows
+        outs = bind_eqn(e, [self.to_split(x, k, d) for x, k in zip(ins, ks, strict=True)])
         if name in ("argmax", "argmin"):
-            return outs[0], split(d - sum(1 for a in along if a < d))
-        return (outs if e.primitive.multiple_results else outs[0]), ks[0]
+            return outs[0], _after_removing(d, along)
+        return (outs if e.primitive.multiple_results else outs[0]), kind
+
+    def _reduce_other(self, e, ins, ks):
+        """A reduction without a per-device combine: fine along the other dims only."""
+        axes = tuple(e.params["axes"])
+        if not is_split(ks[0]) or ks[0][1] in axes:
+            return None
+        return bind_eqn(e, ins)[0], _after_removing(ks[0][1], axes)
+
+    _reduce_prod = _reduce_xor = _reduce_other
+
+    def _reduce_or(self, e, ins, ks, combine=lax.pmax):
+        if not is_split(ks[0]) or ks[0][1] not in e.params["axes"]:
+            return self._reduce_other(e, ins, ks)
+        out = bind_eqn(e, ins)[0]
+        return combine(out.astype(jnp.int32), self.axes).astype(out.dtype), R
+
+    def _reduce_and(self, e, ins, ks):
+        return self._reduce_or(e, ins, ks, combine=lax.pmin)
+
+    def _split(self, e, ins, ks):
+        if ks[0] == P:
+            return bind_eqn(e, ins), [P] * len(e.outvars)
+        if not is_split(ks[0]) or ks[0][1] == e.params["axis"]:
+            return None
+        return bind_eqn(e, ins), [ks[0]] * len(e.outvars)
+
+    def _dynamic_slice(self, e, ins, ks):
+        x, kx, idx = ins[0], ks[0], ks[1:]
+        if any(k != R for k in idx):
+            return None
+        if kx == P:
+            return bind_eqn(e, ins)[0], P
+        d = kx[1]
+        sizes = list(e.params["slice_sizes"])
+        if sizes[d] != e.invars[0].aval.shape[d]:
+            return None  # a slice of the rows: its start clamps to 0 only when it takes all
+        sizes[d] = x.shape[d]
+        return lax.dynamic_slice(x, ins[1:], sizes), kx
+
+    def _dynamic_update_slice(self, e, ins, ks):
+        (x, upd), (kx, ku), idx = ins[:2], ks[:2], ks[2:]
+        if any(k != R for k in idx):
+            return None
+        if P in (kx, ku):
+            return bind_eqn(e, [self.to_p(x, kx), self.to_p(upd, ku)] + ins[2:])[0], P
+        kind = _one_split((kx, ku))
+        if kind is None or e.invars[1].aval.shape[kind[1]] != e.invars[0].aval.shape[kind[1]]:
+            return None  # an update of some rows only
+        d = kind[1]
+        return bind_eqn(e, [self.to_split(x, kx, d), self.to_split(upd, ku, d)] + ins[2:])[0], kind
 
     def _slice(self, e, ins, ks):
         if ks[0] == P:
@@ -264,6 +337,8 @@ class LocalEval(Walker):
     def _concatenate(self, e, ins, ks):
         dim = e.params["dimension"]
         if P in ks:
+            if any(is_split(k) for k in ks):
+                return None
             return lax.concatenate([self.to_p(x, k) for x, k in zip(ins, ks, strict=True)],
                                    dim), P
         splits = {k for k in ks if is_split(k)}
@@ -274,12 +349,73 @@ class LocalEval(Walker):
             ins, ks, strict=True)], dim), kind
 
     def _pad(self, e, ins, ks):
+        if ks[0] == P:  # linear in (operand, padding value) together
+            return bind_eqn(e, [ins[0], self.to_p(ins[1], ks[1])])[0], P
         if not is_split(ks[0]) or ks[1] != R:
             return None
         d = ks[0][1]
         if tuple(e.params["padding_config"][d]) != (0, 0, 0):
             return None
         return bind_eqn(e, ins)[0], ks[0]
+
+    # Windows (pooling) and convolutions -------------------------------------------------------
+    def _reduce_window_sum(self, e, ins, ks):
+        if ks[0] == P:
+            return bind_eqn(e, ins)[0], P
+        return self._windowed(e, ins, ks, len(ins))
+
+    def _reduce_window_max(self, e, ins, ks):
+        return self._windowed(e, ins, ks, len(ins))
+
+    _reduce_window_min = _reduce_window_max
+
+    def _reduce_window(self, e, ins, ks):
+        """The general form: operands, then their initial values (scalars)."""
+        return self._windowed(e, ins, ks, len(ins) // 2)
+
+    def _select_and_scatter_add(self, e, ins, ks):
+        """The transpose of max pooling: (cotangent, pooled input) -> input's cotangent."""
+        if ks[0] == P and ks[1] == R:
+            return bind_eqn(e, ins)[0], P
+        return self._windowed(e, ins, ks, 2)
+
+    def _select_and_gather_add(self, e, ins, ks):
+        """The JVP of max pooling: (tangent, input) -> the tangent at each window's max."""
+        return self._select_and_scatter_add(e, ins, ks)
+
+    def _windowed(self, e, ins, ks, num_arrays: int):
+        """A window op whose window is one element wide along the rows: per device."""
+        kind = _one_split(ks[:num_arrays])
+        if kind is None or P in ks or any(k != R for k in ks[num_arrays:]):
+            return None
+        d, p = kind[1], e.params
+        trivial = (p["window_dimensions"][d] == 1 and p["window_strides"][d] == 1
+                   and tuple(p["padding"][d]) == (0, 0)
+                   and p.get("base_dilation", (1,) * (d + 1))[d] == 1)
+        if not trivial:
+            return None
+        ins = [self.to_split(x, k, d) if i < num_arrays else x
+               for i, (x, k) in enumerate(zip(ins, ks, strict=True))]
+        outs = bind_eqn(e, ins)
+        return (outs if e.primitive.multiple_results else outs[0]), kind
+
+    def _conv_general_dilated(self, e, ins, ks):
+        """Rows on the batch dim of the input stay per device; rows on the contracted feature
+        dims of both operands (the kernel's gradient) give a partial sum."""
+        lhs_spec, rhs_spec, out_spec = e.params["dimension_numbers"]
+        groups, batch_groups = e.params["feature_group_count"], e.params["batch_group_count"]
+        (lhs, rhs), (kl, kr) = ins, ks
+        if P in ks:  # bilinear: one partial operand times a replicated one
+            if kl == kr or is_split(kl) or is_split(kr):
+                return None
+            return bind_eqn(e, ins)[0], P
+        if kl == split(lhs_spec[0]) and kr == R and batch_groups == 1:
+            return bind_eqn(e, ins)[0], split(out_spec[0])
+        rows_l, rows_r = split(lhs_spec[1]), split(rhs_spec[1])
+        if groups == 1 and kl in (R, rows_l) and kr in (R, rows_r):
+            new = [self.to_split(lhs, kl, lhs_spec[1]), self.to_split(rhs, kr, rhs_spec[1])]
+            return bind_eqn(e, new)[0], P
+        return None
 
     def _dot_general(self, e, ins, ks):
         (lc, rc), (lb, rb) = e.params["dimension_numbers"]
@@ -325,29 +461,78 @@ class LocalEval(Walker):
         return None
 
     def _gather(self, e, ins, ks):
-        if ks[0] == P and ks[1] == R:
+        (operand, indices), (ko, ki) = ins, ks
+        dn = e.params["dimension_numbers"]
+        if ko == P and ki == R:
             return bind_eqn(e, ins)[0], P
-        if not is_split(ks[1]):
+        if P in ks:
             return None
-        dn, d = e.params["dimension_numbers"], ks[1][1]
-        if d == len(e.invars[1].aval.shape) - 1:
-            return None
-        if is_split(ks[0]) and not _paired(dn.operand_batching_dims, ks[0][1],
-                                           dn.start_indices_batching_dims, d):
-            return None  # rows of the operand and the indices must be the same rows
-        if ks[0] == P:
-            return None
+        nidx = len(e.invars[1].aval.shape)
         batch_out = [i for i in range(len(e.outvars[0].aval.shape)) if i not in dn.offset_dims]
-        params = dict(e.params)
-        if is_split(ks[0]):
-            sizes = list(params["slice_sizes"])
-            sizes[ks[0][1]] = 1
-            params["slice_sizes"] = tuple(sizes)
-        return e.primitive.bind(*ins, **params), split(batch_out[d])
+        if is_split(ko) and ki == R:
+            od = ko[1]
+            if od in dn.operand_batching_dims:  # indices made whole in the step: slice them
+                ki = split(dn.start_indices_batching_dims[
+                    list(dn.operand_batching_dims).index(od)])
+                indices = self.to_split(indices, R, ki[1])
+            else:  # every row's whole slice along the rows: x[:, i]
+                return self._gather_along_rows(e, operand, indices, od)
+        if not is_split(ki) or ki[1] == nidx - 1:
+            return None
+        d = ki[1]
+        if d in dn.start_indices_batching_dims:  # rows of the operand and of the indices pair
+            od = dn.operand_batching_dims[list(dn.start_indices_batching_dims).index(d)]
+            if ko not in (R, split(od)):
+                return None
+            operand = self.to_split(operand, ko, od)
+        elif ko != R:
+            return None
+        return e.primitive.bind(operand, indices, **e.params), split(batch_out[d])
+
+    def _gather_along_rows(self, e, operand, indices, od):
+        dn, params = e.params["dimension_numbers"], dict(e.params)
+        sizes = list(params["slice_sizes"])
+        if od in dn.collapsed_slice_dims or od in dn.start_index_map or (
+                sizes[od] != e.invars[0].aval.shape[od]):
+            return None
+        kept = [i for i in range(len(sizes))
+                if i not in dn.collapsed_slice_dims and i not in dn.operand_batching_dims]
+        sizes[od] = operand.shape[od]
+        params["slice_sizes"] = tuple(sizes)
+        return e.primitive.bind(operand, indices, **params), split(
+            dn.offset_dims[kept.index(od)])
+
+    def _scatter_rows(self, e, ins, ks):
+        """Any scatter into rows split on a dim the indices do not address: per device."""
+        (operand, indices, updates), (ko, ki, ku) = ins, ks
+        if ki != R or P in (ko, ku):
+            return None
+        dn = e.params["dimension_numbers"]
+        window = [i for i in range(len(e.invars[0].aval.shape))
+                  if i not in dn.inserted_window_dims and i not in dn.operand_batching_dims]
+        if is_split(ko) and ko[1] in window and ko[1] not in dn.scatter_dims_to_operand_dims:
+            od = ko[1]
+            ud = dn.update_window_dims[window.index(od)]
+        elif is_split(ku) and ku[1] in dn.update_window_dims:
+            ud = ku[1]
+            od = window[list(dn.update_window_dims).index(ud)]
+            if od in dn.scatter_dims_to_operand_dims:
+                return None
+        else:
+            return None
+        if e.invars[2].aval.shape[ud] != e.invars[0].aval.shape[od] or (
+                ko not in (R, split(od)) or ku not in (R, split(ud))):
+            return None
+        new = [self.to_split(operand, ko, od), indices, self.to_split(updates, ku, ud)]
+        return bind_eqn(e, new)[0], split(od)
+
+    _scatter = _scatter_mul = _scatter_min = _scatter_max = _scatter_rows
 
     def _scatter_add(self, e, ins, ks):
         operand, indices, updates = ins
         ko, ki, ku = ks
+        if ki == R and (is_split(ko) or is_split(ku)):
+            return self._scatter_rows(e, ins, ks)
         if ki == R and ku in (R, P) and ko in (R, P):
             return bind_eqn(e, [self.to_p(operand, ko), indices, self.to_p(updates, ku)])[0], P
         dn = e.params["dimension_numbers"]
@@ -370,6 +555,19 @@ class LocalEval(Walker):
             return None
         # Each device adds its own rows' updates into its copy: a partial sum of the result.
         return bind_eqn(e, [self.to_p(operand, ko), indices, updates])[0], P
+
+
+def _one_split(ks):
+    """The one split kind among ``ks`` (others replicated), or None."""
+    splits = {k for k in ks if is_split(k)}
+    if len(splits) != 1 or any(k != R and not is_split(k) for k in ks):
+        return None
+    return next(iter(splits))
+
+
+def _after_removing(d: int, axes) -> tuple:
+    """The split of dim ``d`` once the dims ``axes`` (not ``d``) are reduced away."""
+    return split(d - sum(1 for a in axes if a < d))
 
 
 def _paired(operand_dims, d_operand: int, index_dims, d_index: int) -> bool:

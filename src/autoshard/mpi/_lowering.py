@@ -36,6 +36,7 @@ from __future__ import annotations
 from jax.interpreters import mlir
 
 from .._compat import mpi_internals
+from . import _sharding
 from ._chain import PROCESS_AXIS, chain_type, current_token
 from ._native import target_name
 
@@ -82,7 +83,7 @@ def emit(
         result_layouts=[*(_layout(a) for a in ctx.avals_out), ()],
         operand_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
     )
-    _mlir.set_sharding(ctx.module_context, call, _sharding(ctx))
+    _mlir.set_sharding(ctx.module_context, call, _placeholder_sharding(ctx))
     return list(call.results)[:-1]
 
 
@@ -119,7 +120,7 @@ def _comm_table(ctx: mlir.LoweringRuleContext, device_table: int) -> int:
     return _tables[key]
 
 
-def _sharding(ctx: mlir.LoweringRuleContext) -> SdyArrayList:
+def _placeholder_sharding(ctx: mlir.LoweringRuleContext) -> SdyArrayList:
     """A replicated placeholder sharding for the call.
 
     Calls only reach the SPMD partitioner inside manual regions (a user's shard_map, or the
@@ -146,7 +147,7 @@ def _keep_dce_rule(used_outputs, eqn):
 _primitives: set = set()
 
 
-def _once_per_process(primitive, lowering):
+def _once_per_process(primitive, lowering, calls_mpi):
     """Lowers ``primitive`` so that a process makes one MPI call, however many devices it has.
 
     In a jit over several local devices the operands are the process's whole arrays (the
@@ -158,13 +159,18 @@ def _once_per_process(primitive, lowering):
     (``shard_map``) over the jit's devices, on the replicated operands. Every device runs
     the custom call, but only the first one (the leader) finds the communicator in its
     table entry and calls MPI; the others find MPI_COMM_NULL and return zeros (no
-    conditional around the call: the devices' programs stay identical). A sum over the devices (bit-exact, see _from_first_device) then
-    hands every device the result.
+    conditional around the call: the devices' programs stay identical). A sum over the
+    devices (bit-exact, see _from_first_device) then hands every device the result.
+    Operands whose type shards them (Explicit mesh axes) are gathered first, and results are
+    sliced to the sharding their operation gives them (see _sharding.py); shard_map could not
+    take them as they are, their axes not being the region's.
     Inside a user's shard_map, by contrast, each device makes its own call, through its own
     communicator (see _comm.py).
     """
 
     def rule(ctx, *args, **params):
+        if not calls_mpi(params):  # e.g. the transpose of allreduce, an identity on every device
+            return lowering(ctx, *args, **params)
         axis_context = ctx.module_context.axis_context
         if isinstance(axis_context, SPMDAxisContext):
             axes = frozenset(axis_context.mesh.axis_names)
@@ -201,7 +207,9 @@ def _once_per_process(primitive, lowering):
         )
 
         def whole(*xs):
+            xs = [_sharding.replicated(x) for x in xs]
             outs = region(jax.numpy.zeros((), jax.numpy.int8), *xs)[1:]
+            outs = [_sharding.resharded(o, a) for o, a in zip(outs, ctx.avals_out, strict=True)]
             return list(outs) if primitive.multiple_results else outs[0]
 
         _leaders.append(leader)
@@ -272,12 +280,16 @@ def keep_mpi_holders() -> None:
             _pe.dce_rules[primitive] = _keep_holders(rule)
 
 
-def register(primitive, lowering) -> None:
-    """Registers the CPU lowering and the keep-alive DCE rule of an MPI primitive."""
+def register(primitive, lowering, *, calls_mpi=lambda params: True) -> None:
+    """Registers the CPU lowering and the keep-alive DCE rule of an MPI primitive.
+
+    ``calls_mpi(params)`` is False for equations whose lowering makes no MPI call.
+    """
     # Not cacheable: a cached lowering is emitted into a scratch function, out of the block
     # whose token chain it must join.
     mlir.register_lowering(
-        primitive, _once_per_process(primitive, lowering), platform="cpu", cacheable=False
+        primitive, _once_per_process(primitive, lowering, calls_mpi), platform="cpu",
+        cacheable=False,
     )
     _pe.dce_rules[primitive] = _keep_dce_rule
     _primitives.add(primitive)

@@ -11,7 +11,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from .._compat import apply_primitive
-from . import _lowering, _validation
+from . import _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
 
@@ -40,7 +40,7 @@ def allgatherv(x, counts, *, comm=None, token=None):
 
 
 def _abstract_eval(x, *, counts, comm):
-    return x.update(shape=(sum(counts), *x.shape[1:]), weak_type=False)
+    return _sharding.result(x, (sum(counts), *x.shape[1:]), drop=1, add=1)
 
 
 def _lowering_rule(ctx, x, *, counts, comm):

@@ -9,7 +9,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from .._compat import apply_primitive
-from . import _lowering, _validation
+from . import _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
 
@@ -31,7 +31,7 @@ def allreduce(x, op, *, comm=None, token=None):
 
 
 def _abstract_eval(x, *, op, comm, transpose):
-    return x.update(weak_type=False)
+    return _sharding.result(x)
 
 
 def _lowering_rule(ctx, x, *, op, comm, transpose):
@@ -67,7 +67,7 @@ def _transpose_rule(ct, x, *, op, comm, transpose):
 
 mpi_allreduce_p.def_impl(partial(apply_primitive, mpi_allreduce_p))
 mpi_allreduce_p.def_abstract_eval(_abstract_eval)
-_lowering.register(mpi_allreduce_p, _lowering_rule)
+_lowering.register(mpi_allreduce_p, _lowering_rule, calls_mpi=lambda params: not params["transpose"])
 batching.primitive_batchers[mpi_allreduce_p] = _batching_rule
 ad.primitive_jvps[mpi_allreduce_p] = _jvp_rule
 ad.primitive_transposes[mpi_allreduce_p] = _transpose_rule

@@ -10,7 +10,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from .._compat import apply_primitive
-from . import _lowering, _validation
+from . import _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
 from .alltoall import alltoall
@@ -57,7 +57,7 @@ def _counts(counts, size, name):
 
 
 def _abstract_eval(x, send_counts, recv_counts, *, comm):
-    return x.update(weak_type=False)
+    return _sharding.result(x)
 
 
 def _lowering_rule(ctx, x, send_counts, recv_counts, *, comm):

@@ -9,7 +9,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from .._compat import apply_primitive
-from . import _lowering, _validation
+from . import _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
 
@@ -29,7 +29,7 @@ def bcast(x, root, *, comm=None, token=None):
 
 
 def _abstract_eval(x, *, root, comm):
-    return x.update(weak_type=False)
+    return _sharding.result(x)
 
 
 def _lowering_rule(ctx, x, *, root, comm):

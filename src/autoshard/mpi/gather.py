@@ -9,7 +9,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from .._compat import apply_primitive
-from . import _lowering, _validation
+from . import _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
 
@@ -28,8 +28,7 @@ def gather(x, root, *, comm=None, token=None):
 
 
 def _abstract_eval(x, *, root, comm, size, is_root):
-    shape = (size, *x.shape) if is_root else x.shape
-    return x.update(shape=shape, weak_type=False)
+    return _sharding.result(x, (size, *x.shape), add=1) if is_root else _sharding.result(x)
 
 
 def _lowering_rule(ctx, x, *, root, comm, size, is_root):

@@ -9,7 +9,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from .._compat import apply_primitive
-from . import _lowering, _validation
+from . import _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._native import MPI
 from ._token import Token, check_token
@@ -33,7 +33,7 @@ def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None, t
 
 
 def _abstract_eval(x, *, source, tag, comm, status):
-    return x.update(weak_type=False)
+    return _sharding.result(x)
 
 
 def _lowering_rule(ctx, x, *, source, tag, comm, status):

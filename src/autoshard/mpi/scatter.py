@@ -9,7 +9,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from .._compat import apply_primitive
-from . import _lowering, _validation
+from . import _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
 
@@ -37,7 +37,7 @@ def scatter(x, root, *, comm=None, token=None):
 
 
 def _abstract_eval(x, *, root, comm, is_root):
-    return x.update(shape=x.shape[1:] if is_root else x.shape, weak_type=False)
+    return _sharding.result(x, x.shape[1:], drop=1) if is_root else _sharding.result(x)
 
 
 def _lowering_rule(ctx, x, *, root, comm, is_root):

@@ -9,7 +9,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from .._compat import apply_primitive
-from . import _lowering, _validation
+from . import _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._native import MPI
 from ._token import Token, check_token
@@ -39,7 +39,7 @@ def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, 
 
 
 def _abstract_eval(sendbuf, recvbuf, **params):
-    return recvbuf.update(weak_type=False)
+    return _sharding.result(recvbuf)
 
 
 def _lowering_rule(ctx, sendbuf, recvbuf, *, source, dest, sendtag, recvtag, comm, status):

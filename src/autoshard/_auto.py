@@ -13,7 +13,7 @@ from ._method_base import Compiled
 from ._program import Program
 from .cluster import Cluster
 from .distributed.plan_sync import agree_on_plan, program_fingerprint
-from .grad_accum import StepHooks, batch_axes
+from .grad_accum import StepHooks, batch_axes, loop_bytes, loop_costs
 from .sharding.options import AutoShardingOption
 from .sharding.plan import PlanFingerprint
 
@@ -39,10 +39,10 @@ def compile_auto(method, program: Program) -> Compiled:
     inputs = tuple(dataclasses.replace(leaf, shape=tuple(a.shape))
                    for leaf, a in zip(plan.inputs, program.in_avals, strict=True))
     plan = dataclasses.replace(plan, inputs=inputs, notes=plan.notes + (
-        f"planned for one micro-batch of {program.num_micro_batches}; inputs, outputs and the "
-        "accumulated gradients follow the plan, values inside the micro-batch loop follow "
-        "XLA's propagation from them",))
-    hooks = StepHooks(mesh=mesh, batch_axes=batch_axes(program.batch_invars, plan.in_specs))
+        f"planned for one micro-batch of {program.num_micro_batches}: every micro-batch runs "
+        "this plan inside the loop, and the marked values accumulate in their planned specs",))
+    hooks = StepHooks(mesh=mesh, batch_axes=batch_axes(program.batch_invars, plan.in_specs),
+                      plan=plan)
     return Compiled(plan=plan, mesh=mesh, fn=program.step(hooks))
 
 
@@ -74,7 +74,16 @@ def plan_program(method, program: Program, cluster: Cluster, *,
         program.closed, num_devices=cluster.num_devices, option=option,
         in_paths=program.in_paths, out_paths=program.out_paths,
         batch_invars=program.batch_invars, aliases=program.aliases, axis_names=axis_names,
-        cluster=cluster, fixed_in_specs=fixed_in_specs)
+        cluster=cluster, fixed_in_specs=fixed_in_specs, top_mults=loop_costs(
+            program.closed, program.batch_invars, program.num_micro_batches))
+    k = program.num_micro_batches
+    if k > 1 and plan.objective.peak_bytes_per_device is not None:
+        # planned for one micro-batch: the whole batch and the accumulators are held as well
+        batch = sum(leaf.bytes_per_device(plan.mesh_sizes) for leaf, b in zip(
+            plan.inputs, program.batch_invars, strict=True) if b)
+        plan = dataclasses.replace(plan, objective=dataclasses.replace(
+            plan.objective, peak_bytes_per_device=plan.objective.peak_bytes_per_device
+            + (k - 1) * batch + loop_bytes(program.closed, plan, k)))
     return dataclasses.replace(plan, fingerprint=PlanFingerprint(
         program=program_fingerprint(program), num_equations=len(program.closed.jaxpr.eqns),
         num_devices=cluster.num_devices,

@@ -98,9 +98,12 @@ class Walker:
     def lookup(self, env: dict, atom):
         return self.literal(atom) if isinstance(atom, _compat.Literal) else env[atom]
 
-    def run_eqns(self, eqns, env: dict, path: tuple = ()) -> None:
-        """Interpret ``eqns`` in order, reading and writing ``env`` (jaxpr var -> value)."""
-        for i, eqn in enumerate(eqns):
+    def run_eqns(self, eqns, env: dict, path: tuple = (), indices=None) -> None:
+        """Interpret ``eqns`` in order, reading and writing ``env`` (jaxpr var -> value).
+
+        ``indices``: each equation's index in its jaxpr when ``eqns`` is a part of it (so its
+        path, and the plan's pins keyed on it, are those of the whole program)."""
+        for i, eqn in zip(range(len(eqns)) if indices is None else indices, eqns, strict=True):
             key = path + (i,)
             ins = [self.lookup(env, a) for a in eqn.invars]
             name = eqn.primitive.name

@@ -26,11 +26,13 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ._compat import Literal, Var
 from ._jaxpr import Env, dependents, grad_marker_index, used_vars
 from ._local import LocalEval, P, R, split
+from ._walk import site
+from .sharding.apply import PlanEvaluator
 from .sharding.plan import spec_axes
 
 RANDOM = frozenset({"random_bits", "random_split", "random_fold_in", "random_wrap"})
@@ -49,6 +51,11 @@ class StepHooks:
     """The mesh the step runs on; with ``batch_axes``, accumulation is local per device."""
     batch_axes: tuple[str, ...] = field(default=())
     """Mesh axes that split every batch argument on dim 0 (empty: no local accumulation)."""
+    plan: object = None
+    """The ShardingPlan of one micro-batch's step (ShardParallel): every value it places is
+    pinned where it is computed, inside the micro-batch loop too, so what runs is what was
+    costed. Inside a loop that is manual over ``batch_axes`` the per-device evaluation places
+    the rows and the plan's other axes are left to XLA."""
 
 
 def batch_axes(batch_invars: Sequence[bool], in_specs) -> tuple[str, ...]:
@@ -83,6 +90,7 @@ def build_step(closed, *, batch_invars: Sequence[bool], num_micro_batches: int,
 
     def step(*flat_args):
         env = Env()
+        pinned = None if hooks.plan is None else PlanEvaluator(hooks.plan, hooks.mesh)
         for v, c in zip(jaxpr.constvars, consts, strict=True):
             env.write(v, c)
         fwd_args = list(flat_args)
@@ -91,12 +99,12 @@ def build_step(closed, *, batch_invars: Sequence[bool], num_micro_batches: int,
         if loop is None:
             for v, a in zip(jaxpr.invars, fwd_args, strict=True):
                 env.write(v, a)
-            env.run(pre)
+            _run(env, pinned, jaxpr, range(len(pre)))
             if marker is None:
-                return [env.read(v) for v in jaxpr.outvars]
+                return _finish(pinned, [env.read(v) for v in jaxpr.outvars])
             marked = [env.read(v) for v in marker.invars]
         else:
-            marked = loop(env, fwd_args)
+            marked = loop(env, fwd_args, pinned)
         if hooks.gradients is not None:
             marked = hooks.gradients(marked)
         marked = _rebind_marker(marker, marked)
@@ -104,10 +112,90 @@ def build_step(closed, *, batch_invars: Sequence[bool], num_micro_batches: int,
             env.write(v, a)  # the update sees the inputs as they arrive (e.g. sharded)
         for v, m in zip(marker.outvars, marked, strict=True):
             env.write(v, m)
-        env.run(post)
-        return [env.read(v) for v in jaxpr.outvars]
+        _run(env, pinned, jaxpr, range(cut + 1, len(jaxpr.eqns)))
+        return _finish(pinned, [env.read(v) for v in jaxpr.outvars])
 
     return step
+
+
+# Ops through which a gradient summed per device stays a sum (its reduction can wait).
+_LINEAR = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "convert_element_type",
+                     "add_any", "add", "copy", "copy_p", "mul", "div", "neg", "sub",
+                     "reduce_precision", "pjit", "jit", "broadcast_in_dim",
+                     "pipeline_marker"})
+
+
+def loop_costs(closed, batch_invars: Sequence[bool], num_micro_batches: int
+               ) -> dict[int, tuple[float, float]]:
+    """How often each top-level equation of one micro-batch's step runs per accumulated step,
+    for the planner: index -> (times it runs, times its own collectives run).
+
+    Equations in the micro-batch loop run ``num_micro_batches`` times. Those that produce a
+    marked value (through sums, casts and reshapes) accumulate it on each device as a partial
+    sum and reduce it once after the loop, so their collectives run once. Equations outside
+    the loop (not listed) run once.
+    """
+    jaxpr = closed.jaxpr
+    cut = grad_marker_index(jaxpr)
+    k = float(num_micro_batches)
+    if cut is None or num_micro_batches <= 1:
+        return {}
+    pre = jaxpr.eqns[:cut]
+    batch_vars = {v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b}
+    random_outs = {o for e in pre if draws_random(e) for o in e.outvars}
+    per_batch = dependents(pre, batch_vars | random_outs)
+    looped = [i for i, e in enumerate(pre) if any(o in per_batch for o in e.outvars)]
+    producer = {o: i for i, e in enumerate(pre) for o in e.outvars}
+    once, todo = set(), [v for v in jaxpr.eqns[cut].invars if isinstance(v, Var)]
+    while todo:
+        v = todo.pop()
+        i = producer.get(v)
+        if i is None or i in once or i not in set(looped):
+            continue
+        once.add(i)
+        if pre[i].primitive.name in _LINEAR:
+            todo += [u for u in pre[i].invars if isinstance(u, Var) and u in per_batch]
+    return {i: (k, 1.0 if i in once else k) for i in looped}
+
+
+def loop_bytes(closed, plan, num_micro_batches: int) -> int:
+    """Bytes per device that the micro-batch loop holds beyond one micro-batch's step: the
+    other micro-batches' rows (the whole batch arrives at once) and one accumulator per
+    marked value (float32 for narrower floats), each in its planned spec."""
+    cut = grad_marker_index(closed.jaxpr)
+    if cut is None or num_micro_batches <= 1:
+        return 0
+    sizes = plan.mesh_sizes
+    specs = dict(plan.intermediates)
+    producer = {o: (i, j) for i, e in enumerate(closed.jaxpr.eqns[:cut])
+                for j, o in enumerate(e.outvars)}
+    extra = 0
+    for v in closed.jaxpr.eqns[cut].invars:
+        if not isinstance(v, Var):
+            continue
+        spec = specs.get(site((producer[v][0],), producer[v][1])) if v in producer else None
+        shards = 1 if spec is None else math.prod(
+            sizes[a] for entry in spec for a in spec_axes(entry))
+        itemsize = jnp.dtype(_acc_dtype(v.aval.dtype)).itemsize
+        extra += math.prod(v.aval.shape) * itemsize // shards
+    return extra
+
+
+def _run(env: Env, pinned, jaxpr, indices, key_hook=None) -> None:
+    """Evaluate ``jaxpr.eqns[i]`` for ``i`` in ``indices``: under the plan's pins when there is
+    a plan, else as traced."""
+    indices = list(indices)
+    if pinned is not None:
+        pinned.run(jaxpr, indices, env.values, key_hook)
+    else:
+        assert key_hook is None
+        env.run([jaxpr.eqns[i] for i in indices])
+
+
+def _finish(pinned, outs):
+    if pinned is not None:
+        pinned.finish()
+    return outs
 
 
 def _rebind_marker(marker, values):
@@ -127,8 +215,15 @@ class _Loop:
         self.batch_vars = [v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b]
         random_outs = {o for e in pre if draws_random(e) for o in e.outvars}
         per_batch = dependents(pre, set(self.batch_vars) | random_outs)
-        self.hoisted = [e for e in pre if not any(o in per_batch for o in e.outvars)]
-        self.looped = [e for e in pre if any(o in per_batch for o in e.outvars)]
+        self.looped_at = [i for i, e in enumerate(pre) if any(o in per_batch for o in e.outvars)]
+        self.hoisted_at = [i for i, e in enumerate(pre) if i not in set(self.looped_at)]
+        self.looped = [pre[i] for i in self.looped_at]
+        self.hoisted = [pre[i] for i in self.hoisted_at]
+        producer = {o: (i, j) for i, e in enumerate(pre) for j, o in enumerate(e.outvars)}
+        self.marked_sites = [site((producer[v][0],), producer[v][1])
+                             if isinstance(v, Var) and v in producer else None
+                             for v in marker.invars]
+        self.batch_at = [n for n, b in enumerate(batch_invars) if b]
         needed = used_vars(self.looped) | {v for v in marker.invars if isinstance(v, Var)}
         known = list(jaxpr.constvars) + list(jaxpr.invars) + [
             o for e in self.hoisted for o in e.outvars]
@@ -142,11 +237,11 @@ class _Loop:
             self.size = math.prod(sizes[a] for a in self.axes)
         self.gathered: set[str] = set()
 
-    def __call__(self, env: Env, args: list) -> list:
+    def __call__(self, env: Env, args: list, pinned: PlanEvaluator | None) -> list:
         for v, a, b in zip(self.jaxpr.invars, args, self.batch_invars, strict=True):
             if not b:
                 env.write(v, a)
-        env.run(self.hoisted)
+        _run(env, pinned, self.jaxpr, self.hoisted_at)
         outer = [env.read(v) for v in self.outer_vars]
         k = self.k
         # (B, ...) -> (B/k, k, ...): row r*k + j is micro-batch j; a device's block of rows
@@ -154,8 +249,10 @@ class _Loop:
         micro = [a.reshape((a.shape[0] // k, k) + a.shape[1:])
                  for a, b in zip(args, self.batch_invars, strict=True) if b]
         if not self.axes:
-            sums = self._scan(outer, micro, LocalEval((), 1))
+            sums = self._scan(outer, micro, LocalEval((), 1), pinned=pinned)
         else:
+            if pinned is not None:  # the per-device evaluation places the loop's values
+                pinned.mark_used(self.jaxpr, self.looped_at)
             sums = self._local_scan(outer, micro)
             if self.gathered:
                 warnings.warn(
@@ -183,18 +280,29 @@ class _Loop:
             check_vma=False)(outer, micro)
         return [s.sum(axis=0) for s in stacked]
 
-    def _scan(self, outer, micro, local: LocalEval, partial: bool = False):
+    def _scan(self, outer, micro, local: LocalEval, partial: bool = False,
+              pinned: PlanEvaluator | None = None):
         xs = [jnp.moveaxis(m, 1, 0) for m in micro]
         init = [jnp.zeros(v.aval.shape, _acc_dtype(v.aval.dtype)) for v in self.marker.invars]
+        if pinned is not None:
+            xs = [self._pin_rows(pinned, n, x, stacked=True)
+                  for n, x in zip(self.batch_at, xs, strict=True)]
+            init = self._pin_marked(pinned, init)
 
         def body(acc, scanned):
             j, rows = scanned
             env = dict(zip(self.outer_vars, outer, strict=True))
             kinds = {}
-            for v, x in zip(self.batch_vars, rows, strict=True):
-                env[v], kinds[v] = x, (split(0) if local.axes else R)
-            local.key_hook = fold_keys(j)
-            local.run(self.looped, env, kinds)
+            if pinned is not None:  # the plan of one micro-batch's step places every value
+                for n, v, x in zip(self.batch_at, self.batch_vars, rows, strict=True):
+                    env[v] = self._pin_rows(pinned, n, x)
+                pinned.run(self.jaxpr, self.looped_at, env, fold_keys(j))
+            else:
+                for v, x in zip(self.batch_vars, rows, strict=True):
+                    env[v], kinds[v] = x, (split(0) if local.axes else R)
+                local.key_hook = fold_keys(j)
+                local.run(self.looped, env, kinds)
+                self.gathered |= local.gathered
             new = []
             for a, v in zip(acc, self.marker.invars, strict=True):
                 val = v.val if isinstance(v, Literal) else env[v]
@@ -202,11 +310,26 @@ class _Loop:
                 if partial:
                     val = local.to_p(val, kind)
                 new.append(a + val.astype(a.dtype))
-            self.gathered |= local.gathered
+            if pinned is not None:
+                new = self._pin_marked(pinned, new)
             return new, None
 
         total, _ = lax.scan(body, init, (jnp.arange(self.k), xs))
         return total
+
+    def _pin_rows(self, pinned: PlanEvaluator, n: int, x, stacked: bool = False):
+        """Micro-batch rows of batch input ``n`` with the plan's spec of that input (planned
+        for one micro-batch; ``stacked``: all micro-batches along a new leading dim)."""
+        spec = tuple(pinned.pins_input_spec(n))
+        if stacked:
+            spec = (None,) + spec
+        return lax.with_sharding_constraint(
+            x, NamedSharding(self.hooks.mesh, PartitionSpec(*spec)))
+
+    def _pin_marked(self, pinned: PlanEvaluator, values):
+        """Accumulators with the plan's spec of the marked value each one sums."""
+        return [x if key is None else pinned.pin(key, x)
+                for key, x in zip(self.marked_sites, values, strict=True)]
 
 
 

@@ -108,15 +108,75 @@ def apply_plan(closed_jaxpr: core.ClosedJaxpr, plan: ShardingPlan, mesh: Mesh) -
     return fn
 
 
+class PlanEvaluator:
+    """A planned program evaluated in pieces, every piece pinned as ``apply_plan`` pins it.
+
+    Gradient accumulation runs one micro-batch's step in three parts (the equations before the
+    gradient marker that do not read the batch, the loop body over micro-batches, the update
+    after the marker); each part runs its top-level equations by their index in the whole
+    program, so every site keeps the key the plan pinned it by. ``finish`` checks, as
+    ``apply_plan`` does, that every pin was used.
+    """
+
+    def __init__(self, plan: ShardingPlan, mesh: Mesh):
+        self.pins = _Pins(plan, mesh)
+        self._apply = _Apply(self.pins)
+        self._in_specs = plan.in_specs
+
+    def pins_input_spec(self, n: int) -> PartitionSpec:
+        """The plan's spec of flat input ``n``."""
+        return self._in_specs[n]
+
+    def run(self, jaxpr, indices, env: dict, key_hook: Callable | None = None) -> None:
+        """Evaluate ``jaxpr.eqns[i]`` for ``i`` in ``indices`` on ``env`` (var -> value).
+
+        ``key_hook(eqn, ins) -> ins`` may replace the operands of any equation at any depth
+        (gradient accumulation folds the micro-batch index into random keys)."""
+        self._apply.key_hook = key_hook
+        try:
+            self._apply.run_eqns([jaxpr.eqns[i] for i in indices], env, (), list(indices))
+        finally:
+            self._apply.key_hook = None
+
+    def mark_used(self, jaxpr, indices) -> None:
+        """Count the pins of ``jaxpr.eqns[i]`` (and everything inside them) as used: that part
+        runs under another evaluator that places its values itself."""
+        heads = {str(i) for i in indices}
+        for key in list(self.pins.values) + list(self.pins.operands):
+            name = key if isinstance(key, str) else key[0]
+            if name.split(":")[0].split("/")[0] in heads:
+                self.pins.used.add(key)
+
+    def pin(self, key: str, x, drop_leading: bool = False):
+        """``x`` with the plan's spec of the value at site ``key`` (``drop_leading``: ``x`` is
+        one slice of a stacked value; the reverse with ``stacked``)."""
+        return self.pins.sliced(key, x, drop_leading=True) if drop_leading else (
+            self.pins.value(key, x))
+
+    def stacked(self, key: str, x):
+        """``x`` (a stack of values at site ``key`` along a new leading dim) pinned."""
+        return self.pins.sliced(key, x, drop_leading=False)
+
+    def spec(self, key: str) -> PartitionSpec | None:
+        sharding = self.pins.values.get(key)
+        return None if sharding is None else sharding.spec
+
+    def finish(self) -> None:
+        self.pins.check_all_used()
+
+
 class _Apply(Walker):
     """Evaluates the program under tracing, pinning the plan's values by site."""
 
     def __init__(self, pins: _Pins):
         self.pins = pins
+        self.key_hook: Callable | None = None
 
     def equation(self, eqn, ins, path):
         pins = self.pins
         ins = [pins.operand(path, p, x) for p, x in enumerate(ins)]
+        if self.key_hook is not None:
+            ins = self.key_hook(eqn, ins)
         if eqn.primitive.name == "sharding_constraint":  # the user's pin, kept as the plan's
             return [pins.value(site(path, j), x) for j, x in enumerate(ins)]
         outs = bind_eqn(eqn, ins)

@@ -54,6 +54,13 @@ class Node:
     where: str
     index: int = -1
     """Input/output position for input and output nodes."""
+    comm_mult: float | None = None
+    """Times the node's own collectives run per step when not ``mult`` (a gradient summed
+    over micro-batches on each device is reduced once, after the loop)."""
+
+    @property
+    def comm_times(self) -> float:
+        return self.mult if self.comm_mult is None else self.comm_mult
 
 
 @dataclass
@@ -117,14 +124,17 @@ class _Aval:
     dtype: np.dtype
 
 
-def build_graph(closed_jaxpr: core.ClosedJaxpr, in_paths, out_paths) -> Graph:
+def build_graph(closed_jaxpr: core.ClosedJaxpr, in_paths, out_paths,
+                top_mults: dict[int, tuple[float, float]] | None = None) -> Graph:
+    """``top_mults``: top-level equation index -> (times it runs per step, times its own
+    collectives run), e.g. the body of a micro-batch loop (gradient accumulation)."""
     g = Graph()
     refs = []
     for i, var in enumerate(closed_jaxpr.jaxpr.invars):
         node = g.add_node("input", [], [], [var.aval], {}, 1.0, in_paths[i], index=i)
         g.inputs.append(node.id)
         refs.append(node.outputs[0])
-    outs = _Builder(g).walk(closed_jaxpr.jaxpr, closed_jaxpr.consts, refs)
+    outs = _Builder(g, top_mults or {}).walk(closed_jaxpr.jaxpr, closed_jaxpr.consts, refs)
     for j, ref in enumerate(outs):
         operand = _materialize(g, ref, 1.0)
         aval = g.aval(operand)
@@ -150,9 +160,25 @@ class _Builder(Walker):
     """Interprets a jaxpr symbolically: a value is a value id (or a Literal), an equation a
     node. ``mult`` is how many times the current body runs per step."""
 
-    def __init__(self, g: Graph):
+    def __init__(self, g: Graph, top_mults: dict[int, tuple[float, float]]):
         self.g = g
         self.mult = 1.0
+        self.top_mults = top_mults
+
+    def run_eqns(self, eqns, env, path=(), indices=None):
+        if path or not self.top_mults:
+            return super().run_eqns(eqns, env, path, indices)
+        for i, eqn in enumerate(eqns):
+            mult, comm = self.top_mults.get(i, (1.0, 1.0))
+            first = len(self.g.nodes)
+            self.mult = mult
+            try:
+                super().run_eqns([eqn], env, path, [i])
+            finally:
+                self.mult = 1.0
+            if comm != mult:
+                for node in self.g.nodes[first:]:
+                    node.comm_mult = node.mult * comm / mult
 
     def literal(self, lit):
         return lit

@@ -66,13 +66,18 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
               axis_names: Sequence[str] | None = None,
               devices_per_host: int | None = None,
               cluster: ClusterCosts | None = None,
-              fixed_in_specs: Sequence[PartitionSpec | None] | None = None) -> ShardingPlan:
+              fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
+              top_mults: dict[int, tuple[float, float]] | None = None) -> ShardingPlan:
     """Plan every array of ``closed_jaxpr`` over ``num_devices`` devices (no devices needed).
 
     ``fixed_in_specs``: per input, the PartitionSpec it arrives in (over ``axis_names``, or
     the default names of each candidate mesh), or None to let the planner choose: e.g. the
     layout a producer gives a value, so the plan reshards it where the cost model sees it.
     A program with nothing to place (no inputs, outputs or equations) gets the trivial plan.
+
+    ``top_mults``: top-level equation index -> (times it runs per step, times its own
+    collectives run): the micro-batch loop of gradient accumulation runs its equations
+    ``num_micro_batches`` times and reduces the accumulated gradients once.
 
     ``devices_per_host``: how many consecutive devices share a host (None: one host); axes
     that cross hosts cost the inter-host link. ``cluster`` (an ``autoshard.Cluster``) gives
@@ -120,13 +125,13 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     rank = len(axis_names) if axis_names is not None else None
     shapes = mesh_candidates(num_devices, option, rank)
     options = [_shape_option(option, shape, cluster) for shape in shapes]
-    graph = build_graph(closed_jaxpr, list(in_paths), list(out_paths))
+    graph = build_graph(closed_jaxpr, list(in_paths), list(out_paths), top_mults)
     pruned = _prune(graph, shapes, options, devices_per_host)
     warned: set[str] = set()
     tried, best, best_ilp, errors = [], None, None, []
     with speed:
         bar = tqdm(list(zip(shapes, options, strict=True)), desc="autoshard: planning",
-                   disable=not option.show_progress, leave=False)
+                   disable=None if option.show_progress else True, leave=False)
         built = []  # (shape, problem, ILP or None for an empty program)
         for shape, shape_option in bar:
             if shape in pruned:
@@ -278,7 +283,8 @@ def lower_bound_s(prob: Problem) -> float:
     """
     per_var: dict[int, np.ndarray] = {}
     for node in prob.graph.nodes:
-        costs = np.array([s.comm_s + s.compute_s for s in prob.strategies[node.id]]) * node.mult
+        costs = np.array([s.comm_s * node.comm_times + s.compute_s * node.mult
+                          for s in prob.strategies[node.id]])
         r = prob.var(node.id)
         per_var[r] = per_var[r] + costs if r in per_var else costs
     allowed: dict[int, set[int]] = {}
@@ -412,7 +418,7 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
     for node in g.nodes:
         k = sol.k(prob, node.id)
         s = prob.strategies[node.id][k]
-        comm += s.comm_s * node.mult
+        comm += s.comm_s * node.comm_times
         compute += s.compute_s * node.mult
         for kind, axes, num_bytes in s.collectives:
             dtype = g.values[node.outputs[0]].dtype if node.outputs else ""
@@ -421,7 +427,8 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
                 # Merged by XLA: one latency per axis, charged to the first reduction over it.
                 cost_s -= ctx.cost.latency(tuple(a for a in axes if a in latency_paid))
                 latency_paid.update(axes)
-            add(kind, axes, num_bytes, cost_s * node.mult, node.where, node.mult, dtype)
+            add(kind, axes, num_bytes, cost_s * node.comm_times, node.where, node.comm_times,
+                dtype)
         # Every node is pinned, followers included: a value XLA may place by itself is a
         # value whose collectives the audit finds unpredicted (elementwise chains around
         # normalisations were re-placed by XLA's propagation when left free).

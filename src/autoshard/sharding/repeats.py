@@ -27,7 +27,7 @@ def _initial_label(prob: Problem, node, batch_invars) -> str:
         ins = tuple((tuple(a.shape), str(a.dtype)) for a in node.in_avals)
         params = {k: v for k, v in node.params.items() if "jaxpr" not in k}
         batch = bool(batch_invars[node.index]) if node.kind == "input" else None
-        base = g.labels[node.id] = f"{node.kind}|{ins}|{outs}|{params}|{node.mult}|{batch}"
+        base = g.labels[node.id] = f"{node.kind}|{ins}|{outs}|{params}|{node.mult}|{node.comm_mult}|{batch}"
     if node.kind == "input":
         return f"{base}|{prob.allowed.get(node.id)}"
     return base

@@ -152,7 +152,7 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
         base = col0[r]
         strats = prob.strategies[node.id]
         for k, s in enumerate(strats):
-            unary[base + k] += (s.comm_s + s.compute_s) * node.mult
+            unary[base + k] += s.comm_s * node.comm_times + s.compute_s * node.mult
         for p, u in enumerate(node.operands):
             if u is None:
                 continue
@@ -390,7 +390,7 @@ def evaluate(prob: Problem, choice: dict[int, int], edges: _Edges) -> float:
     total = merged_latency(prob, choice)
     for node in g.nodes:
         s = prob.strategies[node.id][choice[prob.var(node.id)]]
-        total += (s.comm_s + s.compute_s) * node.mult
+        total += s.comm_s * node.comm_times + s.compute_s * node.mult
         for p, u in enumerate(node.operands):
             if u is None:
                 continue

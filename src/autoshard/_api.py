@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 
 from . import _compat, _config
 from ._config import CLUSTERS, Cluster, required_cluster
-from ._executable import MISS, Executable, abstract_leaf, deleted_error
+from ._executable import MISS, Executable, abstract_leaf, deleted_error, warn_on_divergence
 from ._jaxpr import FlatArgs, flatten_args
 from ._methods import ParallelMethod, ShardParallel
 from ._program import trace_program
@@ -209,6 +209,8 @@ class ParallelizedFunc:
                 raise deleted_error(flat.dynamic_leaves, flat.paths, self.__name__)
             self._warn_static_recompiles(flat, key)
             executable = self._compile(args, flat, self._batch_argnums(args), static)
+            if _config.audit_on_first_call():
+                warn_on_divergence(executable, self.__name__)
             self._cache[key] = executable
             while len(self._cache) > self.max_executables:
                 _, dropped = self._cache.popitem(last=False)

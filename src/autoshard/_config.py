@@ -40,6 +40,17 @@ def max_executables() -> int:
     return size
 
 
+def audit_on_first_call() -> bool:
+    """AUTOSHARD_AUDIT=1: audit each new executable and warn where it diverges from its plan."""
+    value = os.environ.get("AUTOSHARD_AUDIT", "") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"The environment variable AUTOSHARD_AUDIT ({value!r}) must be 0 or 1 (1 audits "
+            "each new executable at its first call and warns where the compiled program "
+            "diverges from the plan).")
+    return value == "1"
+
+
 # -- Multi-process settings (autoshard.distributed) ------------------------------------------------
 # Variables that autoshard.launch sets in every process it starts; init(cluster="distributed")
 # reads them, then Slurm's and Open MPI's.

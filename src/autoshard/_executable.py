@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from itertools import compress
 from typing import Any
 
@@ -167,6 +168,21 @@ class Executable:
             with open(os.path.join(dir_path, name), "w") as f:
                 f.write(text)
         return sorted(files)
+
+
+def warn_on_divergence(ex, name: str) -> None:
+    """Audit ``ex`` (an Executable or a pipeline executable) and warn where it diverges.
+
+    Called for each new executable when AUTOSHARD_AUDIT=1; the warning points at the caller
+    of the parallelized function (``ParallelizedFunc.__call__`` -> ``get_executable`` -> here).
+    """
+    found = ex.audit().divergences()
+    if found:
+        warnings.warn(
+            f"autoshard audit of {name}: the compiled program diverges from its plan: "
+            + "; ".join(found) + f". print({name}.get_last_executable().explain()) shows the plan "
+            "beside the audit (AUTOSHARD_AUDIT=1 asked for this check).",
+            RuntimeWarning, stacklevel=4)
 
 
 def select_dynamic(ex, leaves: list):

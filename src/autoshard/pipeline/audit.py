@@ -5,7 +5,8 @@ audited by ``sharding.audit.audit``. A step runs each ``F``/``B`` task once per 
 each apply task once, so step totals weight a task's bytes by its runs. Memory is per stage:
 the largest predicted and the largest compiled allocation of its tasks (activations a schedule
 keeps in flight between tasks are in neither number). A task that fell back to data
-parallelism has no prediction: its compiled collectives are listed, not judged.
+parallelism has no prediction: its compiled collectives are listed, not judged. A planned
+task diverges from its plan as a whole step does (``sharding.audit.Audit.divergences``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..sharding import hlo
-from ..sharding.audit import Audit, AuditRow, audit
+from ..sharding.audit import Audit, AuditRow, audit, verdict_lines
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +104,10 @@ class PipelineAudit:
         return not self.unpredicted and all(
             t.audit.within(tolerance) for t in self.tasks if t.audit.has_prediction)
 
+    def divergences(self) -> tuple[str, ...]:
+        """Each planned task's divergences from its plan, prefixed with the task's name."""
+        return tuple(f"task {t.name}: {d}" for t in self.tasks for d in t.audit.divergences())
+
     def explain(self) -> str:
         lines = ["pipeline audit: predicted against compiled collectives per task (bytes one "
                  "device receives per execution) and memory per device",
@@ -132,7 +137,12 @@ class PipelineAudit:
         for name, c in self.unpredicted:
             axes = "?" if c.axes is None else "+".join(c.axes)
             lines.append(f"  unpredicted in {name}: {c.kind} {c.shape} over {axes} x{c.count}")
+        lines.extend(verdict_lines(self.divergences(),
+                                   any(t.audit.has_prediction for t in self.tasks)))
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()
 
 
 def task_audit(task, runs: int) -> TaskAudit:

@@ -71,7 +71,7 @@ class StageProfiler:
     def measure_all(self, candidates) -> dict:
         """``{(i, j, n): (seconds, bytes)}`` for every candidate, with a progress bar."""
         out = {}
-        for cand in tqdm(candidates, desc="autoshard: profiling stages", leave=False):
+        for cand in tqdm(candidates, desc="autoshard: profiling stages", leave=False, disable=None):
             out[cand] = self.measure(*cand)
         _save(self.cache_file, self.cache)
         return out

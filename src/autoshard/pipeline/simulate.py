@@ -52,6 +52,24 @@ class Simulation:
         s = self.schedule
         return sorted(self.start, key=lambda a: (self.start[a], s.rank_of(a.stage)))
 
+    def explain(self) -> str:
+        """The replay's numbers (makespan, bubble, busy time and micro-batches in flight, in
+        the units of the costs), then each rank's actions by start time (``render``)."""
+        s = self.schedule
+        stages = ", ".join(f"{p}" for p in self.peak_in_flight)
+        busy = ", ".join(f"{b:g}" for b in self.busy)
+        return "\n".join([
+            f"simulation of {s.name}: {s.num_stages} stages on {s.num_ranks} ranks, "
+            f"{s.num_micro_batches} micro-batches",
+            f"  makespan {self.makespan:g}; bubble {self.bubble:g} rank-time "
+            f"({self.bubble_fraction:.1%} of all rank time idle)",
+            f"  busy time per rank: {busy}",
+            f"  peak micro-batches in flight per stage (activations kept): {stages}",
+            *self.render().splitlines()[1:]])
+
+    def __str__(self) -> str:
+        return self.explain()
+
     def render(self) -> str:
         """A text table: one row per rank, one column per distinct start time."""
         s = self.schedule

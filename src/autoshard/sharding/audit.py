@@ -8,6 +8,13 @@ array (``n`` shards); its compiled result on one device is one shard, so the pre
 all-reduce to float32, so there the prediction counts twice the bytes. On the CPU, XLA lowers a reduce-scatter to
 an all-reduce of the whole array and a local slice, so there a predicted reduce-scatter is
 counted as that all-reduce.
+
+A compiled program *diverges* from its plan when its collective bytes fall outside
+``BYTES_RATIO_RANGE`` times the predicted ones or its memory exceeds ``MEMORY_RATIO_MAX`` times
+the estimate, by more than a few bytes (``DIVERGENCE_MIN_BYTES``, ``DIVERGENCE_MIN_MEMORY``):
+then the plan's costs do not describe what runs (e.g. XLA left a planned split undone and
+every device computes the whole array). ``Audit.divergences()`` names each one,
+``explain()`` reports them, and ``AUTOSHARD_AUDIT=1`` warns at the first call.
 """
 
 from __future__ import annotations
@@ -17,6 +24,22 @@ from dataclasses import dataclass
 
 from . import hlo
 from .plan import ShardingPlan
+
+BYTES_RATIO_RANGE = (0.5, 1.1)
+"""Compiled over predicted collective bytes per step outside this range is a divergence."""
+DIVERGENCE_MIN_BYTES = 4096
+"""Collective bytes per step by which compiled and predicted must differ to diverge: below
+this (a 4-byte loss reduction XLA folded away) a collective's latency, not its bytes, decides
+its cost on any link."""
+MEMORY_RATIO_MAX = 1.25
+"""Compiled memory per device above this multiple of the estimate is a divergence."""
+DIVERGENCE_MIN_MEMORY = 16384
+"""Bytes per device by which compiled memory must exceed the estimate to diverge: XLA's
+fixed buffers (tuples, scalars, alignment) outweigh the arrays of programs that small."""
+DIVERGENCE_HINT = ("the compiled program is not the one the planner costed: compare "
+                   "ex.plan.explain() with ex.get_hlo_text() (ex.dump_debug_info(dir) writes "
+                   "both) and report it with the step that produced it")
+"""What to do about a divergence (the planner's estimate, not the user's program, is wrong)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,12 +94,44 @@ class Audit:
     def within(self, tolerance: float = 0.10) -> bool:
         """Compiled bytes at most ``1 + tolerance`` times the predicted ones, memory likewise.
 
-        Fewer compiled bytes than predicted pass: XLA found a cheaper collective (it gathers
-        a small operand instead of reducing a large result, or reshards a value once for
-        several consumers the plan prices one by one).
+        Fewer compiled bytes than predicted pass down to ``BYTES_RATIO_RANGE[0]`` of them: XLA
+        found a cheaper collective (it gathers a small operand instead of reducing a large
+        result, or reshards a value once for several consumers the plan prices one by one).
+        Fewer still, down to none, is a divergence: the planned split did not happen.
         """
         mem = self.memory_ratio()
-        return self.bytes_ratio() <= 1 + tolerance and (mem is None or mem <= 1 + tolerance)
+        return (self.bytes_ratio() <= 1 + tolerance and self._bytes_divergence() is None
+                and (mem is None or mem <= 1 + tolerance))
+
+    def divergences(self) -> tuple[str, ...]:
+        """Where the compiled program departs from the plan, one sentence each (empty: none).
+
+        Only a method that predicts (``has_prediction``) can diverge.
+        """
+        if not self.has_prediction:
+            return ()
+        found = [] if (b := self._bytes_divergence()) is None else [b]
+        mem = self.memory_ratio()
+        if mem is not None and mem > MEMORY_RATIO_MAX and (
+                self.compiled_memory - self.predicted_memory >= DIVERGENCE_MIN_MEMORY):
+            found.append(f"compiled memory per device is {mem:.2f}x the estimate "
+                         f"({self.compiled_memory:,} B against {self.predicted_memory:,} B; at "
+                         f"most {MEMORY_RATIO_MAX}x expected)")
+        return tuple(found)
+
+    def _bytes_divergence(self) -> str | None:
+        low, high = BYTES_RATIO_RANGE
+        p, c, ratio = self.predicted_bytes, self.compiled_bytes, self.bytes_ratio()
+        if low <= ratio <= high or abs(c - p) < DIVERGENCE_MIN_BYTES:
+            return None
+        if c == 0:
+            return (f"the plan predicts {p:,} B of collectives per step, the compiled program "
+                    "has none (compiled/predicted 0.00): XLA did not split the computation "
+                    "as planned")
+        if p == 0:
+            return f"the compiled program runs {c:,} B of collectives per step, the plan predicts none"
+        return (f"compiled collectives are {ratio:.2f}x the predicted bytes ({c:,} B against "
+                f"{p:,} B per step; {low}x-{high}x expected)")
 
     def unpredicted_full_gathers(self, full_bytes: set[int]) -> list[hlo.CompiledCollective]:
         """Unpredicted all-gathers whose result is a whole array of one of ``full_bytes``."""
@@ -103,7 +158,24 @@ class Audit:
             mem += (f", estimated {self.predicted_memory:,} B (ratio "
                     f"{self.memory_ratio():.2f})")
         lines.append(mem)
+        lines.extend(verdict_lines(self.divergences(), self.has_prediction))
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+
+def verdict_lines(divergences: tuple[str, ...], has_prediction: bool) -> list[str]:
+    """The closing lines of an audit's explain(): each divergence, or that there is none."""
+    if divergences:
+        return ([f"  DIVERGENCE: {d}" for d in divergences]
+                + [f"  ({DIVERGENCE_HINT})"])
+    if not has_prediction:
+        return []
+    low, high = BYTES_RATIO_RANGE
+    return [f"  no divergence: collective bytes within {low}x-{high}x of the prediction (or "
+            f"{DIVERGENCE_MIN_BYTES:,} B of it), memory at most {MEMORY_RATIO_MAX}x the estimate "
+            f"(or {DIVERGENCE_MIN_MEMORY:,} B over it)"]
 
 
 def audit(plan: ShardingPlan, hlo_text: str, compiled_memory: int, *,

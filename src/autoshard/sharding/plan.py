@@ -183,10 +183,13 @@ class ShardingPlan:
     def explain(self) -> str:
         sizes = self.mesh_sizes
         mesh = " x ".join(f"{n}={s}" for n, s in sizes.items())
+        one_device = math.prod(self.mesh_shape) == 1
         lines = [f"{self.method} plan on mesh ({mesh})",
                  "  legend: spec has one entry per dim: '-' keeps the dim whole, an axis name "
                  "splits it over that mesh axis, 'x+y' over both; bytes/device is what one "
                  "device holds of the leaf"]
+        if one_device:  # nothing can be split: a per-leaf reason would only repeat that
+            lines.append("  one device: every leaf is whole")
         for title, leaves in (("inputs", self.inputs), ("outputs", self.outputs)):
             lines.append(f"  {title}:")
             width = max((len(leaf.path) for leaf in leaves), default=4)
@@ -195,7 +198,7 @@ class ShardingPlan:
                 shape = "x".join(map(str, leaf.shape)) or "scalar"
                 row = (f"    {leaf.path:<{width}}  {shape:<18} {format_spec(leaf.spec):<22} "
                        f"{leaf.bytes_per_device(sizes):,}")
-                lines.append(row + (f"   [{leaf.note}]" if leaf.note else ""))
+                lines.append(row + (f"   [{leaf.note}]" if leaf.note and not one_device else ""))
         total_in = sum(leaf.bytes_per_device(sizes) for leaf in self.inputs)
         lines.append(f"  input bytes per device: {total_in:,}")
         if self.intermediates:

@@ -43,6 +43,17 @@ def bind_eqn(eqn, invals):
     return out if eqn.primitive.multiple_results else [out]
 
 
+def source_line(eqn) -> str | None:
+    """``file:line (function)`` of the user code that emitted ``eqn`` (None where unknown)."""
+    from jax._src import source_info_util
+
+    try:
+        where = source_info_util.summarize(eqn.source_info)
+    except Exception:  # an equation built without source information
+        return None
+    return None if not where or where.startswith("unknown") else where
+
+
 # -- Internals used by autoshard.mpi (jax 0.10) ---------------------------------------------------
 # The MPI primitives build their own ordering chain at lowering time instead of using an ordered
 # effect (which costs ~350 us per jitted call here). That needs JAX's private lowering, DCE and

@@ -43,12 +43,14 @@ def _loss_marked(fun: Callable, has_aux: bool) -> Callable:
 
 def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
          holomorphic: bool = False, allow_int: bool = False, *,
-         reduction: Reduction = "mean", aux_reduction: Reduction = "sum") -> Callable:
+         reduction: Reduction = "mean", aux_reduction: Reduction = "auto") -> Callable:
     """``jax.grad`` whose gradients (and aux values) carry a gradient marker.
 
     With ``num_micro_batches > 1`` the gradients are combined over micro-batches by
     ``reduction`` (``"mean"``: the gradient of a mean loss over the whole batch) and aux
-    values by ``aux_reduction`` (``"sum"``: counts add up; use ``"mean"`` for averages).
+    values by ``aux_reduction``: ``"auto"`` (the default) averages means, sums sums and
+    counts, and keeps shape-derived and batch-independent values as the whole-batch step
+    returns them (``autoshard.combine``); ``"mean"``, ``"sum"`` or a pytree of them override.
     """
     def reductions(aux):
         return (reduction, aux_reduction) if aux else reduction
@@ -57,11 +59,12 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
 
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
                    holomorphic: bool = False, allow_int: bool = False, *,
-                   reduction: Reduction = "mean", aux_reduction: Reduction = "sum") -> Callable:
+                   reduction: Reduction = "mean", aux_reduction: Reduction = "auto") -> Callable:
     """``jax.value_and_grad`` whose value, aux and gradients carry a gradient marker.
 
     With ``num_micro_batches > 1`` the value and gradients are combined over micro-batches by
-    ``reduction`` (``"mean"`` by default) and aux values by ``aux_reduction`` (``"sum"``).
+    ``reduction`` (``"mean"`` by default) and aux values by ``aux_reduction`` (``"auto"``:
+    see ``autoshard.grad`` and ``autoshard.combine``).
     """
     def reductions(aux):
         return ((reduction, aux_reduction), reduction) if aux else reduction

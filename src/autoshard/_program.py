@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 
+from . import combine
 from ._jaxpr import FlatArgs, differentiated_inputs, output_paths
 from .grad_accum import StepHooks, build_step
 
@@ -41,6 +42,8 @@ class Program:
     """The positional arguments with array leaves as ShapeDtypeStruct and the rest as None."""
     out_shape: Any = None
     """The output pytree with ShapeDtypeStruct leaves."""
+    flat_fun: Callable | None = None
+    """The user's step as a function of the array leaves (None where not traced here)."""
 
     def step(self, hooks: StepHooks | None = None) -> Callable:
         return build_step(self.closed, batch_invars=self.batch_invars,
@@ -52,6 +55,18 @@ class Program:
     def has_grad_marker(self) -> bool:
         from ._jaxpr import grad_marker_index
         return grad_marker_index(self.closed.jaxpr) is not None
+
+    def whole_batch_closed(self):
+        """The user's step traced on the full-batch inputs, without accumulation (``closed``
+        itself when ``num_micro_batches`` is 1)."""
+        if self.num_micro_batches == 1:
+            return self.closed
+        if "_whole" not in self.__dict__:
+            if self.flat_fun is None:
+                raise ValueError("This Program was built without its function; trace it with "
+                                 "trace_program to re-trace it on the full batch.")
+            self.__dict__["_whole"] = jax.make_jaxpr(self.flat_fun)(*self.in_avals)
+        return self.__dict__["_whole"]
 
     def full_jaxpr(self):
         """The whole step (accumulation included) as one ClosedJaxpr on full-batch inputs."""
@@ -81,14 +96,21 @@ def trace_program(fun: Callable, args: tuple, flat: FlatArgs, *, batch_argnums: 
                                         weak_type=aval.weak_type)
         trace_avals.append(aval)
 
+    shape_only = flat.abstract()  # the re-traceable function keeps no user array alive
+
     def flat_fun(*dynamic):
-        return fun(*flat.rebuild(dynamic))
+        return fun(*shape_only.rebuild(dynamic))
 
     closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*trace_avals)
     out_leaves, out_tree = jax.tree.flatten(out_shape)
     out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
     state_args = set(flat.leaf_argnum) - set(batch_argnums)
     aliases = _aliases(args, flat, out_shape, state_args)
+    # "auto" aux reductions become what each value needs (before any method plans it)
+    closed = combine.resolve(
+        closed, batch_invars=batch_invars, num_micro_batches=k, aliases=aliases,
+        whole_batch=lambda: jax.make_jaxpr(flat_fun)(*in_avals),
+        out_paths=tuple(output_paths(out_shape)))
     donated = _donated_args(args, flat, donate_argnums, batch_argnums, name)
     donated_invars = tuple(a in donated for a in flat.leaf_argnum)
     program = Program(
@@ -96,7 +118,7 @@ def trace_program(fun: Callable, args: tuple, flat: FlatArgs, *, batch_argnums: 
         out_paths=tuple(output_paths(out_shape)), batch_invars=batch_invars,
         donated_invars=donated_invars, param_invars=_param_invars(closed.jaxpr),
         aliases=aliases, num_micro_batches=k, args_shape=_args_shape(flat, in_avals),
-        out_shape=out_shape)
+        out_shape=out_shape, flat_fun=flat_fun)
     return program, out_tree
 
 

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._compat import Literal, Var
+from . import combine
+from ._compat import Literal, Var, source_line
 from ._jaxpr import Env, dependents, grad_marker_index, used_vars
 from ._local import LocalEval, P, R, split
 from ._walk import site
@@ -262,8 +263,7 @@ class _Loop:
                     RuntimeWarning, stacklevel=2)
         out = []
         for s, v, r in zip(sums, self.marker.invars, self.reductions, strict=True):
-            s = s / k if r == "mean" else s
-            out.append(s.astype(v.aval.dtype))
+            out.append(combined(s, r, k).astype(v.aval.dtype))
         return out
 
     def _local_scan(self, outer, micro):
@@ -355,6 +355,14 @@ def draws_random(eqn) -> bool:
     return False
 
 
+def combined(total, reduction: str, k: int):
+    """An accumulated marked value: ``total`` over ``k`` micro-batches by its reduction
+    (an integer mean is of ``k`` equal values, see ``combine``: exact)."""
+    if reduction != "mean":
+        return total
+    return total // k if jnp.issubdtype(total.dtype, jnp.integer) else total / k
+
+
 def _acc_dtype(dtype):
     if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
         return jnp.float32
@@ -363,30 +371,48 @@ def _acc_dtype(dtype):
 
 def _check_split(jaxpr, pre, post, marker, batch_vars, batch_paths):
     per_batch = dependents(pre, batch_vars)
-    for v in marker.invars:
+    for i, (v, r) in enumerate(zip(marker.invars, reductions_of(marker), strict=True)):
+        if r == combine.ROWS:
+            raise ValueError(combine.per_row_error(jaxpr, i))
         dtype = getattr(v.aval, "dtype", None)
-        if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+        if dtype is not None and not jnp.issubdtype(dtype, jnp.number):
             raise ValueError(
-                f"Gradient accumulation combines marked values over micro-batches, but one has "
-                f"dtype {dtype}. Only floating-point values can be marked when "
-                "num_micro_batches > 1; return integer metrics outside autoshard.value_and_grad's "
-                "aux.")
+                f"Gradient accumulation combines marked values over micro-batches, but marked "
+                f"value {i}{_at(v, pre)} has dtype {dtype}, which cannot be summed. Return it "
+                "as a number (e.g. jnp.sum(mask) for a count), or outside "
+                "autoshard.value_and_grad's aux.")
     marked_out = set(marker.outvars)
     outs = {v for v in jaxpr.outvars if isinstance(v, Var)}
     leaks = [v for v in used_vars(post) | outs
              if v in per_batch and v not in marked_out and v not in batch_vars]
     if leaks:
+        names = "; ".join(f"{v.aval.str_short()}{_at(v, pre)}" for v in leaks[:3])
         raise ValueError(
             f"{len(leaks)} value(s) computed from the batch before the gradient marker are "
-            "used after it without passing through the marker, so they cannot be accumulated "
-            "over micro-batches. Return them as the value or aux of autoshard.value_and_grad.")
+            f"used after it without passing through the marker ({names}), so they cannot be "
+            "accumulated over micro-batches. Return them as the value or aux of "
+            "autoshard.value_and_grad.")
     direct = [v for v in used_vars(post) | outs if v in batch_vars]
     if direct:
         names = ", ".join(batch_paths) or "a batch argument"
+        users = [e for e in post if any(isinstance(u, Var) and u in direct for u in e.invars)]
+        where = source_line(users[0]) if users else None
         raise ValueError(
             f"The part of the step after the gradient marker uses the batch ({names}) "
-            "directly; with num_micro_batches > 1 it only sees one micro-batch. Compute "
-            "batch-dependent values before the marker and return them as aux.")
+            f"directly{' at ' + where if where else ''}; with num_micro_batches > 1 it only "
+            "sees one micro-batch. Compute batch-dependent values (metrics from the labels) "
+            "inside the loss function and return them as aux (means, sums and counts "
+            "combine over micro-batches), or use PipeshardParallel, whose update runs on the "
+            "whole batch.")
+
+
+def _at(v, eqns) -> str:
+    """`` (computed at file:line)`` for the equation producing ``v``, or nothing."""
+    for e in eqns:
+        if v in e.outvars:
+            where = source_line(e)
+            return f" (computed at {where})" if where else ""
+    return ""
 
 
 __all__ = ["StepHooks", "build_step", "reductions_of", "P", "R"]

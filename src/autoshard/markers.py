@@ -17,8 +17,9 @@ from . import _compat
 
 MarkType = Literal["start", "end", "jvp_start", "jvp_end", "boundary", "grad", "params", "hook"]
 MARK_TYPES = ("start", "end", "jvp_start", "jvp_end", "boundary", "grad", "params", "hook")
-Reduction = Literal["mean", "sum"]
-REDUCTIONS = ("mean", "sum")
+Reduction = Literal["mean", "sum", "auto"]
+REDUCTIONS = ("mean", "sum", "auto")
+"""``auto``: decided from the traced program (``combine.resolve``) before anything runs."""
 
 # The primitive ---------------------------------------------------------------------------------
 pipeline_p = _compat.Primitive("pipeline_marker")
@@ -67,8 +68,9 @@ def mark_gradient(tree: Any, reduction: Any = "mean"):
     """Tag gradients (and aux values) so the part after the tag can run once per step.
 
     With gradient accumulation each marked leaf is combined over micro-batches by its
-    ``reduction``: ``"mean"`` (gradients of a mean loss, the default) or ``"sum"``. Give one
-    reduction, or a pytree prefix of ``tree`` with one per subtree.
+    ``reduction``: ``"mean"`` (gradients of a mean loss, the default), ``"sum"`` or ``"auto"``
+    (from how the value is computed; see ``autoshard.combine``). Give one reduction, or a
+    pytree prefix of ``tree`` with one per subtree.
     """
     return mark_tree(tree, name="grad", mark_type="grad", reduction=reduction)
 

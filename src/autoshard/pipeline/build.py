@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from .._compat import Var
 from .._mesh import resolve_devices
 from ..markers import pipeline_p
 from ..sharding.cost import FLOP_COST_S
+from . import balance
+from .after_grad import AfterGrad, reads_batch_after_grad, whole_batch_update
 from .compile import stage_auto_option
 from .layers import AutoLayerOption, auto_layers, check_no_nested_markers, manual_layers
 from .partition import (
@@ -79,6 +82,9 @@ class PipelinePlan:
     or ``x0, x1, ...``)."""
     crossings: tuple[Crossing, ...] = ()
     """Per cut between consecutive stages, the values crossing it and their estimated cost."""
+    stage_flops: tuple[float, ...] = ()
+    """Per stage, the FLOPs of its forward and backward tasks for one micro-batch
+    (``balance.stage_flops``)."""
 
     @property
     def transfer_s(self) -> float:
@@ -107,6 +113,8 @@ class PipelinePlan:
             lines.append(f"  cut stage {c.src_stage} -> {c.dst_stage}: {c.num_bytes:,} B per "
                          f"micro-batch, {c.src_devices} -> {c.dst_devices} devices, {how}: "
                          f"est. {c.seconds * 1e6:.1f} us per micro-batch")
+        if self.stage_flops:
+            lines.append(f"  {balance.describe(self.stage_flops)}")
         if self.crossings:
             lines.append(f"  copies between stages: est. {self.transfer_s * 1e3:.4f} ms per step")
         lines += [f"  note: {n}" for n in self.notes]
@@ -189,17 +197,50 @@ def manual_stages(option: ManualStageOption, num_layers: int):
     return [s for s, x in enumerate(ids) for _ in x], sizes, logical
 
 
-def cut_program(program, method):
-    """The step as the pipeline cuts it: (closed jaxpr with identity markers inlined, the
-    equations before the gradient marker, the marker, those after it, inference?, index where
-    the forward ends in ``pre``, layer of each forward equation, number of layers)."""
+@dataclass(frozen=True, eq=False)
+class Cut:
+    """The step as the pipeline cuts it (``cut_program``)."""
+
+    closed: Any
+    """ClosedJaxpr with identity markers inlined (and the update on the whole batch when it
+    reads the batch: ``after``)."""
+    pre: list
+    """Equations before the gradient marker."""
+    marker: Any
+    """The gradient marker (None without one)."""
+    post: list
+    """Equations after it."""
+    inference: bool
+    """The inference schedule: everything is forward."""
+    fwd_end: int
+    """Index in ``pre`` where the forward ends."""
+    layer_of: dict
+    """Layer of every forward equation (index in ``pre``)."""
+    num_layers: int
+    """Layers of the forward."""
+    after: AfterGrad | None = None
+    """The whole-batch update and the values the runtime provides it (None: the update reads
+    no batch)."""
+
+
+def cut_program(program, method) -> Cut:
+    """The step as the pipeline cuts it: identity markers inlined, the update after the
+    gradient marker on the whole batch when it reads the batch (``after_grad``), the forward
+    cut into layers."""
     closed = inline_identity_markers(program.closed)
     check_no_nested_markers(closed.jaxpr)
+    after = None
+    if reads_batch_after_grad(closed, program.batch_invars):
+        k = program.num_micro_batches
+        whole = closed if k == 1 else inline_identity_markers(program.whole_batch_closed())
+        after = whole_batch_update(closed, whole, program.batch_invars, k)
+        closed = after.closed
     pre, marker, post = split_pre_post(closed.jaxpr)
     inference = method.pipeline_schedule == "inference"
     fwd_end = forward_end(pre, inference)
     layer_of, num_layers = choose_layers(pre, fwd_end, method.layer_option)
-    return closed, pre, marker, post, inference, fwd_end, layer_of, num_layers
+    return Cut(closed=closed, pre=pre, marker=marker, post=post, inference=inference,
+               fwd_end=fwd_end, layer_of=layer_of, num_layers=num_layers, after=after)
 
 
 def check_cover(sizes, num_devices: int, what: str):
@@ -260,8 +301,9 @@ def auto_logical_shape(option: AutoStageOption, n: int) -> tuple[int, ...]:
 
 
 def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, list, list]:
-    closed, pre, marker, post, inference, fwd_end, layer_of, num_layers = cut_program(
-        program, method)
+    cut = cut_program(program, method)
+    closed, pre, fwd_end, layer_of, num_layers = (cut.closed, cut.pre, cut.fwd_end,
+                                                  cut.layer_of, cut.num_layers)
     if not isinstance(method.layer_option, AutoLayerOption) and not boundary_positions(
             pre[:fwd_end]) and _num_requested_stages(method.stage_option) > 1:
         raise ValueError(
@@ -302,7 +344,7 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
     sizes, logical, dicts = sizes[:num_ranks], logical[:num_ranks], dicts[:num_ranks]
     part = build_partition(closed, layer_of_fwd=layer_of, fwd_end=fwd_end,
                            stage_of_layer=stage_of_layer, batch_invars=program.batch_invars,
-                           remat=method.layer_option.remat)
+                           remat=method.layer_option.remat, after=cut.after)
     ids, start, rank_devs = [], 0, []
     for r in range(num_ranks):
         rank_devs.append(tuple(d.id for d in devices[start:start + sizes[r]]))
@@ -319,9 +361,12 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
         j = min(ids[s + 1])
         crossings.append(Crossing(src_stage=s, dst_stage=s + 1, num_bytes=int(cut_bytes[j]),
                                   src_devices=a, dst_devices=b, seconds=cut_cost(j, a, b)))
+    flops = balance.stage_flops(part)
+    balance.warn_idle_stages(flops, method.layer_option, ids)
     plan = PipelinePlan(num_layers=num_layers, stage_layer_ids=tuple(ids),
                         submesh_shapes=tuple(tuple(x) for x in logical),
                         stage_devices=tuple(devs), crossings=tuple(crossings),
+                        stage_flops=flops,
                         schedule=method.pipeline_schedule if part.has_backward else "inference",
                         num_micro_batches=program.num_micro_batches)
     return part, plan, sizes, dicts
@@ -396,5 +441,5 @@ def method_devices(method):
     return list(devices)
 
 
-__all__ = ["PipelinePlan", "choose_stages", "inline_identity_markers", "method_devices",
+__all__ = ["Cut", "PipelinePlan", "choose_stages", "cut_program", "inline_identity_markers", "method_devices",
            "plan_partition"]

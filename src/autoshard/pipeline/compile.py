@@ -453,7 +453,8 @@ def finalize_fn(part: Partition, stage: int, k: int, stacked=frozenset()):
     reds = reductions_of(part.marker)
     pairs = [(v, o, r) for v, o, r in zip(part.marker.invars, part.marker.outvars, reds,
                                           strict=True)
-             if isinstance(v, Var) and part.home.get(o) == stage and v in part.per_micro_batch]
+             if isinstance(v, Var) and part.home.get(o) == stage and v in part.per_micro_batch
+             and v not in part.join_sources]
 
     def fn(*accs):
         accs = [a.sum(axis=0) if v in stacked else a

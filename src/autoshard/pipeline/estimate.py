@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..cluster import GIB
 from ..sharding.plan import ShardingPlan
+from . import balance
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +72,15 @@ class PipelineEstimate:
     """The replayed schedule as text (``Simulation.render``)."""
     notes: tuple[str, ...] = ()
     """Remarks: choices made by the pricing, what it does not model."""
+    stage_flops: tuple[float, ...] = ()
+    """Per stage, the FLOPs of its forward and backward tasks for one micro-batch
+    (``balance.stage_flops``)."""
+
+    @property
+    def stage_imbalance(self) -> float:
+        """The slowest stage's F+B time per micro-batch over the mean (1.0: balanced)."""
+        return balance.imbalance([sum(t for k, t in s.task_s.items() if k != "apply")
+                                  for s in self.stages])
 
     @property
     def step_s(self) -> float:
@@ -112,6 +122,9 @@ class PipelineEstimate:
                              f"{o.communication_s + o.resharding_s:.4g}), peak "
                              f"{(o.peak_bytes_per_device or 0) / GIB:.3g} GiB, "
                              f"{len(plan.collectives)} collectives")
+        if self.stage_flops:
+            lines.append(f"  {balance.describe(self.stage_flops)}; F+B time imbalance "
+                         f"max/mean {self.stage_imbalance:.2f}")
         if self.timeline:
             lines += ["  schedule replayed (one micro-batch action per cell):"] + [
                 "    " + row for row in self.timeline.splitlines()]

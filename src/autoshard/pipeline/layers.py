@@ -2,10 +2,13 @@
 
 ``ManualLayerOption``: a layer is the span between two boundary markers. ``AutoLayerOption``:
 a dynamic program over the forward equations in program order picks ``layer_num - 1`` cuts;
-every layer's FLOPs stay within ``(1 + eps) * total / layer_num`` and the bytes of the values
-crossing the cuts are minimal (ties: the most balanced). Either may recompute each stage's
-forward in its backward (``remat_layer=True``, ``remat_mode="coarse_grained_remat"``), the
-effect of ``jax.checkpoint`` around it: only the stage inputs are kept between F and B.
+every layer's FLOPs stay within ``(1 + eps) * total / layer_num`` and at least
+``total / (4 * layer_num)``, and the bytes of the values crossing the cuts are minimal (ties:
+the most balanced). Where one equation holds more than that upper bound (a wide matmul), the
+bound is raised to the least largest-layer FLOPs any cut reaches, so every layer keeps work;
+where no cut keeps every layer above the lower bound, it is dropped. Either may recompute each
+stage's forward in its backward (``remat_layer=True``, ``remat_mode="coarse_grained_remat"``),
+the effect of ``jax.checkpoint`` around it: only the stage inputs are kept between F and B.
 """
 
 from __future__ import annotations
@@ -122,13 +125,29 @@ def auto_layers(pre, fwd_end: int, layer_num: int, eps: float) -> tuple[dict, in
     if n == 0:
         return {}, 1
     layer_num = min(layer_num, n)
-    flops = [eqn_flops(pre[i]) for i in idx]
     prefix = [0.0]
-    for f in flops:
-        prefix.append(prefix[-1] + f)
+    for i in idx:
+        prefix.append(prefix[-1] + eqn_flops(pre[i]))
     total = prefix[-1] or 1.0
-    limit = (1 + eps) * total / layer_num
+    limit = max((1 + eps) * total / layer_num, least_max_layer(prefix, layer_num))
     cut_bytes = _cut_bytes(pre, idx)
+    back = _cluster(prefix, layer_num, limit, total / (4 * layer_num), cut_bytes)
+    if back is None:  # no cut keeps every layer above the floor: balance alone
+        back = _cluster(prefix, layer_num, limit, 0.0, cut_bytes)
+    assert back is not None, "the least largest layer is always reachable"
+    out, j = {}, n
+    for layer in range(layer_num, 0, -1):
+        i = back[layer][j]
+        for k in range(i, j):
+            out[idx[k]] = layer - 1
+        j = i
+    return out, layer_num
+
+
+def _cluster(prefix, layer_num: int, limit: float, floor: float, cut_bytes):
+    """Back-pointers of the cheapest cut (bytes crossing, then the largest layer's FLOPs)
+    into ``layer_num`` layers of FLOPs in ``[floor, limit]`` each; None if there is none."""
+    n = len(prefix) - 1
     inf = (math.inf, math.inf)
     # best[l][j]: (bytes, max layer flops) for the first j equations in l layers.
     best = [[inf] * (n + 1) for _ in range(layer_num + 1)]
@@ -142,18 +161,38 @@ def auto_layers(pre, fwd_end: int, layer_num: int, eps: float) -> tuple[dict, in
                 if f > limit and i < j - 1:
                     break
                 prev = best[layer - 1][i]
-                if prev != inf:
+                if prev != inf and f >= floor:
                     cost = (prev[0] + (cut_bytes[i - 1] if i > 0 else 0), max(prev[1], f))
                     if cost < best[layer][j]:
                         best[layer][j], back[layer][j] = cost, i
                 i -= 1
-    out, j = {}, n
-    for layer in range(layer_num, 0, -1):
-        i = back[layer][j]
-        for k in range(i, j):
-            out[idx[k]] = layer - 1
-        j = i
-    return out, layer_num
+    return back if best[layer_num][n] != inf else None
+
+
+def least_max_layer(prefix, layer_num: int) -> float:
+    """The least FLOPs of the largest layer over every cut of the equations (FLOPs summed in
+    ``prefix``) into ``layer_num`` contiguous layers: a bisection on the bound, each bound
+    checked by filling layers greedily (fewer layers can always be split further)."""
+    n = len(prefix) - 1
+    lo = max(prefix[j + 1] - prefix[j] for j in range(n))
+    hi = prefix[-1]
+
+    def fits(bound) -> bool:
+        count, i = 0, 0
+        while i < n:
+            j = i + 1
+            while j < n and prefix[j + 1] - prefix[i] <= bound:
+                j += 1
+            count, i = count + 1, j
+        return count <= layer_num
+    if fits(lo):
+        return lo
+    for _ in range(100):
+        if hi - lo <= 1e-9 * hi:
+            break
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def _cut_bytes(pre, idx) -> list[int]:
@@ -180,4 +219,4 @@ def _cut_bytes(pre, idx) -> list[int]:
 
 
 __all__ = ["AutoLayerOption", "ManualLayerOption", "auto_layers", "check_no_nested_markers",
-           "eqn_flops", "manual_layers"]
+           "eqn_flops", "least_max_layer", "manual_layers"]

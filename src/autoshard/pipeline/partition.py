@@ -80,6 +80,17 @@ class Partition:
     sums: list = field(default_factory=list)
     """Sums whose terms live on several stages (``sums.CrossStageSum``), in program order:
     one all-reduce over a mesh spanning the stages each, before apply task ``before``."""
+    whole_inputs: dict = field(default_factory=dict)
+    """Variables the apply tasks read as a whole batch argument -> that input's index
+    (``after_grad``: the update reads the batch)."""
+    joined: dict = field(default_factory=dict)
+    """Variables the apply tasks read as the micro-batches' values of another variable joined
+    in row order -> that variable (``after_grad``)."""
+
+    @property
+    def join_sources(self) -> set:
+        """Per-micro-batch values kept for a join instead of accumulated."""
+        return set(self.joined.values())
 
     @property
     def has_backward(self) -> bool:
@@ -190,9 +201,13 @@ def build_partition(
     stage_of_layer: list,
     batch_invars,
     remat: bool = False,
+    after=None,
 ) -> Partition:
     """Tasks for a step whose forward equation ``i`` (index into the pre-marker part) runs in
-    layer ``layer_of_fwd[i]``; layer ``l`` runs on stage ``stage_of_layer[l]``."""
+    layer ``layer_of_fwd[i]``; layer ``l`` runs on stage ``stage_of_layer[l]``. ``after``: an
+    ``after_grad.AfterGrad`` whose update reads the whole batch (its values are placed where
+    the runtime provides them: a whole batch argument on the last stage, a join on the stage
+    of the value it joins)."""
     jaxpr = closed.jaxpr
     pre, marker, post = split_pre_post(jaxpr)
     num_layers = len(stage_of_layer)
@@ -228,6 +243,11 @@ def build_partition(
         for e in eqns:
             for v in e.outvars:
                 home[v] = s
+    whole_inputs = dict(after.whole_inputs) if after is not None else {}
+    joined = dict(after.joined) if after is not None else {}
+    home.update((v, num_stages - 1) for v in whole_inputs)
+    home.update((v, home.get(src, num_stages - 1)) for v, src in joined.items())
+    join_src = set(joined.values())
     if marker is not None:
         for v, o in zip(marker.invars, marker.outvars, strict=True):
             home[o] = home.get(v, 0) if isinstance(v, Var) else 0
@@ -274,10 +294,11 @@ def build_partition(
         t.outvars = [
             v
             for v in dict.fromkeys(produced)
-            if ((needed_by.get(v, set()) - {t.name}) or v in marker_in or v in outs)
+            if ((needed_by.get(v, set()) - {t.name}) or v in marker_in or v in outs
+                or v in join_src)
             and not (t.kind == "B" and v in fwd_made)
         ]
-        t.accumulated = [v for v in t.outvars if v in marker_in]
+        t.accumulated = [v for v in t.outvars if v in marker_in and v not in join_src]
     split = [_split_backward(b, needed_by, producer, free) for b in back]
     return Partition(
         jaxpr=jaxpr,
@@ -292,6 +313,8 @@ def build_partition(
         batch_dependent=batch_dep,
         home=home,
         sums=sums,
+        whole_inputs=whole_inputs,
+        joined=joined,
     )
 
 

@@ -50,6 +50,7 @@ from ..sharding import plan_auto
 from ..sharding.cost import CostModel
 from ..sharding.options import AutoShardingOption, for_task_plans
 from ..sharding.plan import ShardingPlan, spec_axes
+from . import balance
 from .build import cut_program
 from .compile import _FIXES, _task_fn, acc_dtype
 from .estimate import PipelineEstimate, StageEstimate
@@ -74,9 +75,10 @@ from .stages import AutoStageOption, stage_dp
 
 def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
     """``method`` (a PipeshardParallel) planned and priced on ``cluster`` (see module doc)."""
-    closed, pre, _, _, inference, fwd_end, layer_of, num_layers = cut_program(program, method)
+    cut = cut_program(program, method)
+    num_layers = cut.num_layers
     k = program.num_micro_batches
-    pricer = _Pricer(method, program, closed, cluster, layer_of, fwd_end)
+    pricer = _Pricer(method, program, cut, cluster)
     notes = []
     option = method.stage_option
     if method.pipeline_schedule == "interleaved_1f1b":
@@ -93,9 +95,12 @@ def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
     else:
         stage_of_layer, placement, fixed_shapes = given_stages(option, num_layers, cluster)
     num_stages = max(stage_of_layer) + 1
-    part = build_partition(closed, layer_of_fwd=layer_of, fwd_end=fwd_end,
+    part = build_partition(cut.closed, layer_of_fwd=cut.layer_of, fwd_end=cut.fwd_end,
                            stage_of_layer=stage_of_layer, batch_invars=program.batch_invars,
-                           remat=method.layer_option.remat)
+                           remat=method.layer_option.remat, after=cut.after)
+    work = balance.stage_flops(part)
+    balance.warn_idle_stages(work, method.layer_option, [
+        stage_layers(stage_of_layer, s) for s in range(num_stages)])
     split = method.pipeline_schedule == "zero_bubble"
     stage_plans = pricer.plan_tasks(part, placement, fixed_shapes, split)
     sends = _sends(part, stage_plans, placement, cluster, split)
@@ -141,7 +146,8 @@ def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
         num_micro_batches=k, num_layers=num_layers, stages=tuple(stages),
         makespan_s=sim.makespan, apply_s=apply_s, bubble_fraction=sim.bubble_fraction,
         flops=flops, num_devices=cluster.num_devices,
-        timeline=sim.render() if k * num_stages <= 64 else "", notes=tuple(notes))
+        timeline=sim.render() if k * num_stages <= 64 else "", notes=tuple(notes),
+        stage_flops=work)
 
 
 @dataclass
@@ -160,15 +166,16 @@ class _StagePlans:
 class _Pricer:
     """Plans tasks of a partition on sub-mesh clusters; caches identical tasks."""
 
-    def __init__(self, method, program, closed, cluster, layer_of, fwd_end):
-        self.method, self.program, self.closed, self.cluster = method, program, closed, cluster
-        self.layer_of, self.fwd_end = layer_of, fwd_end
+    def __init__(self, method, program, cut, cluster):
+        self.method, self.program, self.cluster = method, program, cluster
+        self.closed, self.layer_of, self.fwd_end = cut.closed, cut.layer_of, cut.fwd_end
+        self.after = cut.after
         base = method.default_auto_sharding_option or AutoShardingOption()
         if not isinstance(base, AutoShardingOption):
             raise TypeError(f"default_auto_sharding_option ({base!r}) must be an "
                             "AutoShardingOption or None.")
         self.base = for_task_plans(dataclasses.replace(base, show_progress=False))
-        self.batch_vars = {v for v, b in zip(closed.jaxpr.invars, program.batch_invars,
+        self.batch_vars = {v for v, b in zip(self.closed.jaxpr.invars, program.batch_invars,
                                              strict=True) if b}
         self.mb_rows = next((v.aval.shape[0] for v in self.batch_vars if v.aval.shape), None)
         self.cache: dict = {}
@@ -363,7 +370,7 @@ class _Pricer:
             part = build_partition(self.closed, layer_of_fwd=self.layer_of,
                                    fwd_end=self.fwd_end, stage_of_layer=stage_of_layer,
                                    batch_invars=self.program.batch_invars,
-                                   remat=self.method.layer_option.remat)
+                                   remat=self.method.layer_option.remat, after=self.after)
             for c, shape in enumerate(shapes):
                 sub = shape_cluster(self.cluster, shape)
                 option_c = ({"memory_budget_per_device": budget} if budget is not None else {})

@@ -7,7 +7,10 @@ in the order a replay of the schedule gives, asynchronously; the values a task r
 another stage move with one batched ``jax.device_put`` of matching layouts (device i to device
 i). Gradient-marker inputs accumulate per stage in donated buffers; each value is dropped
 after its last use. Then the accumulators are finalised, the apply-grad tasks run on the
-stages that hold the parameters, and outputs are assembled as the caller's pytree.
+stages that hold the parameters, and outputs are assembled as the caller's pytree. When the
+update reads the batch (``after_grad``), it gets the whole batch argument, and the row-shaped
+values it reads are the micro-batches' values joined in row order on the stage that made them
+(one jit per value, no communication: each device joins its own rows).
 """
 
 from __future__ import annotations
@@ -145,6 +148,13 @@ class PipelineExecutable:
                     layout.setdefault(o, [NamedSharding(t.mesh, spec)])
         for cs in part.sums:  # after its all-reduce, on every sub-mesh
             layout[cs.out] = [NamedSharding(m, P()) for m in self.rank_meshes]
+        for w, i in part.whole_inputs.items():  # the update takes them as the batch arrives
+            layout[w] = list(layout.get(jaxpr.invars[i], []))
+        self.joins = []  # (joined value, its source, jit, sharding): on the source's layout
+        for w, src in part.joined.items():
+            sh = layout[src][0]
+            layout[w] = [sh]
+            self.joins.append((w, src, self._join_fn(w, src, sh), sh))
         self.apply = [compile_task(t, False, step_aliases(t, jaxpr, program.aliases))
                       for t in part.apply]
         self.sums = [SpanReduce(cs, part.home, self.meshes, self.rank_meshes)
@@ -231,6 +241,9 @@ class PipelineExecutable:
                 self._split_batch(v, x)
             else:
                 self._step[v] = {getattr(x, "sharding", None): x}
+        for w, i in part.whole_inputs.items():
+            x = leaves[i]
+            self._step[w] = {getattr(x, "sharding", None): x}
         accs = {s: self._zeros(s) for s in range(part.num_stages)}
         t_start = time.perf_counter()
         for n, a in enumerate(self.order):
@@ -254,6 +267,9 @@ class PipelineExecutable:
                 self.trace.append((str(a), a.stage, t0 - t_start, time.perf_counter() - t0))
             for key in self._last_use.get(n, ()):
                 self._mb.pop(key, None)
+        for w, src, fn, sh in self.joins:
+            pieces = [self._in(self._mb.pop((src, j)), sh) for j in range(self.k)]
+            self._step[w] = {sh: fn(*pieces)[0] if fn is not None else pieces[0]}
         for s, fn, pairs, shardings in self.finalize:
             vals = fn(*[accs[s][v] for v, _, _ in pairs])
             for (_, o, _), x, sh in zip(pairs, vals, shardings, strict=True):
@@ -291,6 +307,11 @@ class PipelineExecutable:
             vals.append(x)
         return vals
 
+    def _in(self, copies: dict, target):
+        """The copy of a value in sharding ``target`` (moved there if it has none)."""
+        x = copies.get(target)
+        return x if x is not None else self.move(next(iter(copies.values())), target)
+
     def _split_batch(self, v, x):
         """Place a batch argument where its first reader wants it and cut the micro-batches."""
         target = self._input_sharding(v)
@@ -305,6 +326,20 @@ class PipelineExecutable:
                                               out_shardings=[target] * k)
         for j, piece in enumerate(fn(self.move(x, target))):
             self._mb.setdefault((v, j), {})[target] = piece
+
+    def _join_fn(self, w, src, sh):
+        """The jit joining ``src``'s micro-batch values into ``w`` in row order (row
+        ``r * k + j`` is row ``r`` of micro-batch ``j``), in and out in the layout ``sh``; None
+        with one micro-batch."""
+        if self.k == 1:
+            return None
+
+        def join(*pieces):
+            stacked = jnp.stack(pieces, axis=1)
+            return [stacked.reshape((-1,) + stacked.shape[2:])]
+        lowered = jax.jit(join, in_shardings=[sh] * self.k, out_shardings=[sh]).lower(
+            *[jax.ShapeDtypeStruct(src.aval.shape, src.aval.dtype, sharding=sh)] * self.k)
+        return _cross_process.compile_task(lowered, sh.mesh)
 
     def _zeros(self, s) -> dict:
         """Fresh accumulators of stage ``s``, made on its devices by a jit (no host copy)."""
@@ -365,6 +400,7 @@ class PipelineExecutable:
     def _last_uses(self) -> dict:
         last = {}
         outs = {v for v in self.part.jaxpr.outvars if isinstance(v, Var)}
+        outs |= self.part.join_sources  # kept until they are joined
         for n, a in enumerate(self.order):
             task = self.tasks.get((a.kind, a.stage))
             if task is None:
@@ -434,6 +470,8 @@ class PipelineExecutable:
         # step inputs arrive where their first reader takes them; readers on other sub-meshes
         # get a copy per step (per micro-batch for batch inputs)
         arrive = dict(zip(self.part.jaxpr.invars, self.in_shardings, strict=True))
+        arrive.update((w, self.in_shardings[i]) for w, i in self.part.whole_inputs.items())
+        made.update((w, made[src]) for w, src in self.part.joined.items() if src in made)
         transfers, seen = [], set()
         for t in tasks:
             for v, dst in zip(t.invars, t.in_shardings, strict=False):

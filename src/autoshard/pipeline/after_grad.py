@@ -1,0 +1,179 @@
+"""The update after the gradient marker, run on the whole batch when it reads the batch.
+
+A pipeline traces its step on one micro-batch. The part after the gradient marker usually
+reads only the accumulated values and the train state; when it also reads the batch (flax's
+pattern: metrics from the aux logits and the labels after ``value_and_grad``), it must see the
+whole batch, as ``jax.jit`` of the step does. That part is then taken from the step traced on
+the full batch (``Program.whole_batch_closed``) and joined to the micro-batch trace's forward
+and backward:
+
+* a batch input it reads is a new variable, the whole argument (``whole_inputs``);
+* a marked value whose full-batch shape has ``k`` times the micro-batch's rows on dim 0 (a
+  row-shaped aux such as logits) is a new variable: the ``k`` micro-batches' values joined in
+  row order (``joined``; row ``r * k + j`` of the batch is row ``r`` of micro-batch ``j``),
+  in place of their sum; every other marked value is the marker's output as accumulated;
+* a literal marked value (a Python int in aux) is the full-batch trace's literal;
+* a value computed before the marker that does not depend on the batch (from parameters or
+  constants) is computed again after it; one that depends on the batch without passing
+  through the marker cannot be rebuilt from micro-batches: an error names it, its source line
+  and the fix. With one micro-batch the two traces are one and such a value is joined too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import _compat
+from .._compat import Literal, Var
+from .._jaxpr import dependents, grad_marker_index, used_vars
+from .partition import free_eqns
+
+
+@dataclass(frozen=True, eq=False)
+class AfterGrad:
+    """The step with its update on the whole batch, and the values the runtime provides."""
+
+    closed: Any
+    """ClosedJaxpr: the micro-batch forward/backward and marker, then the whole-batch update.
+    It reads variables no equation defines: the keys of the two dicts below."""
+    whole_inputs: dict = field(default_factory=dict)
+    """New variable -> index of the batch input whose whole argument it is."""
+    joined: dict = field(default_factory=dict)
+    """New variable -> the per-micro-batch variable whose values it joins in row order."""
+
+
+def reads_batch_after_grad(closed, batch_invars) -> bool:
+    """Whether the part after the gradient marker reads the batch, or a value computed before
+    the marker other than through it (the runtime holds those per micro-batch only)."""
+    jaxpr = closed.jaxpr
+    cut = grad_marker_index(jaxpr)
+    if cut is None:
+        return False
+    pre, post = jaxpr.eqns[:cut], jaxpr.eqns[cut + 1:]
+    batch = {v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b}
+    free = free_eqns(pre, post, jaxpr.constvars)
+    made = {v for e in pre if id(e) not in free for v in e.outvars}
+    outs = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    return bool(used_vars(post) & (batch | made) or outs & batch)
+
+
+def whole_batch_update(micro, whole, batch_invars, k: int) -> AfterGrad:
+    """``micro``'s forward, backward and marker followed by ``whole``'s update (both traces
+    with identity markers inlined; ``whole is micro`` when ``k`` is 1). See the module doc."""
+    mj, wj = micro.jaxpr, whole.jaxpr
+    mcut, wcut = grad_marker_index(mj), grad_marker_index(wj)
+    assert mcut is not None
+    if wcut is None or len(wj.eqns[wcut].invars) != len(mj.eqns[mcut].invars):
+        raise ValueError(
+            "The step traced on the whole batch has a different gradient marker than on one "
+            f"micro-batch (num_micro_batches={k}): its Python code depends on the batch size. "
+            "Make the step's structure independent of the batch size, or use "
+            "num_micro_batches=1.")
+    mmarker, wmarker = mj.eqns[mcut], wj.eqns[wcut]
+    wpre, wpost = wj.eqns[:wcut], wj.eqns[wcut + 1:]
+    producer = {v: e for e in wpre for v in e.outvars}
+    wbatch = [v for v, b in zip(wj.invars, batch_invars, strict=True) if b]
+    from_batch = dependents(wpre, set(wbatch))
+    whole_inputs: dict = {}
+    joined: dict = {}
+    env: dict = {}
+    batch_index = {}
+    for i, (wv, mv, b) in enumerate(zip(wj.invars, mj.invars, batch_invars, strict=True)):
+        if b:
+            batch_index[wv] = i
+        else:
+            env[wv] = mv
+
+    def read(v):  # a batch input becomes a whole input when something reads it
+        if isinstance(v, Var) and v in batch_index and v not in env:
+            env[v] = Var(v.aval)
+            whole_inputs[env[v]] = batch_index[v]
+        return _read(env, v)
+    new_consts = {v: Var(v.aval) for v in wj.constvars}
+    env.update(new_consts)
+    for n, (wi, wo, mi, mo) in enumerate(zip(wmarker.invars, wmarker.outvars, mmarker.invars,
+                                             mmarker.outvars, strict=True)):
+        if isinstance(wi, Literal):
+            env[wo] = wi
+        elif _same(wo.aval, mo.aval):
+            env[wo] = mo
+        elif isinstance(mi, Var) and _rows_of(mo.aval, wo.aval, k):
+            if mi in mj.invars and batch_invars[list(mj.invars).index(mi)]:
+                env[wo] = read(wj.invars[list(mj.invars).index(mi)])
+            else:
+                env[wo] = Var(wo.aval)
+                joined[env[wo]] = mi
+        else:
+            raise ValueError(
+                f"Marked value {n} of the gradient marker ({_where(wi, producer)}) has shape "
+                f"{tuple(mo.aval.shape)} on a micro-batch and {tuple(wo.aval.shape)} on the "
+                f"whole batch (num_micro_batches={k}): it is neither the same value nor the "
+                "micro-batches' rows joined, so the update after the gradient, which reads the "
+                "batch, cannot be given it. Return a value of fixed shape (e.g. a sum) or one "
+                "whose dim 0 is the batch's rows, or use num_micro_batches=1.")
+    wouts = [v for v in wj.outvars if isinstance(v, Var)]
+    wanted = [v for v in dict.fromkeys(list(used_vars(wpost)) + wouts)
+              if v in producer and v not in env]
+    leaks = [v for v in wanted if v in from_batch]
+    if leaks and k > 1:
+        v = leaks[0]
+        raise ValueError(
+            f"The part of the step after the gradient marker reads a {v.aval.str_short()} "
+            f"value computed from the batch by {producer[v].primitive.name} at "
+            f"{_where(v, producer)} before the marker without "
+            f"passing through it{f' (and {len(leaks) - 1} more)' if len(leaks) > 1 else ''}. "
+            f"With num_micro_batches={k} the pipeline computes it per micro-batch and cannot "
+            "rebuild its whole-batch value. Return it as the aux of "
+            "autoshard.value_and_grad(..., has_aux=True) (values whose dim 0 is the batch's "
+            "rows are joined in row order), or use num_micro_batches=1.")
+    for v in leaks:  # one micro-batch: the value itself, from the task that makes it
+        env[v] = Var(v.aval)
+        joined[env[v]] = v
+    # values from parameters and constants alone: computed again after the marker
+    needed = {v for v in wanted if v not in from_batch}
+    again = []
+    for e in reversed(wpre):
+        if any(o in needed for o in e.outvars):
+            again.append(e)
+            needed |= {v for v in e.invars if isinstance(v, Var) and v in producer}
+    eqns = list(mj.eqns[:mcut + 1])
+    for e in reversed(again):
+        outs = [Var(o.aval) if not isinstance(o, _compat.DropVar) else o for o in e.outvars]
+        env.update(zip(e.outvars, outs, strict=True))
+        eqns.append(e.replace(invars=[read(v) for v in e.invars], outvars=outs))
+    for e in wpost:
+        eqns.append(e.replace(invars=[read(v) for v in e.invars]))
+    outvars = [read(v) for v in wj.outvars]
+    used = used_vars(eqns[mcut + 1:]) | {v for v in outvars if isinstance(v, Var)}
+    consts = [(v, c) for v, c in zip(wj.constvars, whole.consts, strict=True)
+              if new_consts[v] in used]
+    jaxpr = mj.replace(constvars=list(mj.constvars) + [new_consts[v] for v, _ in consts],
+                       eqns=eqns, outvars=outvars)
+    closed = micro.replace(jaxpr=jaxpr, consts=list(micro.consts) + [c for _, c in consts])
+    return AfterGrad(closed=closed, whole_inputs=whole_inputs, joined=joined)
+
+
+def _read(env, v):
+    return v if isinstance(v, Literal) else env.get(v, v)
+
+
+def _same(a, b) -> bool:
+    return tuple(getattr(a, "shape", ())) == tuple(getattr(b, "shape", ())) and (
+        getattr(a, "dtype", None) == getattr(b, "dtype", None))
+
+
+def _rows_of(micro_aval, whole_aval, k: int) -> bool:
+    """Whether ``whole_aval`` is ``k`` values of ``micro_aval`` stacked on dim 0."""
+    ms, ws = tuple(getattr(micro_aval, "shape", ())), tuple(getattr(whole_aval, "shape", ()))
+    return (bool(ms) and len(ms) == len(ws) and ws[0] == k * ms[0] and ms[1:] == ws[1:]
+            and micro_aval.dtype == whole_aval.dtype)
+
+
+def _where(v, producer) -> str:
+    e = producer.get(v) if isinstance(v, Var) else None
+    line = None if e is None else _compat.source_line(e)
+    return line or "an unknown source line"
+
+
+__all__ = ["AfterGrad", "reads_batch_after_grad", "whole_batch_update"]

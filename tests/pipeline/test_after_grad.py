@@ -1,0 +1,143 @@
+"""Pipelines whose update after the gradient reads the batch (flax's metrics pattern), issue 21
+item 4: the update sees the whole batch and the aux logits joined in row order, as jax.jit.
+
+Every test runs with ``blocking=True`` (see test_pipeshard.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pipeline_models import assert_trees_close
+
+import autoshard
+from autoshard.pipeline import PipeshardParallel, UniformStageOption
+
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def _params_batch(seed=0):
+    rng = np.random.default_rng(seed)
+    params = {"w1": jnp.asarray(rng.normal(size=(16, 32)) * 0.3, jnp.float32),
+              "w2": jnp.asarray(rng.normal(size=(32, 4)) * 0.3, jnp.float32)}
+    batch = {"x": jnp.asarray(rng.normal(size=(32, 16)), jnp.float32),
+             "y": jnp.asarray(rng.normal(size=(32, 4)), jnp.float32)}
+    return params, batch
+
+
+def _method(k):
+    return PipeshardParallel(num_micro_batches=k, layer_option="manual",
+                             stage_option=UniformStageOption(num_stages=2), blocking=True)
+
+
+def metrics_step(params, batch):  # repro C of issue 21
+    def loss_fn(p):
+        h = jnp.tanh(batch["x"] @ p["w1"])
+        autoshard.mark_pipeline_boundary()
+        logits = h @ p["w2"]
+        return jnp.mean((logits - batch["y"]) ** 2), logits
+    (loss, logits), g = autoshard.value_and_grad(loss_fn, has_aux=True)(params)
+    acc = jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(batch["y"], -1))
+    return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss, acc
+
+
+def per_row_step(params, batch):
+    """Per-row results after the gradient: wrong rows in the join would show."""
+    def loss_fn(p):
+        h = jnp.tanh(batch["x"] @ p["w1"])
+        autoshard.mark_pipeline_boundary()
+        logits = h @ p["w2"]
+        return jnp.mean((logits - batch["y"]) ** 2), logits
+    (loss, logits), g = autoshard.value_and_grad(loss_fn, has_aux=True)(params)
+    hits = jnp.argmax(logits, -1) == jnp.argmax(batch["y"], -1)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss, hits, logits - batch["y"]
+
+
+def batch_only_step(params, batch):
+    """The update reads the batch but no aux."""
+    def loss_fn(p):
+        h = jnp.tanh(batch["x"] @ p["w1"])
+        autoshard.mark_pipeline_boundary()
+        return jnp.mean((h @ p["w2"] - batch["y"]) ** 2)
+    loss, g = autoshard.value_and_grad(loss_fn)(params)
+    scale = jnp.mean(batch["y"]) + jnp.mean(batch["x"][:, 0])
+    return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss, scale
+
+
+def leaking_step(params, batch):
+    """A value computed from the batch before the gradient, read after it (no aux)."""
+    rows = jnp.sum(batch["x"], axis=1)
+
+    def loss_fn(p):
+        h = jnp.tanh(batch["x"] @ p["w1"])
+        autoshard.mark_pipeline_boundary()
+        return jnp.mean((h @ p["w2"] - batch["y"]) ** 2)
+    loss, g = autoshard.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss, jnp.max(rows)
+
+
+def _run(step, k, num_steps=3):
+    params, batch = _params_batch()
+    f = autoshard.parallelize(step, method=_method(k))
+    ref = jax.jit(step)
+    got, want = params, params
+    for _ in range(num_steps):
+        got_out, want_out = f(got, batch), ref(want, batch)
+        assert_trees_close(got_out[1:], want_out[1:], rtol=1e-5)
+        got, want = got_out[0], want_out[0]
+    assert_trees_close(got, want, rtol=1e-5)
+    return f.get_last_executable()
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_metrics_from_aux_logits_and_labels_match_jit(k):
+    ex = _run(metrics_step, k)
+    part = ex.part
+    assert list(part.whole_inputs.values()) == [3]  # batch["y"], whole
+    if k == 1:
+        assert part.joined == {}  # one micro-batch: the accumulated logits are the logits
+        return
+    # the aux logits: the micro-batches' values joined, not summed, where they were made
+    (joined, src), = part.joined.items()
+    assert joined.aval.shape == (32, 4) and src.aval.shape == (8, 4)
+    assert part.home[joined] == 1 and src not in [v for t in ex.tasks.values()
+                                                  for v in t.accumulated]
+    readers = [t for t in ex.apply if joined in t.invars]
+    assert [t.stage for t in readers] == [1]
+    # each device joins its own rows: the join communicates nothing
+    (_, _, join, sh), = ex.joins
+    assert not any(c in join.as_text() for c in COLLECTIVES)
+    assert sh.spec[0] is not None  # rows stay split over the stage's devices
+    assert "imbalance max/mean" in ex.plan.explain()
+
+
+def test_per_row_results_keep_the_batch_row_order():
+    _run(per_row_step, 4)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_update_reading_only_the_batch_matches_jit(k):
+    ex = _run(batch_only_step, k)
+    assert sorted(ex.part.whole_inputs.values()) == [2, 3] and ex.part.joined == {}
+
+
+def test_value_from_the_batch_read_after_the_gradient():
+    _run(leaking_step, 1)  # one micro-batch: its value is the whole batch's
+    params, batch = _params_batch()
+    f = autoshard.parallelize(leaking_step, method=_method(4))
+    with pytest.raises(ValueError, match=r"reads a float32\[32\] value computed from the "
+                       r"batch by reduce_sum at \S*test_after_grad.py:\d+:\d+ \(leaking_step\) "
+                       r"before the marker(.|\n)*"
+                       r"Return it as the aux of autoshard.value_and_grad"):
+        f(params, batch)
+
+
+def test_plan_prices_the_update_on_the_whole_batch():
+    params, batch = _params_batch()
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, batch))
+    est = autoshard.plan(metrics_step, *shapes, method=_method(4),
+                         cluster=autoshard.Cluster.from_devices(jax.devices()))
+    # the metrics run in the last stage's apply task, on the joined logits
+    names = [name for s in est.stages for name, _ in s.plans]
+    assert any(n.startswith("apply1") for n in names)
+    assert "imbalance max/mean" in est.explain()

@@ -70,12 +70,23 @@ def plan_program(method, program: Program, cluster: Cluster, *,
             f"auto_sharding_option.logical_mesh_shape {option.logical_mesh_shape} has "
             f"{math.prod(option.logical_mesh_shape)} devices but the method uses "
             f"{cluster.num_devices}. Choose a shape whose product is the device count.")
-    plan = sharding.plan_auto(
-        program.closed, num_devices=cluster.num_devices, option=option,
-        in_paths=program.in_paths, out_paths=program.out_paths,
-        batch_invars=program.batch_invars, aliases=program.aliases, axis_names=axis_names,
-        cluster=cluster, fixed_in_specs=fixed_in_specs, top_mults=loop_costs(
-            program.closed, program.batch_invars, program.num_micro_batches))
+    def solve(option, deferred: bool):
+        return sharding.plan_auto(
+            program.closed, num_devices=cluster.num_devices, option=option,
+            in_paths=program.in_paths, out_paths=program.out_paths,
+            batch_invars=program.batch_invars, aliases=program.aliases, axis_names=axis_names,
+            cluster=cluster, fixed_in_specs=fixed_in_specs, top_mults=loop_costs(
+                program.closed, program.batch_invars, program.num_micro_batches, deferred))
+
+    plan = solve(option, deferred=True)
+    if program.num_micro_batches > 1 and not batch_axes(program.batch_invars, plan.in_specs):
+        # The gradients' reductions wait for the end of the loop only where each device
+        # accumulates its own rows (the rows split over some axes). A plan that keeps the
+        # rows whole reduces in every micro-batch: price it so, and if the honest prices
+        # then favour splitting the rows, plan that with its reductions after the loop.
+        plan = solve(option, deferred=False)
+        if batch_axes(program.batch_invars, plan.in_specs):
+            plan = solve(_replace(option, force_batch_dim_to_mesh_dim=0), deferred=True)
     k = program.num_micro_batches
     if k > 1 and plan.objective.peak_bytes_per_device is not None:
         # planned for one micro-batch: the whole batch and the accumulators are held as well

@@ -126,15 +126,16 @@ _LINEAR = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "convert_
                      "pipeline_marker"})
 
 
-def loop_costs(closed, batch_invars: Sequence[bool], num_micro_batches: int
-               ) -> dict[int, tuple[float, float]]:
+def loop_costs(closed, batch_invars: Sequence[bool], num_micro_batches: int,
+               deferred: bool = True) -> dict[int, tuple[float, float]]:
     """How often each top-level equation of one micro-batch's step runs per accumulated step,
     for the planner: index -> (times it runs, times its own collectives run).
 
     Equations in the micro-batch loop run ``num_micro_batches`` times. Those that produce a
     marked value (through sums, casts and reshapes) accumulate it on each device as a partial
     sum and reduce it once after the loop, so their collectives run once. Equations outside
-    the loop (not listed) run once.
+    the loop (not listed) run once. ``deferred=False``: every collective in the loop runs
+    ``num_micro_batches`` times (a plan that keeps the rows whole reduces in the loop).
     """
     jaxpr = closed.jaxpr
     cut = grad_marker_index(jaxpr)
@@ -156,7 +157,7 @@ def loop_costs(closed, batch_invars: Sequence[bool], num_micro_batches: int
         once.add(i)
         if pre[i].primitive.name in _LINEAR:
             todo += [u for u in pre[i].invars if isinstance(u, Var) and u in per_batch]
-    return {i: (k, 1.0 if i in once else k) for i in looped}
+    return {i: (k, 1.0 if deferred and i in once else k) for i in looped}
 
 
 def loop_bytes(closed, plan, num_micro_batches: int) -> int:

@@ -1,0 +1,81 @@
+"""ShardParallel(num_micro_batches=k) runs the plan it costed inside the micro-batch loop
+(issue 21 item 1): each device computes its own B/(k*n) rows, the loop holds the collectives
+the plan predicts, and the audit agrees with the prediction."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import autoshard
+from autoshard.sharding.hlo import collectives
+from tests.hlo import dot_shapes, loop_computations
+
+B, L, V, D, K = 32, 8, 128, 32, 4
+
+
+def _step(p, tokens):
+    def loss_fn(p):
+        h = p["emb"][tokens]
+        h = h + jax.nn.gelu(h @ p["w1"]) @ p["w2"]
+        logits = h @ p["out"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1))
+    loss, g = autoshard.value_and_grad(loss_fn)(p)
+    return jax.tree.map(lambda a, b: a - 1e-2 * b, p, g), loss
+
+
+def _inputs():
+    k = jax.random.split(jax.random.key(0), 5)
+    p = {"emb": jax.random.normal(k[0], (V, D)) * .05, "w1": jax.random.normal(k[1], (D, 4 * D)) * .05,
+         "w2": jax.random.normal(k[2], (4 * D, D)) * .05, "out": jax.random.normal(k[3], (D, V)) * .05}
+    return p, jax.random.randint(k[4], (B, L), 0, V)
+
+
+def test_loop_runs_each_device_on_its_rows_and_matches_jit():
+    p, tokens = _inputs()
+    f = autoshard.parallelize(_step, method=autoshard.ShardParallel(num_micro_batches=K))
+    ref = jax.jit(_step)
+    p_got, p_ref = p, p
+    for _ in range(3):
+        p_got, loss = f(p_got, tokens)
+        p_ref, loss_ref = ref(p_ref, tokens)
+        np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p_got, p_ref)
+
+    ex = f.get_last_executable()
+    n = len(jax.devices())
+    text = ex.get_hlo_text()
+    loops = loop_computations(text)
+    assert loops, "the accumulated step has no loop"
+    weights = {f"f32[{a},{b}]" for a, b in [(V, D), (D, V), (D, 4 * D), (4 * D, D)]}
+    rows = [s for s in dot_shapes(text, loops) if s not in weights]
+    assert rows, dot_shapes(text, loops)
+    # every activation dot in the loop: this device's B/(k*n) sequences of L tokens
+    assert {int(s.split("[")[1].split(",")[0]) for s in rows} == {B // (K * n) * L}, rows
+    # the plan is data parallel: no collective runs inside the loop, and none is predicted
+    # to run k times; the gradients are reduced once, as predicted
+    in_loop = [c for c in collectives(text) if c.in_loop]
+    assert in_loop == []
+    assert all(c.count < K for c in ex.plan.collectives), ex.plan.collectives
+    audit = ex.audit()
+    assert 0.9 <= audit.bytes_ratio() <= 1.1, str(audit)
+    assert audit.memory_ratio() <= 1.1, str(audit)
+
+
+def test_loop_follows_a_plan_that_does_not_split_the_rows():
+    """Micro-batches of 2 rows on 8 devices: the plan splits the model instead; the loop runs
+    it (before, every device computed the whole micro-batch, 0 collectives compiled against
+    the plan's prediction)."""
+    p, tokens = _inputs()
+    tokens = tokens[:8]
+    f = autoshard.parallelize(_step, method=autoshard.ShardParallel(num_micro_batches=K))
+    p_got, loss = f(p, tokens)
+    p_ref, loss_ref = jax.jit(_step)(p, tokens)
+    np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p_got, p_ref)
+    ex = f.get_last_executable()
+    spec = ex.plan.in_specs[-1]
+    assert not (len(spec) and spec[0]), ex.plan.explain()  # the rows are not split
+    text = ex.get_hlo_text()
+    assert any(c.in_loop for c in collectives(text)), "the loop ignores the plan"
+    audit = ex.audit()
+    assert not audit.divergences(), str(audit)

@@ -59,7 +59,8 @@ def test_every_python_block_is_tested_here():
     """A block added to the README needs a check below (or a mpirun marker)."""
     in_process = [h for h, how, _ in blocks() if not how]
     assert in_process == ["Quickstart", "Pipeline parallelism (`PipeshardParallel`)",
-                          "Planning for a cluster you do not have", "Custom partitioning rules"]
+                          "Planning for a cluster you do not have", "Custom partitioning rules",
+                          "Micro-batches: what accumulated steps return"]
     marked = [(h, how) for h, how, _ in blocks() if how]
     assert marked == [("MPI (`autoshard.mpi`, mpi4jax's token-returning API)", "mpirun -np 2"),
                       ("Running on several hosts", "mpirun -np 2, 4 devices per process")]
@@ -80,6 +81,16 @@ def test_quickstart_runs_and_matches_plain_jit(tmp_path, monkeypatch):
     ref_scope = run(plain.split("executable = ")[0], "Quickstart (jax.jit)")
     np.testing.assert_allclose(scope["loss"], ref_scope["loss"], rtol=1e-4)
     assert_trees_close(scope["state"].params, ref_scope["state"].params, rtol=1e-4)
+
+
+def test_micro_batch_block_returns_what_the_whole_batch_step_returns(capsys):
+    code = block("Micro-batches: what accumulated steps return")
+    scope = run(code, "Micro-batches")
+    loss, correct, count = capsys.readouterr().out.split()
+    _, want_loss, want = jax.jit(scope["step"])(scope["p"], scope["batch"])
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
+    assert (int(correct), int(count)) == (int(want["correct"]), want["count"]) == (
+        int(want["correct"]), 32)
 
 
 def test_pipeline_block_trains_like_jit_and_prints_text(tmp_path, monkeypatch, capsys):

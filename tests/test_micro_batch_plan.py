@@ -79,3 +79,26 @@ def test_loop_follows_a_plan_that_does_not_split_the_rows():
     assert any(c.in_loop for c in collectives(text)), "the loop ignores the plan"
     audit = ex.audit()
     assert not audit.divergences(), str(audit)
+
+
+def test_tied_embedding_gradients_are_predicted_as_one_reduction():
+    """Issue 21 repro A (tied embeddings): the two partial gradients of the embedding add up
+    on each device before their one reduction, and the prediction counts it once."""
+    def step(p, tokens):
+        def loss_fn(p):
+            h = p["emb"][tokens]
+            h = h + jax.nn.gelu(h @ p["w1"]) @ p["w2"]
+            logits = h @ p["emb"].T
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None],
+                                                 -1))
+        loss, g = autoshard.value_and_grad(loss_fn)(p)
+        return jax.tree.map(lambda a, b: a - 1e-2 * b, p, g), loss
+    p, tokens = _inputs()
+    del p["out"]
+    f = autoshard.parallelize(step, method=autoshard.ShardParallel(num_micro_batches=K))
+    p_got, loss = f(p, tokens)
+    p_ref, loss_ref = jax.jit(step)(p, tokens)
+    np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p_got, p_ref)
+    audit = f.get_last_executable().audit()
+    assert 0.9 <= audit.bytes_ratio() <= 1.1, str(audit)

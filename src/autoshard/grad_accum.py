@@ -148,16 +148,28 @@ def loop_costs(closed, batch_invars: Sequence[bool], num_micro_batches: int,
     per_batch = dependents(pre, batch_vars | random_outs)
     looped = [i for i, e in enumerate(pre) if any(o in per_batch for o in e.outvars)]
     producer = {o: i for i, e in enumerate(pre) for o in e.outvars}
-    once, todo = set(), [v for v in jaxpr.eqns[cut].invars if isinstance(v, Var)]
-    while todo:
-        v = todo.pop()
-        i = producer.get(v)
-        if i is None or i in once or i not in set(looped):
+    in_loop = set(looped)
+    comm: dict[int, float] = {}
+    for v in jaxpr.eqns[cut].invars:
+        if not isinstance(v, Var):
             continue
-        once.add(i)
-        if pre[i].primitive.name in _LINEAR:
-            todo += [u for u in pre[i].invars if isinstance(u, Var) and u in per_batch]
-    return {i: (k, 1.0 if deferred and i in once else k) for i in looped}
+        # the equations that make this marked value, and among them the sources of its
+        # partial sums (dots, scatters, reductions): added together before their one
+        # reduction, m sources share it (a tied embedding's two gradients)
+        seen, sources, todo = set(), [], [v]
+        while todo:
+            i = producer.get(todo.pop())
+            if i is None or i in seen or i not in in_loop:
+                continue
+            seen.add(i)
+            if pre[i].primitive.name in _LINEAR:
+                todo += [u for u in pre[i].invars if isinstance(u, Var) and u in per_batch]
+            else:
+                sources.append(i)
+        for i in seen:
+            share = 1.0 / len(sources) if i in sources else 1.0
+            comm[i] = min(comm.get(i, share), share)
+    return {i: (k, comm[i] if deferred and i in comm else k) for i in looped}
 
 
 def loop_bytes(closed, plan, num_micro_batches: int) -> int:

@@ -53,6 +53,19 @@ def per_row_step(params, batch):
     return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss, hits, logits - batch["y"]
 
 
+def row_aux_step(params, batch):
+    """Per-row aux (logits, and logits transposed: rows on dim 1) read after the gradient
+    without the batch, and returned."""
+    def loss_fn(p):
+        h = jnp.tanh(batch["x"] @ p["w1"])
+        autoshard.mark_pipeline_boundary()
+        logits = h @ p["w2"]
+        return jnp.mean((logits - batch["y"]) ** 2), (logits, logits.T)
+    (loss, (logits, by_class)), g = autoshard.value_and_grad(loss_fn, has_aux=True)(params)
+    spread = jnp.mean(jnp.abs(logits - jnp.mean(logits, axis=0)))
+    return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss, spread, by_class[:, ::3]
+
+
 def batch_only_step(params, batch):
     """The update reads the batch but no aux."""
     def loss_fn(p):
@@ -113,6 +126,13 @@ def test_metrics_from_aux_logits_and_labels_match_jit(k):
 
 def test_per_row_results_keep_the_batch_row_order():
     _run(per_row_step, 4)
+
+
+def test_per_row_aux_without_the_batch_joined_along_its_row_dim():
+    ex = _run(row_aux_step, 4)
+    assert ex.part.whole_inputs == {}
+    assert sorted(w.aval.shape for w in ex.part.joined) == [(4, 32), (32, 4)]
+    assert not any(c in join.as_text() for _, _, join, _ in ex.joins for c in COLLECTIVES)
 
 
 @pytest.mark.parametrize("k", [1, 4])

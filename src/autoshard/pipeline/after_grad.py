@@ -2,16 +2,18 @@
 
 A pipeline traces its step on one micro-batch. The part after the gradient marker usually
 reads only the accumulated values and the train state; when it also reads the batch (flax's
-pattern: metrics from the aux logits and the labels after ``value_and_grad``), it must see the
+pattern: metrics from the aux logits and the labels after ``value_and_grad``), or a marked
+value with one entry per row (aux logits: reduction ``"rows"``, ``combine``), it must see the
 whole batch, as ``jax.jit`` of the step does. That part is then taken from the step traced on
 the full batch (``Program.whole_batch_closed``) and joined to the micro-batch trace's forward
 and backward:
 
 * a batch input it reads is a new variable, the whole argument (``whole_inputs``);
-* a marked value whose full-batch shape has ``k`` times the micro-batch's rows on dim 0 (a
+* a marked value whose full-batch shape has ``k`` times the micro-batch's rows on one dim (a
   row-shaped aux such as logits) is a new variable: the ``k`` micro-batches' values joined in
-  row order (``joined``; row ``r * k + j`` of the batch is row ``r`` of micro-batch ``j``),
-  in place of their sum; every other marked value is the marker's output as accumulated;
+  row order along that dim (``joined``; row ``r * k + j`` of the batch is row ``r`` of
+  micro-batch ``j``), in place of their sum; every other marked value is the marker's output
+  as accumulated (``combine``'s rule);
 * a literal marked value (a Python int in aux) is the full-batch trace's literal;
 * a value computed before the marker that does not depend on the batch (from parameters or
   constants) is computed again after it; one that depends on the batch without passing
@@ -27,6 +29,8 @@ from typing import Any
 from .. import _compat
 from .._compat import Literal, Var
 from .._jaxpr import dependents, grad_marker_index, used_vars
+from ..combine import ROWS
+from ..grad_accum import reductions_of
 from .partition import free_eqns
 
 
@@ -43,19 +47,22 @@ class AfterGrad:
     """New variable -> the per-micro-batch variable whose values it joins in row order."""
 
 
-def reads_batch_after_grad(closed, batch_invars) -> bool:
-    """Whether the part after the gradient marker reads the batch, or a value computed before
-    the marker other than through it (the runtime holds those per micro-batch only)."""
+def needs_whole_batch(closed, batch_invars) -> bool:
+    """Whether the part after the gradient marker reads the batch, a marked value with one
+    entry per row (reduction ``"rows"``), or a value computed before the marker other than
+    through it (the runtime holds those per micro-batch only)."""
     jaxpr = closed.jaxpr
     cut = grad_marker_index(jaxpr)
     if cut is None:
         return False
-    pre, post = jaxpr.eqns[:cut], jaxpr.eqns[cut + 1:]
+    pre, marker, post = jaxpr.eqns[:cut], jaxpr.eqns[cut], jaxpr.eqns[cut + 1:]
     batch = {v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b}
     free = free_eqns(pre, post, jaxpr.constvars)
     made = {v for e in pre if id(e) not in free for v in e.outvars}
-    outs = {v for v in jaxpr.outvars if isinstance(v, Var)}
-    return bool(used_vars(post) & (batch | made) or outs & batch)
+    reads = used_vars(post) | {v for v in jaxpr.outvars if isinstance(v, Var)}
+    rows = {o for o, r in zip(marker.outvars, reductions_of(marker), strict=True)
+            if r == ROWS}
+    return bool(used_vars(post) & (batch | made) or reads & (batch | rows))
 
 
 def whole_batch_update(micro, whole, batch_invars, k: int) -> AfterGrad:
@@ -92,13 +99,17 @@ def whole_batch_update(micro, whole, batch_invars, k: int) -> AfterGrad:
         return _read(env, v)
     new_consts = {v: Var(v.aval) for v in wj.constvars}
     env.update(new_consts)
+    wouts = [v for v in wj.outvars if isinstance(v, Var)]
+    used_after = used_vars(wpost) | set(wouts)
     for n, (wi, wo, mi, mo) in enumerate(zip(wmarker.invars, wmarker.outvars, mmarker.invars,
                                              mmarker.outvars, strict=True)):
+        if wo not in used_after:
+            continue
         if isinstance(wi, Literal):
             env[wo] = wi
         elif _same(wo.aval, mo.aval):
             env[wo] = mo
-        elif isinstance(mi, Var) and _rows_of(mo.aval, wo.aval, k):
+        elif isinstance(mi, Var) and row_dim(mo.aval, wo.aval, k) is not None:
             if mi in mj.invars and batch_invars[list(mj.invars).index(mi)]:
                 env[wo] = read(wj.invars[list(mj.invars).index(mi)])
             else:
@@ -106,13 +117,13 @@ def whole_batch_update(micro, whole, batch_invars, k: int) -> AfterGrad:
                 joined[env[wo]] = mi
         else:
             raise ValueError(
-                f"Marked value {n} of the gradient marker ({_where(wi, producer)}) has shape "
-                f"{tuple(mo.aval.shape)} on a micro-batch and {tuple(wo.aval.shape)} on the "
-                f"whole batch (num_micro_batches={k}): it is neither the same value nor the "
-                "micro-batches' rows joined, so the update after the gradient, which reads the "
-                "batch, cannot be given it. Return a value of fixed shape (e.g. a sum) or one "
-                "whose dim 0 is the batch's rows, or use num_micro_batches=1.")
-    wouts = [v for v in wj.outvars if isinstance(v, Var)]
+                f"Marked value {n} of the gradient marker (computed at {_where(wi, producer)}) "
+                f"has shape {tuple(mo.aval.shape)} on a micro-batch and "
+                f"{tuple(wo.aval.shape)} on the whole batch (num_micro_batches={k}): it is "
+                "neither the same value nor the micro-batches' rows joined, so the update after "
+                "the gradient, which runs on the whole batch, cannot be given it. Return a "
+                "value of fixed shape (e.g. a sum) or one with one entry per row of the batch, "
+                "or use num_micro_batches=1.")
     wanted = [v for v in dict.fromkeys(list(used_vars(wpost)) + wouts)
               if v in producer and v not in env]
     leaks = [v for v in wanted if v in from_batch]
@@ -125,8 +136,8 @@ def whole_batch_update(micro, whole, batch_invars, k: int) -> AfterGrad:
             f"passing through it{f' (and {len(leaks) - 1} more)' if len(leaks) > 1 else ''}. "
             f"With num_micro_batches={k} the pipeline computes it per micro-batch and cannot "
             "rebuild its whole-batch value. Return it as the aux of "
-            "autoshard.value_and_grad(..., has_aux=True) (values whose dim 0 is the batch's "
-            "rows are joined in row order), or use num_micro_batches=1.")
+            "autoshard.value_and_grad(..., has_aux=True) (values with one entry per row are "
+            "joined in row order), or use num_micro_batches=1.")
     for v in leaks:  # one micro-batch: the value itself, from the task that makes it
         env[v] = Var(v.aval)
         joined[env[v]] = v
@@ -163,11 +174,14 @@ def _same(a, b) -> bool:
         getattr(a, "dtype", None) == getattr(b, "dtype", None))
 
 
-def _rows_of(micro_aval, whole_aval, k: int) -> bool:
-    """Whether ``whole_aval`` is ``k`` values of ``micro_aval`` stacked on dim 0."""
+def row_dim(micro_aval, whole_aval, k: int) -> int | None:
+    """The dim along which ``whole_aval`` is ``k`` values of ``micro_aval`` joined (the one
+    dim ``k`` times longer, all others equal), or None."""
     ms, ws = tuple(getattr(micro_aval, "shape", ())), tuple(getattr(whole_aval, "shape", ()))
-    return (bool(ms) and len(ms) == len(ws) and ws[0] == k * ms[0] and ms[1:] == ws[1:]
-            and micro_aval.dtype == whole_aval.dtype)
+    if k < 2 or len(ms) != len(ws) or micro_aval.dtype != whole_aval.dtype:
+        return None
+    differ = [d for d, (m, w) in enumerate(zip(ms, ws, strict=True)) if m != w]
+    return differ[0] if len(differ) == 1 and ws[differ[0]] == k * ms[differ[0]] else None
 
 
 def _where(v, producer) -> str:
@@ -176,4 +190,4 @@ def _where(v, producer) -> str:
     return line or "an unknown source line"
 
 
-__all__ = ["AfterGrad", "reads_batch_after_grad", "whole_batch_update"]
+__all__ = ["AfterGrad", "needs_whole_batch", "row_dim", "whole_batch_update"]

@@ -11,7 +11,7 @@ from .._mesh import resolve_devices
 from ..markers import pipeline_p
 from ..sharding.cost import FLOP_COST_S
 from . import balance
-from .after_grad import AfterGrad, reads_batch_after_grad, whole_batch_update
+from .after_grad import AfterGrad, needs_whole_batch, whole_batch_update
 from .compile import stage_auto_option
 from .layers import AutoLayerOption, auto_layers, check_no_nested_markers, manual_layers
 from .partition import (
@@ -225,12 +225,12 @@ class Cut:
 
 def cut_program(program, method) -> Cut:
     """The step as the pipeline cuts it: identity markers inlined, the update after the
-    gradient marker on the whole batch when it reads the batch (``after_grad``), the forward
-    cut into layers."""
+    gradient marker on the whole batch when it reads the batch or per-row aux values
+    (``after_grad``), the forward cut into layers."""
     closed = inline_identity_markers(program.closed)
     check_no_nested_markers(closed.jaxpr)
     after = None
-    if reads_batch_after_grad(closed, program.batch_invars):
+    if needs_whole_batch(closed, program.batch_invars):
         k = program.num_micro_batches
         whole = closed if k == 1 else inline_identity_markers(program.whole_batch_closed())
         after = whole_batch_update(closed, whole, program.batch_invars, k)

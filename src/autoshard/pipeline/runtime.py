@@ -29,6 +29,7 @@ from .._compat import Literal, Var
 from .._executable import MISS, deleted_error, select_dynamic
 from .._jaxpr import flatten_args
 from . import _cross_process
+from .after_grad import row_dim
 from .audit import PipelineAudit, Transfer, task_audit
 from .compile import CompiledTask, Specs, acc_dtype, finalize_fn, make_submeshes
 from .layouts import carried_spec, step_aliases
@@ -328,15 +329,16 @@ class PipelineExecutable:
             self._mb.setdefault((v, j), {})[target] = piece
 
     def _join_fn(self, w, src, sh):
-        """The jit joining ``src``'s micro-batch values into ``w`` in row order (row
-        ``r * k + j`` is row ``r`` of micro-batch ``j``), in and out in the layout ``sh``; None
-        with one micro-batch."""
+        """The jit joining ``src``'s micro-batch values into ``w`` in row order along their
+        row dim (row ``r * k + j`` is row ``r`` of micro-batch ``j``), in and out in the layout
+        ``sh``; None with one micro-batch."""
         if self.k == 1:
             return None
+        d = row_dim(src.aval, w.aval, self.k)
+        assert d is not None, (src.aval, w.aval)
 
         def join(*pieces):
-            stacked = jnp.stack(pieces, axis=1)
-            return [stacked.reshape((-1,) + stacked.shape[2:])]
+            return [jnp.stack(pieces, axis=d + 1).reshape(w.aval.shape)]
         lowered = jax.jit(join, in_shardings=[sh] * self.k, out_shardings=[sh]).lower(
             *[jax.ShapeDtypeStruct(src.aval.shape, src.aval.dtype, sharding=sh)] * self.k)
         return _cross_process.compile_task(lowered, sh.mesh)

@@ -67,14 +67,14 @@ def row_aux_step(params, batch):
 
 
 def batch_only_step(params, batch):
-    """The update reads the batch but no aux."""
+    """The update reads the batch but no aux; ``batch["w"]`` is read after the gradient only."""
     def loss_fn(p):
         h = jnp.tanh(batch["x"] @ p["w1"])
         autoshard.mark_pipeline_boundary()
         return jnp.mean((h @ p["w2"] - batch["y"]) ** 2)
     loss, g = autoshard.value_and_grad(loss_fn)(params)
-    scale = jnp.mean(batch["y"]) + jnp.mean(batch["x"][:, 0])
-    return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss, scale
+    scale = jnp.mean(batch["y"]) + jnp.mean(batch["x"][:, 0]) + jnp.sum(batch["w"] * 0.01)
+    return jax.tree.map(lambda a, b: a * scale - 0.1 * b, params, g), loss, scale
 
 
 def leaking_step(params, batch):
@@ -89,8 +89,9 @@ def leaking_step(params, batch):
     return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss, jnp.max(rows)
 
 
-def _run(step, k, num_steps=3):
+def _run(step, k, num_steps=3, **extra):
     params, batch = _params_batch()
+    batch = {**batch, **extra}
     f = autoshard.parallelize(step, method=_method(k))
     ref = jax.jit(step)
     got, want = params, params
@@ -137,8 +138,9 @@ def test_per_row_aux_without_the_batch_joined_along_its_row_dim():
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_update_reading_only_the_batch_matches_jit(k):
-    ex = _run(batch_only_step, k)
-    assert sorted(ex.part.whole_inputs.values()) == [2, 3] and ex.part.joined == {}
+    ex = _run(batch_only_step, k, w=jnp.arange(32.0))
+    # leaves: w1, w2, then the batch's w, x, y: all three read whole by the update
+    assert sorted(ex.part.whole_inputs.values()) == [2, 3, 4] and ex.part.joined == {}
 
 
 def test_value_from_the_batch_read_after_the_gradient():
@@ -152,12 +154,18 @@ def test_value_from_the_batch_read_after_the_gradient():
         f(params, batch)
 
 
-def test_plan_prices_the_update_on_the_whole_batch():
+def test_plan_prices_the_update_on_the_whole_batch_as_it_runs():
     params, batch = _params_batch()
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, batch))
     est = autoshard.plan(metrics_step, *shapes, method=_method(4),
                          cluster=autoshard.Cluster.from_devices(jax.devices()))
-    # the metrics run in the last stage's apply task, on the joined logits
-    names = [name for s in est.stages for name, _ in s.plans]
-    assert any(n.startswith("apply1") for n in names)
+    priced = {name: plan for s in est.stages for name, plan in s.plans}
+    ex = autoshard.parallelize(metrics_step, method=_method(4)).get_executable(params, batch)
+    compiled = {t.task.name: t.plan for t in [*ex.tasks.values(), *ex.apply]}
+    # the metrics run in the last stage's apply task, on the joined logits and the whole
+    # labels, taken in the layouts the runtime gives them: priced as compiled
+    assert set(priced) == set(compiled) and "apply1.0" in priced
+    assert priced["apply1.0"].in_specs == compiled["apply1.0"].in_specs
+    assert priced["apply1.0"].objective.total_s == pytest.approx(
+        compiled["apply1.0"].objective.total_s)
     assert "imbalance max/mean" in est.explain()

@@ -318,6 +318,14 @@ class _Pricer:
                          if split else [("B", part.backward[s])])
                 for kind, t in pairs:
                     run(t, kind)
+        # a whole-batch update (after_grad) takes the batch as it arrives and the joined
+        # values in their source's layout, as the runtime gives them
+        for w, i in part.whole_inputs.items():
+            if layout.get(part.jaxpr.invars[i]):
+                layout[w] = list(layout[part.jaxpr.invars[i]])
+        for w, src in part.joined.items():
+            if layout.get(src):
+                layout[w] = [layout[src][0]]
         for t in part.apply:
             run(t, "apply", aliases=step_aliases(t, part.jaxpr, self.program.aliases))
         return out

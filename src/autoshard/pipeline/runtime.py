@@ -150,7 +150,8 @@ class PipelineExecutable:
         for cs in part.sums:  # after its all-reduce, on every sub-mesh
             layout[cs.out] = [NamedSharding(m, P()) for m in self.rank_meshes]
         for w, i in part.whole_inputs.items():  # the update takes them as the batch arrives
-            layout[w] = list(layout.get(jaxpr.invars[i], []))
+            if layout.get(jaxpr.invars[i]):
+                layout[w] = list(layout[jaxpr.invars[i]])
         self.joins = []  # (joined value, its source, jit, sharding): on the source's layout
         for w, src in part.joined.items():
             sh = layout[src][0]

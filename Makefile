@@ -39,6 +39,7 @@ bench: $(STAMP) native
 	$(CPU8) $(PY) benchmarks/suite.py
 	$(CPU8) $(PY) benchmarks/solver.py
 	$(CPU8) $(PY) benchmarks/dispatch.py
+	$(CPU8) $(PY) benchmarks/programs.py
 	$(MAKE) --no-print-directory bench-mpi
 
 clean:

@@ -1,0 +1,87 @@
+"""The training-program benchmark: its models, its micro-batch reference and one cell end to end.
+
+The end-to-end run is a subprocess (its own 8 virtual devices and its own SIGALRM timeouts).
+Which cells fail today is what the benchmark reports; here only a cell that must work is
+checked (DataParallel with k = 1 equals ``jax.jit``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import programs  # noqa: E402
+import programs_models as models  # noqa: E402
+
+RNG = np.asarray(jax.random.PRNGKey(0))
+
+
+@pytest.mark.slow   # four compiles of a conv net: about 15 s on an idle 2-core machine
+def test_resnet_micro_batch_reference_is_the_rule():
+    """k = 1 is the whole-batch step; k = 4 averages each micro-batch's BatchNorm statistics."""
+    p = models.make_program("resnet", "quick")
+    whole_state, whole = jax.jit(p.step)(p.state, p.batch, RNG)
+    one_state, one = jax.jit(p.micro_batch_reference(1))(p.state, p.batch, RNG)
+    for path, d in programs.tree_diff((one_state.params, one_state.batch_stats, one),
+                                      (whole_state.params, whole_state.batch_stats,
+                                       whole)).items():
+        assert d < 1e-5, path
+    four_state, four = jax.jit(p.micro_batch_reference(4))(p.state, p.batch, RNG)
+    # BatchNorm normalises per micro-batch: the loss is not the whole batch's, the running
+    # mean is the mean of the four micro-batches' updates, not the whole batch's update.
+    assert abs(float(four["loss"]) - float(whole["loss"])) > 1e-6
+    step = jax.jit(p.step)
+    mean_of_micro = np.mean([np.asarray(step(p.state, jax.tree.map(   # micro-batch j: rows
+        lambda a, j=j: a.reshape((a.shape[0] // 4, 4) + a.shape[1:])[:, j], p.batch),  # j, j+4..
+        RNG)[0].batch_stats["BatchNorm_0"]["mean"]) for j in range(4)], axis=0)
+    np.testing.assert_allclose(four_state.batch_stats["BatchNorm_0"]["mean"], mean_of_micro,
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_rel_diff_and_tree_diff():
+    assert programs.rel_diff(np.float32(2.0), np.float32(2.0)) == 0.0
+    assert programs.rel_diff(np.array([1.0, 2.0]), np.array([1.0, 4.0])) == 0.5
+    assert programs.rel_diff(np.array(8), np.array(32)) == 0.75      # a count of a micro-batch
+    assert programs.rel_diff(np.zeros(3), np.zeros(2)) == float("inf")
+    diffs = programs.tree_diff({"a": {"b": 1.0}, "c": 2.0}, {"a": {"b": 1.0}, "d": 2.0})
+    assert diffs == {"a/b": 0.0, "c": float("inf"), "d": float("inf")}
+
+
+@pytest.mark.parametrize("cell,method", [
+    ("DataParallel:4", "DataParallel"),
+    ("PipeshardParallel:1", "PipeshardParallel"),
+    ("default", None)])
+def test_make_method(cell, method):
+    m = programs.make_method(cell, SimpleNamespace(has_markers=True))
+    assert (m is None) if method is None else type(m).__name__ == method
+    if cell == "DataParallel:4":
+        assert m.num_micro_batches == 4
+
+
+def test_one_cell_end_to_end(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "programs.py"), "--quick", "--programs",
+         "lstm", "--cells", "DataParallel:1", "--steps", "2", "--warmup", "0", "--repeats", "1",
+         "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "programs.json").read_text())
+    assert (tmp_path / "programs.md").read_text().startswith("# Real training programs")
+    (record,) = result["records"]
+    assert record["status"] == "ok", record["error"]
+    assert record["compared"] and record["matches"], record
+    assert set(record["metric_rel_diff"]) == {"loss_sum", "correct", "count"}
+    assert record["step_time_s"] > 0 and record["audit"]["compiled_bytes"] > 0
+    assert result["machine"]["num_devices"] == 8

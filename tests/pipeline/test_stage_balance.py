@@ -97,6 +97,14 @@ def test_nearly_idle_stage_warns_with_the_fix():
         _plan(idle_first_stage_step, shapes, layer_option="manual", stage_option=balanced)
 
 
+def test_dominant_matmul_warns_that_no_cut_balances_better():
+    # the second matmul holds over 99% of the work: automatic layers cannot balance 2 stages
+    with pytest.warns(UserWarning, match=r"Pipeline stage \d \(layers \[\d\]\) holds 0\.\d% "
+                      r"(.|\n)*use fewer stages \(no cut of the forward balances them better"):
+        est = _plan(mlp_step, mlp_shapes(8, 2048), stage_option=UniformStageOption(num_stages=2))
+    assert all(s.task_s["F"] > 0 for s in est.stages)  # still no empty stage
+
+
 def test_least_max_layer_is_the_best_cut():
     rng = np.random.default_rng(0)
     for _ in range(50):

@@ -44,11 +44,10 @@ def warn_idle_stages(flops, layer_option, stage_layer_ids) -> None:
     for s, f in enumerate(flops):
         if f / total >= floor:
             continue
-        if isinstance(layer_option, AutoLayerOption):
-            fix = (f"use more layers than stages (AutoLayerOption(layer_num="
-                   f"{max(2 * n, layer_option.layer_num + n)})), choose the layers of each "
-                   "stage with ManualStageOption(forward_stage_layer_ids=...), or use fewer "
-                   "stages")
+        if isinstance(layer_option, AutoLayerOption):  # balanced already: one op dominates
+            fix = ("use fewer stages (no cut of the forward balances them better: a few "
+                   "operations hold most of the work), or give the stages sub-meshes of "
+                   "different sizes with ManualStageOption(submesh_physical_shapes=...)")
         else:
             fix = ("move the autoshard.mark_pipeline_boundary() calls so that each stage "
                    f"holds a similar share, use layer_option=AutoLayerOption(layer_num={n}) "

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ._jaxpr import dependents
+from ._local import LocalEval, R, is_split, split
 from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
 from ._method_base import Compiled, batch_spec, leaf_plan
 from ._program import Program
@@ -34,12 +38,16 @@ def compile_data_parallel(method, program: Program, *, zero_stage: int) -> Compi
     in_specs = batch_spec(program, axes, n)
     in_notes = [""] * len(in_specs)
     name = {0: "DataParallel", 2: "Zero2Parallel", 3: "Zero3Parallel"}[zero_stage]
+    notes = []
     if zero_stage >= 2 and not any(program.param_invars):
-        warnings.warn(
-            f"{name} found no parameters in the traced step, so nothing is sharded as "
-            "parameters or optimizer state. Compute gradients with autoshard.grad or "
-            "autoshard.value_and_grad: their differentiated arguments are the parameters.",
-            RuntimeWarning, stacklevel=6)
+        found = read_with_the_batch(program) if not program.has_grad_marker else []
+        if found:  # plain jax.grad: the updated inputs the forward reads with the batch
+            program = dataclasses.replace(program, param_invars=tuple(
+                i in found for i in range(len(program.in_avals))))
+            notes.append("parameters found without a gradient marker (updated inputs read "
+                         "with the batch): " + _paths(program, found))
+        else:
+            warnings.warn(_no_parameters_message(name, program), RuntimeWarning, stacklevel=6)
     state = {i for i, _ in program.aliases}  # inputs the step returns updated
     sharded_state = {}  # input index -> spec of a ZeRO-sharded state leaf
     for i, aval in enumerate(program.in_avals):
@@ -55,7 +63,6 @@ def compile_data_parallel(method, program: Program, *, zero_stage: int) -> Compi
     for i, o in program.aliases:
         out_specs[o] = in_specs[i]
 
-    notes = []
     local = {"mesh": mesh, "batch_axes": axes}  # micro-batches accumulate on each device
     hooks = StepHooks(**local)
     if zero_stage >= 2:
@@ -96,3 +103,96 @@ def _scatter_gradients(mesh, axes, n):
             out.append(jax.lax.with_sharding_constraint(v, NamedSharding(mesh, spec)))
         return out
     return scatter
+
+
+# Parameters of a step without a gradient marker ----------------------------------------------
+_BATCH = -1  # the source of every batch input
+
+
+class _ReadWithTheBatch(LocalEval):
+    """Walks the step on abstract values, batch rows split, and records which inputs the
+    forward pass reads: those an operand is computed from (not from the batch), next to an
+    operand that holds batch rows (``x @ w``, ``emb[tokens]``, ``h * scale``, ``x @ (w +
+    a @ b)``). Gradients and optimizer states never meet the rows (a gradient has summed
+    them), so they are not recorded. One device: kinds only, no collectives."""
+
+    def __init__(self):
+        super().__init__((), 1)
+        self.sources: dict[int, frozenset] = {}  # id of a traced value -> input indices
+        self.alive: list = []  # keeps those ids from being reused
+        self.readers: set[int] = set()
+
+    def to_r(self, x, kind):
+        return x
+
+    def to_p(self, x, kind):
+        return x
+
+    def to_split(self, x, kind, d):
+        return x
+
+    def equation(self, e, ins, path):
+        sources = [self.sources.get(id(x), frozenset()) for x, _ in ins]
+        if any(is_split(k) for _, k in ins):
+            for (_, k), src in zip(ins, sources, strict=True):
+                if k == R and _BATCH not in src:
+                    self.readers |= src
+        outs = super().equation(e, ins, path)
+        union = frozenset().union(*sources)
+        for x, _ in outs:
+            self.sources[id(x)] = union
+            self.alive.append(x)
+        return outs
+
+
+def read_with_the_batch(program: Program) -> list[int]:
+    """Inputs that are the parameters of a step differentiated with plain ``jax.grad``: read by
+    the forward pass together with the batch rows, floating point, and returned updated by a
+    value computed from the batch (their gradient)."""
+    jaxpr = program.closed.jaxpr
+    if not any(program.batch_invars):
+        return []
+    walker = _ReadWithTheBatch()
+
+    def walk(*args):
+        env, kinds = {}, {}
+        for i, (v, a) in enumerate(zip(jaxpr.invars, args, strict=True)):
+            env[v] = a
+            batch = program.batch_invars[i]
+            kinds[v] = split(0) if batch and v.aval.shape else R
+            walker.sources[id(a)] = frozenset({_BATCH if batch else i})
+            walker.alive.append(a)
+        env.update(zip(jaxpr.constvars, program.closed.consts, strict=True))
+        walker.run(jaxpr.eqns, env, kinds)
+        return []
+    jax.make_jaxpr(walk)(*[v.aval for v in jaxpr.invars])
+    from_batch = dependents(jaxpr.eqns, {v for v, b in zip(
+        jaxpr.invars, program.batch_invars, strict=True) if b})
+    updated = {i for i, o in program.aliases if jaxpr.outvars[o] in from_batch}
+    return sorted(i for i in walker.readers & updated
+                  if jnp.issubdtype(program.in_avals[i].dtype, jnp.inexact))
+
+
+def _paths(program: Program, indices) -> str:
+    paths = [program.in_paths[i] for i in indices]
+    return ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
+
+
+def _no_parameters_message(name: str, program: Program) -> str:
+    updated = sorted({i for i, _ in program.aliases})
+    if program.has_grad_marker:
+        found = ("its gradient marker differentiates no argument of the step (gradients "
+                 "marked with mark_gradient alone)")
+    elif updated:
+        found = (f"it has no gradient marker, and the step returns updated "
+                 f"{_paths(program, updated)}, but none of them is read together with the "
+                 "batch")
+    else:
+        found = ("it has no gradient marker, and the step returns no updated version of any "
+                 "input (no train state)")
+    return (
+        f"{name} found no parameters in the traced step, so nothing is sharded as parameters "
+        f"or optimizer state: {found}. Compute the gradients "
+        "with autoshard.value_and_grad(loss_fn)(params) or autoshard.grad(loss_fn)(params) "
+        "instead of jax.value_and_grad/jax.grad: the arguments they differentiate are the "
+        "parameters.")

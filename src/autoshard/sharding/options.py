@@ -55,10 +55,15 @@ class AutoShardingOption:
     exact_resharding_columns: int = 20_000
     """ILP columns spent on exact pairwise resharding costs on meshes with several axes (the
     rest use per-axis terms); more is exact on more edges and slower to solve."""
-    show_progress: bool = True
-    """Show a progress bar while planning long searches."""
+    show_progress: bool | None = None
+    """A progress bar while planning: None (default) when stderr is a terminal (never in a
+    piped log), True always, False never."""
 
     def __post_init__(self):
+        if self.show_progress not in (None, True, False):
+            raise ValueError(
+                f"show_progress ({self.show_progress!r}) must be None (a bar only on a "
+                "terminal), True or False.")
         if self.logical_mesh_shape is not None:
             shape = tuple(self.logical_mesh_shape)
             if not shape or any(not isinstance(s, int) or s < 1 for s in shape):

@@ -131,7 +131,8 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     tried, best, best_ilp, errors = [], None, None, []
     with speed:
         bar = tqdm(list(zip(shapes, options, strict=True)), desc="autoshard: planning",
-                   disable=None if option.show_progress else True, leave=False)
+                   disable={None: None, True: False, False: True}[option.show_progress],
+                   leave=False)
         built = []  # (shape, problem, ILP or None for an empty program)
         for shape, shape_option in bar:
             if shape in pruned:

@@ -238,3 +238,47 @@ def test_an_op_along_the_rows_still_gathers_and_says_so():
                               method=autoshard.DataParallel(num_micro_batches=2))
     with pytest.warns(RuntimeWarning, match="for sort"):
         f(jnp.ones((4, 2)), x)
+
+
+# Loops ----------------------------------------------------------------------------------------
+class ScanLSTM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(20, 8)(tokens)
+        cell = nn.scan(nn.OptimizedLSTMCell, variable_broadcast="params",
+                       split_rngs={"params": False}, in_axes=1, out_axes=1)(16)
+        carry = cell.initialize_carry(jax.random.key(0), x[:, 0].shape)  # zeros of all rows
+        _, ys = cell(carry, x)
+        return nn.Dense(2)(ys.mean(1))
+
+
+def test_an_lstm_scanned_over_time_runs_on_each_devices_rows():
+    model = ScanLSTM()
+    tokens = jnp.asarray(np.random.default_rng(13).integers(0, 20, (N * 4, 5)), jnp.int32)
+    labels = jnp.arange(N * 4) % 2
+    params = model.init(jax.random.key(0), tokens)
+
+    def loss_fn(p, batch):
+        logits = model.apply(p, batch[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+    f = run_against_jit(loss_fn, params, (tokens, labels), k=2)
+    assert_rows_stay_local(f)
+
+
+def test_scans_with_partial_carries_and_maps_over_rows_run_on_each_devices_rows():
+    x, y = normal(14, (N * 4, 5, 3)), normal(15, (N * 4, 3))
+    params = {"w": normal(16, (3, 3), 0.5), "u": normal(17, (3, 3), 0.5)}
+
+    def loss_fn(p, batch):
+        def over_time(carry, xt):   # carry: the rows' state, and a sum over the rows
+            h, total = carry
+            h = jnp.tanh(xt @ p["w"] + h @ p["u"])
+            return (h, total + h.sum(0)), h * 2
+        h0 = (jnp.zeros((batch[0].shape[0], 3)), jnp.zeros(3))
+        (h, total), hs = lax.scan(over_time, h0, jnp.swapaxes(batch[0], 0, 1))
+        per_row = lax.map(lambda r: jnp.sort(r @ p["w"], axis=0)[-1], batch[0])  # over rows
+        out = h + hs.mean(0) + per_row
+        # (a sum over the rows enters linearly: micro-batches change nothing)
+        return jnp.mean((out - batch[1]) ** 2) + 0.1 * jnp.sum(total) / batch[0].shape[0]
+    f = run_against_jit(loss_fn, params, (x, y), k=2)
+    assert_rows_stay_local(f)

@@ -24,12 +24,14 @@ and top-k within a row, gathers and scatters by row indices, and dynamic slices.
 
 from __future__ import annotations
 
+import copy
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._compat import bind_eqn
+from ._compat import Literal, Var, bind_eqn
 from ._walk import INLINE_CALLS, Walker
 
 R = "R"
@@ -100,6 +102,19 @@ class LocalEval(Walker):
         x = self.to_r(x, kind)
         rows = x.shape[d] // self.size
         return lax.dynamic_slice_in_dim(x, lax.axis_index(self.axes) * rows, rows, axis=d)
+
+    def to_kind(self, x, kind, target):
+        if target == R:
+            return self.to_r(x, kind)
+        if target == P:
+            return self.to_p(x, kind)
+        return self.to_split(x, kind, target[1])
+
+    def child(self):
+        """An evaluator for a loop body: the same rules and hooks, its own ``gathered``."""
+        sub = copy.copy(self)
+        sub.gathered = set()
+        return sub
 
     # Walking ---------------------------------------------------------------------------------
     def run(self, eqns, env: dict, kinds: dict):
@@ -360,6 +375,94 @@ class LocalEval(Walker):
             return None
         return bind_eqn(e, ins)[0], ks[0]
 
+    # Loops ------------------------------------------------------------------------------------
+    def _scan(self, e, ins, ks):
+        """A scan over a dim other than the rows (time steps of an RNN): the body runs on each
+        device's rows. A carry starts with its initial value's kind and moves to what the body
+        returns when that is cheaper to keep (whole -> split or partial: no communication)."""
+        p = e.params
+        nc, ncar = p["num_consts"], p["num_carry"]
+        consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
+        const_kinds, init_kinds, xs_kinds = ks[:nc], ks[nc:nc + ncar], ks[nc + ncar:]
+        if split(0) in xs_kinds:
+            return self._scan_rows(e, ins, ks)
+        x_kinds = [split(k[1] - 1) if is_split(k) else k for k in xs_kinds]
+        x_avals = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
+
+        def body(carry_kinds, gathered, ys_kinds):
+            def step(carry, x):
+                outs = self._run_body(p["jaxpr"], list(consts) + list(carry) + list(x),
+                                      list(const_kinds) + carry_kinds + x_kinds, gathered)
+                ys_kinds[:] = [k for _, k in outs[ncar:]]
+                natural = [k for _, k in outs[:ncar]]
+                new = [self.to_kind(v, k, c) for (v, k), c in zip(
+                    outs[:ncar], carry_kinds, strict=True)]
+                return new, [v for v, _ in outs[ncar:]], natural
+            return step
+
+        carry_kinds = list(init_kinds)
+        for _ in range(ncar + 2):  # each round moves a carry away from R; then it is stable
+            natural, ys_kinds = [], []
+
+            def probe(init, x, carry_kinds=carry_kinds, natural=natural, ys_kinds=ys_kinds):
+                carry = [self.to_kind(v, k, c) for v, k, c in zip(
+                    init, init_kinds, carry_kinds, strict=True)]
+                natural[:] = body(carry_kinds, set(), ys_kinds)(carry, x)[2]
+            jax.eval_shape(probe, list(init), x_avals)
+            joined = [_join(c, n) for c, n in zip(carry_kinds, natural, strict=True)]
+            if None in joined:
+                return None
+            if joined == carry_kinds:
+                break
+            carry_kinds = joined
+        else:
+            return None
+        gathered: set[str] = set()
+        ys_kinds = []
+        step = body(carry_kinds, gathered, ys_kinds)
+        carry = [self.to_kind(v, k, c) for v, k, c in zip(init, init_kinds, carry_kinds,
+                                                           strict=True)]
+        carry, ys = lax.scan(lambda c, x: step(c, x)[:2], carry, list(xs),
+                             length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        self.gathered |= gathered
+        out_kinds = carry_kinds + [split(k[1] + 1) if is_split(k) else k for k in ys_kinds]
+        return list(carry) + list(ys), out_kinds
+
+    def _scan_rows(self, e, ins, ks):
+        """A scan over the rows themselves: ``lax.map`` over the batch, and its transpose, which
+        adds a term per row into carries. Each device runs its own rows; a carry holds the
+        sum of its rows' terms (partial; the first device also starts from the initial
+        value). Every other operand must be whole."""
+        p = e.params
+        nc, ncar = p["num_consts"], p["num_carry"]
+        xs, xs_kinds = ins[nc + ncar:], ks[nc + ncar:]
+        if any(k != R for k in ks[:nc + ncar]) or any(k not in (R, split(0)) for k in xs_kinds) or (
+                not _accumulators(p["jaxpr"].jaxpr, nc, ncar)):
+            return None
+        xs = [self.to_split(x, k, 0) for x, k in zip(xs, xs_kinds, strict=True)]
+        consts, init = list(ins[:nc]), [self.to_p(x, R) for x in ins[nc:nc + ncar]]
+        whole = [R] * len(ins)  # inside, one row of this device: plain evaluation
+
+        def step(carry, x):
+            outs = self._run_body(p["jaxpr"], consts + list(carry) + list(x), whole,
+                                  self.gathered)
+            return [v for v, _ in outs[:ncar]], [v for v, _ in outs[ncar:]]
+        carry, ys = lax.scan(step, init, xs, length=xs[0].shape[0], reverse=p["reverse"],
+                             unroll=p["unroll"])
+        return list(carry) + list(ys), [P] * ncar + [split(0)] * len(ys)
+
+    def _run_body(self, closed, values, kinds, gathered: set):
+        """(value, kind) of the outputs of a loop body run by a child evaluator."""
+        sub = self.child()
+        jaxpr = closed.jaxpr
+        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(jaxpr.invars, values, strict=True))
+        kind_of = dict(zip(jaxpr.invars, kinds, strict=True))
+        sub.run(jaxpr.eqns, env, kind_of)
+        gathered |= sub.gathered
+        return [(v.val, R) if isinstance(v, Literal) else (env[v], kind_of.get(v, R))
+                for v in jaxpr.outvars]
+
     # Windows (pooling) and convolutions -------------------------------------------------------
     def _reduce_window_sum(self, e, ins, ks):
         if ks[0] == P:
@@ -581,6 +684,35 @@ def bind_conv(e, ins):
     for i, d in enumerate(out_spec[2:]):
         back[d] = 1 + i
     return lax.transpose(out, tuple(back))
+
+
+def _join(carried, returned):
+    """The kind a loop carry keeps when the body returns ``returned`` for ``carried``: a whole
+    value gives way (slicing or zeroing it is free), two different splits or a split and a
+    partial cannot be kept without communication (None)."""
+    if carried == returned or returned == R:
+        return carried
+    if carried == R:
+        return returned
+    return None
+
+
+def _accumulators(jaxpr, num_consts: int, num_carry: int) -> bool:
+    """Whether every carry of a scan body only has terms added to it (``c + f(x, consts)``)."""
+    carries = jaxpr.invars[num_consts:num_consts + num_carry]
+    tainted = set(carries)
+    sums = {}
+    for e in jaxpr.eqns:
+        reads = [v for v in e.invars if isinstance(v, Var) and v in tainted]
+        if not reads:
+            continue
+        if e.primitive.name not in ("add", "add_any") or len(reads) != 1 or (
+                reads[0] not in carries):
+            return False
+        sums[e.outvars[0]] = reads[0]
+        tainted.add(e.outvars[0])
+    return [sums.get(v) for v in jaxpr.outvars[:num_carry]] == list(carries) and not any(
+        v in tainted for v in jaxpr.outvars[num_carry:])
 
 
 def _one_split(ks):

@@ -265,7 +265,7 @@ def test_an_lstm_scanned_over_time_runs_on_each_devices_rows():
     assert_rows_stay_local(f)
 
 
-def test_scans_with_partial_carries_and_maps_over_rows_run_on_each_devices_rows():
+def test_scans_whiles_and_conds_run_on_each_devices_rows():
     x, y = normal(14, (N * 4, 5, 3)), normal(15, (N * 4, 3))
     params = {"w": normal(16, (3, 3), 0.5), "u": normal(17, (3, 3), 0.5)}
 
@@ -277,7 +277,11 @@ def test_scans_with_partial_carries_and_maps_over_rows_run_on_each_devices_rows(
         h0 = (jnp.zeros((batch[0].shape[0], 3)), jnp.zeros(3))
         (h, total), hs = lax.scan(over_time, h0, jnp.swapaxes(batch[0], 0, 1))
         per_row = lax.map(lambda r: jnp.sort(r @ p["w"], axis=0)[-1], batch[0])  # over rows
-        out = h + hs.mean(0) + per_row
+        twice = lax.fori_loop(0, 2, lambda i, c: jnp.tanh(c @ p["u"]) + c, h)  # a scan
+        steps = lax.while_loop(lambda c: c[1] < 3, lambda c: (jnp.tanh(c[0]) + 1, c[1] + 1),
+                               (lax.stop_gradient(h), 0))[0]   # rows in, rows out
+        chosen = lax.cond(p["w"].sum() > 0, lambda h: h * 2, jnp.tanh, h)
+        out = h + hs.mean(0) + per_row + twice + steps * h + chosen
         # (a sum over the rows enters linearly: micro-batches change nothing)
         return jnp.mean((out - batch[1]) ** 2) + 0.1 * jnp.sum(total) / batch[0].shape[0]
     f = run_against_jit(loss_fn, params, (x, y), k=2)

@@ -378,55 +378,112 @@ class LocalEval(Walker):
     # Loops ------------------------------------------------------------------------------------
     def _scan(self, e, ins, ks):
         """A scan over a dim other than the rows (time steps of an RNN): the body runs on each
-        device's rows. A carry starts with its initial value's kind and moves to what the body
-        returns when that is cheaper to keep (whole -> split or partial: no communication)."""
+        device's rows."""
         p = e.params
         nc, ncar = p["num_consts"], p["num_carry"]
-        consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
-        const_kinds, init_kinds, xs_kinds = ks[:nc], ks[nc:nc + ncar], ks[nc + ncar:]
+        consts, init, xs = list(ins[:nc]), ins[nc:nc + ncar], list(ins[nc + ncar:])
+        const_kinds, init_kinds, xs_kinds = list(ks[:nc]), ks[nc:nc + ncar], ks[nc + ncar:]
         if split(0) in xs_kinds:
             return self._scan_rows(e, ins, ks)
         x_kinds = [split(k[1] - 1) if is_split(k) else k for k in xs_kinds]
+
+        def run(carry, carry_kinds, x, gathered):
+            return self._run_body(p["jaxpr"], consts + list(carry) + list(x),
+                                  const_kinds + carry_kinds + x_kinds, gathered)
         x_avals = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
-
-        def body(carry_kinds, gathered, ys_kinds):
-            def step(carry, x):
-                outs = self._run_body(p["jaxpr"], list(consts) + list(carry) + list(x),
-                                      list(const_kinds) + carry_kinds + x_kinds, gathered)
-                ys_kinds[:] = [k for _, k in outs[ncar:]]
-                natural = [k for _, k in outs[:ncar]]
-                new = [self.to_kind(v, k, c) for (v, k), c in zip(
-                    outs[:ncar], carry_kinds, strict=True)]
-                return new, [v for v, _ in outs[ncar:]], natural
-            return step
-
-        carry_kinds = list(init_kinds)
-        for _ in range(ncar + 2):  # each round moves a carry away from R; then it is stable
-            natural, ys_kinds = [], []
-
-            def probe(init, x, carry_kinds=carry_kinds, natural=natural, ys_kinds=ys_kinds):
-                carry = [self.to_kind(v, k, c) for v, k, c in zip(
-                    init, init_kinds, carry_kinds, strict=True)]
-                natural[:] = body(carry_kinds, set(), ys_kinds)(carry, x)[2]
-            jax.eval_shape(probe, list(init), x_avals)
-            joined = [_join(c, n) for c, n in zip(carry_kinds, natural, strict=True)]
-            if None in joined:
-                return None
-            if joined == carry_kinds:
-                break
-            carry_kinds = joined
-        else:
+        carry_kinds = self._stable_carries(
+            init, init_kinds, lambda c, kinds, x: run(c, kinds, x, set())[:ncar], x_avals)
+        if carry_kinds is None:
             return None
-        gathered: set[str] = set()
-        ys_kinds = []
-        step = body(carry_kinds, gathered, ys_kinds)
-        carry = [self.to_kind(v, k, c) for v, k, c in zip(init, init_kinds, carry_kinds,
-                                                           strict=True)]
-        carry, ys = lax.scan(lambda c, x: step(c, x)[:2], carry, list(xs),
+        gathered, ys_kinds = set(), []
+
+        def step(carry, x):
+            outs = run(carry, carry_kinds, x, gathered)
+            ys_kinds[:] = [k for _, k in outs[ncar:]]
+            return ([self.to_kind(v, k, c) for (v, k), c in zip(
+                outs[:ncar], carry_kinds, strict=True)], [v for v, _ in outs[ncar:]])
+        carry, ys = lax.scan(step, self._converted(init, init_kinds, carry_kinds), xs,
                              length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
         self.gathered |= gathered
         out_kinds = carry_kinds + [split(k[1] + 1) if is_split(k) else k for k in ys_kinds]
         return list(carry) + list(ys), out_kinds
+
+    def _while(self, e, ins, ks):
+        """A while loop whose condition reads no rows: the body runs on each device's rows."""
+        p = e.params
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cond_consts, body_consts, init = list(ins[:cn]), list(ins[cn:cn + bn]), ins[cn + bn:]
+        cond_kinds, body_kinds, init_kinds = list(ks[:cn]), list(ks[cn:cn + bn]), ks[cn + bn:]
+
+        def run(carry, carry_kinds, gathered):
+            return self._run_body(p["body_jaxpr"], body_consts + list(carry),
+                                  body_kinds + carry_kinds, gathered)
+
+        def test(carry, carry_kinds, gathered):
+            return self._run_body(p["cond_jaxpr"], cond_consts + list(carry),
+                                  cond_kinds + carry_kinds, gathered)[0]
+        carry_kinds = self._stable_carries(init, init_kinds,
+                                           lambda c, kinds, _: run(c, kinds, set()))
+        if carry_kinds is None:
+            return None
+        verdict = []
+        jax.eval_shape(lambda c: verdict.append(test(self._converted(
+            c, init_kinds, carry_kinds), carry_kinds, set())[1]), list(init))
+        if verdict != [R]:
+            return None  # the condition depends on the rows
+        gathered: set[str] = set()
+
+        def body(carry):
+            return [self.to_kind(v, k, c) for (v, k), c in zip(
+                run(carry, carry_kinds, gathered), carry_kinds, strict=True)]
+        out = lax.while_loop(lambda c: test(c, carry_kinds, gathered)[0], body,
+                             self._converted(init, init_kinds, carry_kinds))
+        self.gathered |= gathered
+        return list(out), carry_kinds
+
+    def _cond(self, e, ins, ks):
+        """Branches chosen by a whole index: each runs on each device's rows."""
+        if ks[0] != R:
+            return None
+        branches, ops, op_kinds = e.params["branches"], list(ins[1:]), list(ks[1:])
+        kinds = None
+        for branch in branches:
+            found = []
+            jax.eval_shape(lambda *a, branch=branch, found=found: found.extend(
+                k for _, k in self._run_body(branch, list(a), op_kinds, set())), *ops)
+            kinds = found if kinds is None else [_join(a, b) for a, b in zip(
+                kinds, found, strict=True)]
+        if None in kinds:
+            return None
+        gathered: set[str] = set()
+        fns = [lambda *a, branch=branch: [self.to_kind(v, k, t) for (v, k), t in zip(
+            self._run_body(branch, list(a), op_kinds, gathered), kinds, strict=True)]
+            for branch in branches]
+        outs = lax.switch(ins[0], fns, *ops)
+        self.gathered |= gathered
+        return list(outs), kinds
+
+    def _stable_carries(self, init, init_kinds, natural, extra_avals=()):
+        """Kinds of loop carries that the body keeps: each starts as its initial value's and
+        moves to what the body returns when that costs nothing (whole -> split or partial);
+        None when a carry would need communication every iteration. ``natural(carry,
+        carry_kinds, extra)`` evaluates the body on abstract values."""
+        kinds = list(init_kinds)
+        for _ in range(len(kinds) + 2):  # each round moves a carry away from R
+            returned = []
+
+            def probe(init, extra, kinds=kinds, returned=returned):
+                outs = natural(self._converted(init, init_kinds, kinds), kinds, extra)
+                returned[:] = [k for _, k in outs]
+            jax.eval_shape(probe, list(init), list(extra_avals))
+            joined = [_join(c, r) for c, r in zip(kinds, returned, strict=True)]
+            if None in joined or joined == kinds:
+                return None if None in joined else kinds
+            kinds = joined
+        return None
+
+    def _converted(self, values, kinds, targets):
+        return [self.to_kind(v, k, t) for v, k, t in zip(values, kinds, targets, strict=True)]
 
     def _scan_rows(self, e, ins, ks):
         """A scan over the rows themselves: ``lax.map`` over the batch, and its transpose, which
@@ -687,9 +744,9 @@ def bind_conv(e, ins):
 
 
 def _join(carried, returned):
-    """The kind a loop carry keeps when the body returns ``returned`` for ``carried``: a whole
-    value gives way (slicing or zeroing it is free), two different splits or a split and a
-    partial cannot be kept without communication (None)."""
+    """The kind a loop carry keeps when the body returns ``returned`` for ``carried`` (or two
+    branches' outputs share): a whole value gives way (slicing or zeroing it is free), two
+    different splits or a split and a partial cannot be kept without communication (None)."""
     if carried == returned or returned == R:
         return carried
     if carried == R:

@@ -215,6 +215,7 @@ def test_ops_within_a_row_run_on_each_devices_rows():
             lax.cumlogsumexp(z, 1), jnp.sort(z, 1),
             jnp.take_along_axis(z, jnp.argsort(z, 1), 1),
             jnp.take_along_axis(z, jnp.argmax(z, 1)[:, None], 1),
+            jnp.take_along_axis(z, jnp.ones((z.shape[0], 2), jnp.int32), 1),  # whole indices
             lax.top_k(z, 3)[0], z[:, jnp.array([5, 1, 1])], jnp.max(z, 1, keepdims=True),
             lax.dynamic_slice_in_dim(z, 2, 4, axis=1),
             lax.dynamic_update_slice_in_dim(z, z[:, :2] * 2, 3, axis=1),

@@ -331,7 +331,9 @@ class LocalEval(Walker):
         (x, upd), (kx, ku), idx = ins[:2], ks[:2], ks[2:]
         if any(k != R for k in idx):
             return None
-        if P in (kx, ku):
+        if P in (kx, ku):  # linear in (operand, update) together
+            if is_split(kx) or is_split(ku):
+                return None
             return bind_eqn(e, [self.to_p(x, kx), self.to_p(upd, ku)] + ins[2:])[0], P
         kind = _one_split((kx, ku))
         if kind is None or e.invars[1].aval.shape[kind[1]] != e.invars[0].aval.shape[kind[1]]:
@@ -693,13 +695,16 @@ class LocalEval(Walker):
     def _scatter_add(self, e, ins, ks):
         operand, indices, updates = ins
         ko, ki, ku = ks
-        if ki == R and (is_split(ko) or is_split(ku)):
-            return self._scatter_rows(e, ins, ks)
-        if ki == R and ku in (R, P) and ko in (R, P):
-            return bind_eqn(e, [self.to_p(operand, ko), indices, self.to_p(updates, ku)])[0], P
         dn = e.params["dimension_numbers"]
         nidx, nupd = len(e.invars[1].aval.shape), len(e.invars[2].aval.shape)
         scatter_dims = [i for i in range(nupd) if i not in dn.update_window_dims]
+        if ki == R and is_split(ku) and ku[1] in scatter_dims:  # indices made whole in the step
+            ki = split(scatter_dims.index(ku[1]))
+            indices = self.to_split(indices, R, ki[1])
+        elif ki == R and (is_split(ko) or is_split(ku)):
+            return self._scatter_rows(e, ins, ks)
+        if ki == R and ku in (R, P) and ko in (R, P):
+            return bind_eqn(e, [self.to_p(operand, ko), indices, self.to_p(updates, ku)])[0], P
         if is_split(ki) and ku == R and ki[1] < nidx - 1:  # each device takes its rows' updates
             ku = split(scatter_dims[ki[1]])
             updates = self.to_split(updates, R, ku[1])

@@ -46,12 +46,13 @@ def wire_bytes(f):
                for c in hlo.collectives(f.get_last_executable().get_hlo_text()))
 
 
-def test_zero3_with_plain_jax_grad_shards_the_parameters_like_the_marker():
+@pytest.mark.parametrize("method", [autoshard.Zero3Parallel, autoshard.Zero2Parallel])
+def test_zero_with_plain_jax_grad_shards_the_parameters_like_the_marker(method):
     state, batch = mlp_case()
     plain = autoshard.parallelize(adam_step(jax.value_and_grad), donate_argnums=(),
-                                  method=autoshard.Zero3Parallel())
+                                  method=method())
     marked = autoshard.parallelize(adam_step(autoshard.value_and_grad), donate_argnums=(),
-                                   method=autoshard.Zero3Parallel())
+                                   method=method())
     ref = jax.jit(adam_step(jax.value_and_grad))
     s, r = copy_tree(state), copy_tree(state)
     with warnings.catch_warnings():
@@ -62,13 +63,17 @@ def test_zero3_with_plain_jax_grad_shards_the_parameters_like_the_marker():
             np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
         marked(copy_tree(state), batch)
     assert_trees_close(s, r, rtol=1e-5, atol=1e-6)
-    # every parameter and Adam moment is stored split over the 8 devices
+    # every Adam moment is stored split over the 8 devices, and so is every parameter with
+    # ZeRO-3 (ZeRO-2 keeps them whole)
     ex = plain.get_last_executable()
     params, (adam, _) = ex.get_input_placement_specs()[0]
-    for leaf, spec in zip(jax.tree.leaves((state[0], state[1][0].mu, state[1][0].nu)),
-                          jax.tree.leaves((params, adam.mu, adam.nu)), strict=True):
+    split_params = method is autoshard.Zero3Parallel
+    for leaf, spec, is_param in zip(
+            jax.tree.leaves((state[0], state[1][0].mu, state[1][0].nu)),
+            jax.tree.leaves((params, adam.mu, adam.nu)), [True] * 3 + [False] * 6, strict=True):
         local = spec.shard_shape(leaf.shape)
-        assert local[0] == leaf.shape[0] // N and local[1:] == leaf.shape[1:], (spec, local)
+        rows = leaf.shape[0] // N if split_params or not is_param else leaf.shape[0]
+        assert local == (rows,) + leaf.shape[1:], (spec, local)
     assert any("parameters found without a gradient marker" in n for n in ex.plan.notes)
     # the collectives are the marker's (all-gather of parameters, reduce of gradients), not
     # the 2x data parallelism's bytes of resharded activations

@@ -94,17 +94,66 @@ def test_explicit_aux_reduction_overrides_the_rule():
     assert float(m["perplexity"]) >= float(jnp.exp(loss)) - 1e-6
 
 
-def test_row_aux_under_shard_parallel_names_value_and_fix():
-    def step(p, batch):
+def after_grad_step(params, batch):
+    """flax's pattern: padding weights from the batch outside the loss, logits as aux, metrics
+    from them and the labels after value_and_grad, and a per-row output (logits.T)."""
+    w = (batch["x"][:, 0] > 0).astype(jnp.float32)
+    def loss_fn(p):
+        h = jnp.tanh(batch["x"] @ p["w1"])
+        autoshard.mark_pipeline_boundary()
+        logits = h @ p["w2"]
+        return jnp.mean((logits - batch["y"]) ** 2), logits
+    (loss, logits), g = autoshard.value_and_grad(loss_fn, has_aux=True)(params)
+    hit = jnp.argmax(logits, -1) == jnp.argmax(batch["y"], -1)
+    acc = jnp.sum(hit * w) / jnp.sum(w)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss, acc, logits.T
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_metrics_after_the_gradient_from_aux_logits_equal_jit(name):
+    """Issue 21 items 3 and 4: the update after the gradient runs on the whole batch, with the
+    micro-batches' logits joined in row order and batch-only values computed again."""
+    p = _params()
+    batch = {"x": jax.random.normal(jax.random.key(2), (B, 16)),
+             "y": jax.random.normal(jax.random.key(3), (B, 4))}
+    f = autoshard.parallelize(after_grad_step, method=METHODS[name]())
+    ref = jax.jit(after_grad_step)
+    p_got = p_ref = p
+    for _ in range(3):
+        p_got, *got = f(p_got, batch)
+        p_ref, *want = ref(p_ref, batch)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 p_got, p_ref)
+
+
+def test_random_value_skipping_the_marker_is_an_error_naming_it():
+    def step(p, batch, key):
+        noisy = batch["x"] + 0.1 * jax.random.normal(key, batch["x"].shape)
         def loss_fn(p):
-            logits = jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"]
-            return jnp.mean((logits - 1.0) ** 2), logits
-        (loss, logits), g = autoshard.value_and_grad(loss_fn, has_aux=True)(p)
-        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss, jnp.mean(logits)
-    f = autoshard.parallelize(step, method=autoshard.ShardParallel(num_micro_batches=4))
-    with pytest.raises(ValueError, match=r"(?s)float32\[8x4\].*test_combine.py.*one entry per row.*"
-                       r"PipeshardParallel"):
-        f(_params(), _batch())
+            return jnp.mean((jnp.tanh(noisy @ p["w1"]) @ p["w2"]) ** 2)
+        loss, g = autoshard.value_and_grad(loss_fn)(p)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss, jnp.mean(noisy)
+    f = autoshard.parallelize(step, method=autoshard.DataParallel(num_micro_batches=4))
+    with pytest.raises(ValueError, match=r"(?s)float32\[32,16\].*test_combine.py.*draws "
+                       r"random numbers.*has_aux=True"):
+        f(_params(), _batch(), jax.random.key(0))
+
+
+def test_random_value_of_no_batch_data_used_after_the_gradient_equals_jit():
+    """A value drawn from a key alone (not from the batch) is drawn again for the update."""
+    def step(p, batch, key):
+        keep = jax.random.bernoulli(key, 0.5, (batch["x"].shape[0],))
+        def loss_fn(p):
+            return jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"]) ** 2)
+        loss, g = autoshard.value_and_grad(loss_fn)(p)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss, jnp.mean(keep)
+    f = autoshard.parallelize(step, method=autoshard.DataParallel(num_micro_batches=4))
+    got = f(_params(), _batch(), jax.random.key(0))
+    want = jax.jit(step)(_params(), _batch(), jax.random.key(0))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_batch_stats_rule_mean_of_micro_batch_statistics():

@@ -160,6 +160,22 @@ def differentiated_inputs(jaxpr) -> list:
     return found
 
 
+RANDOM = frozenset({"random_bits", "random_split", "random_fold_in", "random_wrap"})
+"""Primitives that draw random numbers (or make the keys they draw from)."""
+
+
+def draws_random(eqn) -> bool:
+    """Whether an equation (or a jaxpr inside it) draws random numbers."""
+    if eqn.primitive.name in RANDOM:
+        return True
+    for p in eqn.params.values():
+        for sub in p if isinstance(p, tuple | list) else (p,):
+            jaxpr = getattr(sub, "jaxpr", sub)
+            if hasattr(jaxpr, "eqns") and any(draws_random(e) for e in jaxpr.eqns):
+                return True
+    return False
+
+
 def dependents(eqns, seeds: set) -> set:
     """Variables computed (transitively) from ``seeds`` by ``eqns``."""
     out = set(seeds)

@@ -48,6 +48,7 @@ class Program:
     def step(self, hooks: StepHooks | None = None) -> Callable:
         return build_step(self.closed, batch_invars=self.batch_invars,
                           num_micro_batches=self.num_micro_batches, hooks=hooks or StepHooks(),
+                          whole_batch=self.whole_batch_closed if self.flat_fun else None,
                           batch_paths=[p for p, b in zip(self.in_paths, self.batch_invars,
                                                          strict=True) if b])
 

@@ -30,13 +30,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import combine
 from ._compat import Literal, Var, source_line
-from ._jaxpr import Env, dependents, grad_marker_index, used_vars
+from ._jaxpr import Env, dependents, draws_random, grad_marker_index, used_vars
 from ._local import LocalEval, P, R, split
 from ._walk import site
+from .after_grad import row_dim, whole_batch_update
 from .sharding.apply import PlanEvaluator
 from .sharding.plan import spec_axes
 
-RANDOM = frozenset({"random_bits", "random_split", "random_fold_in", "random_wrap"})
 KEY_USERS = frozenset({"random_bits", "random_split", "random_fold_in"})
 
 
@@ -67,11 +67,15 @@ def batch_axes(batch_invars: Sequence[bool], in_specs) -> tuple[str, ...]:
 
 
 def build_step(closed, *, batch_invars: Sequence[bool], num_micro_batches: int,
-               hooks: StepHooks = StepHooks(), batch_paths: Sequence[str] = ()) -> Callable:
+               hooks: StepHooks = StepHooks(), batch_paths: Sequence[str] = (),
+               whole_batch: Callable | None = None) -> Callable:
     """A function of the flat inputs that evaluates ``closed`` with accumulation and hooks.
 
     When ``num_micro_batches > 1`` the batch inputs of ``closed`` have the micro-batch shape and
-    the returned function takes the full batch.
+    the returned function takes the full batch. When the part after the gradient marker reads
+    the batch, per-row marked values (aux logits) or batch values that skip the marker (flax's
+    metrics after ``value_and_grad``), it runs on the whole batch (``after_grad``):
+    ``whole_batch()`` gives the step traced on the full batch.
     """
     jaxpr, consts = closed.jaxpr, closed.consts
     k = num_micro_batches
@@ -85,14 +89,22 @@ def build_step(closed, *, batch_invars: Sequence[bool], num_micro_batches: int,
     post = [] if cut is None else jaxpr.eqns[cut + 1:]
     marker = None if cut is None else jaxpr.eqns[cut]
     batch_vars = {v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b}
+    after = None
+    if k > 1 and whole_batch is not None and _reads_whole_batch(jaxpr, pre, post, marker,
+                                                                batch_vars):
+        after = whole_batch_update(closed, whole_batch(), batch_invars, k)
     if k > 1:
-        _check_split(jaxpr, pre, post, marker, batch_vars, batch_paths)
-    loop = _Loop(jaxpr, pre, marker, batch_invars, k, hooks) if k > 1 else None
+        _check_split(jaxpr, pre, post, marker, batch_vars, batch_paths, after is not None)
+    joined = [] if after is None else [
+        (new, src, row_dim(src.aval, new.aval, k)) for new, src in after.joined.items()]
+    loop = _Loop(jaxpr, pre, marker, batch_invars, k, hooks, joined) if k > 1 else None
+    update = jaxpr if after is None else after.closed.jaxpr
+    update_consts = consts if after is None else after.closed.consts
 
     def step(*flat_args):
         env = Env()
         pinned = None if hooks.plan is None else PlanEvaluator(hooks.plan, hooks.mesh)
-        for v, c in zip(jaxpr.constvars, consts, strict=True):
+        for v, c in zip(update.constvars, update_consts, strict=True):
             env.write(v, c)
         fwd_args = list(flat_args)
         if hooks.forward_inputs is not None:
@@ -105,7 +117,9 @@ def build_step(closed, *, batch_invars: Sequence[bool], num_micro_batches: int,
                 return _finish(pinned, [env.read(v) for v in jaxpr.outvars])
             marked = [env.read(v) for v in marker.invars]
         else:
-            marked = loop(env, fwd_args, pinned)
+            marked, rows = loop(env, fwd_args, pinned)
+            for (v, _, _), value in zip(joined, rows, strict=True):
+                env.write(v, value)
         if hooks.gradients is not None:
             marked = hooks.gradients(marked)
         marked = _rebind_marker(marker, marked)
@@ -113,8 +127,15 @@ def build_step(closed, *, batch_invars: Sequence[bool], num_micro_batches: int,
             env.write(v, a)  # the update sees the inputs as they arrive (e.g. sharded)
         for v, m in zip(marker.outvars, marked, strict=True):
             env.write(v, m)
-        _run(env, pinned, jaxpr, range(cut + 1, len(jaxpr.eqns)))
-        return _finish(pinned, [env.read(v) for v in jaxpr.outvars])
+        if after is None:
+            _run(env, pinned, jaxpr, range(cut + 1, len(jaxpr.eqns)))
+        else:  # the update traced on the whole batch: XLA places it from the step's ends
+            for v, n in after.whole_inputs.items():
+                env.write(v, flat_args[n])
+            if pinned is not None:
+                pinned.mark_used(jaxpr, range(cut + 1, len(jaxpr.eqns)))
+            env.run(update.eqns[cut + 1:])
+        return _finish(pinned, [env.read(v) for v in update.outvars])
 
     return step
 
@@ -195,6 +216,18 @@ def loop_bytes(closed, plan, num_micro_batches: int) -> int:
     return extra
 
 
+def _reads_whole_batch(jaxpr, pre, post, marker, batch_vars) -> bool:
+    """Whether the part after the marker reads the batch, a per-row marked value or a value
+    computed from the batch (or drawn at random: the loop draws per micro-batch) that skips
+    the marker: then it runs on the whole batch."""
+    per_batch = dependents(pre, batch_vars | {o for e in pre if draws_random(e)
+                                              for o in e.outvars})
+    reads = used_vars(post) | {v for v in jaxpr.outvars if isinstance(v, Var)}
+    rows = {o for o, r in zip(marker.outvars, reductions_of(marker), strict=True)
+            if r == combine.ROWS}
+    return bool(reads & (batch_vars | rows | (per_batch - set(marker.outvars))))
+
+
 def _run(env: Env, pinned, jaxpr, indices, key_hook=None) -> None:
     """Evaluate ``jaxpr.eqns[i]`` for ``i`` in ``indices``: under the plan's pins when there is
     a plan, else as traced."""
@@ -223,8 +256,10 @@ def reductions_of(marker) -> tuple[str, ...]:
 class _Loop:
     """The micro-batch loop of one step: which equations loop, and how values combine."""
 
-    def __init__(self, jaxpr, pre, marker, batch_invars, k, hooks: StepHooks):
+    def __init__(self, jaxpr, pre, marker, batch_invars, k, hooks: StepHooks, joined=()):
         self.jaxpr, self.marker, self.k, self.hooks = jaxpr, marker, k, hooks
+        self.rows = [(src, d) for _, src, d in joined]
+        """Per-row values the loop also returns, joined in row order: (variable, row dim)."""
         self.batch_invars = batch_invars
         self.batch_vars = [v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b]
         random_outs = {o for e in pre if draws_random(e) for o in e.outvars}
@@ -238,7 +273,8 @@ class _Loop:
                              if isinstance(v, Var) and v in producer else None
                              for v in marker.invars]
         self.batch_at = [n for n, b in enumerate(batch_invars) if b]
-        needed = used_vars(self.looped) | {v for v in marker.invars if isinstance(v, Var)}
+        needed = used_vars(self.looped) | {v for v in marker.invars if isinstance(v, Var)} | {
+            v for v, _ in self.rows}
         known = list(jaxpr.constvars) + list(jaxpr.invars) + [
             o for e in self.hoisted for o in e.outvars]
         self.outer_vars = [v for v in known if v in needed and v not in per_batch
@@ -263,11 +299,11 @@ class _Loop:
         micro = [a.reshape((a.shape[0] // k, k) + a.shape[1:])
                  for a, b in zip(args, self.batch_invars, strict=True) if b]
         if not self.axes:
-            sums = self._scan(outer, micro, LocalEval((), 1), pinned=pinned)
+            sums, ys = self._scan(outer, micro, LocalEval((), 1), pinned=pinned)
         else:
             if pinned is not None:  # the per-device evaluation places the loop's values
                 pinned.mark_used(self.jaxpr, self.looped_at)
-            sums = self._local_scan(outer, micro)
+            sums, ys = self._local_scan(outer, micro)
             if self.gathered:
                 warnings.warn(
                     "Gradient accumulation gathers a micro-batch's rows on every device for "
@@ -277,21 +313,28 @@ class _Loop:
         out = []
         for s, v, r in zip(sums, self.marker.invars, self.reductions, strict=True):
             out.append(combined(s, r, k).astype(v.aval.dtype))
-        return out
+        # (k, ..., rows, ...): row r of micro-batch j is row r * k + j of the batch
+        rows = [jnp.moveaxis(y, 0, d + 1).reshape(
+            y.shape[1:d + 1] + (y.shape[d + 1] * k,) + y.shape[d + 2:])
+            for y, (_, d) in zip(ys, self.rows, strict=True)]
+        return out, rows
 
     def _local_scan(self, outer, micro):
         mesh, axes = self.hooks.mesh, self.axes
         batch = PartitionSpec(axes if len(axes) > 1 else axes[0])
 
-        def body(outer, micro):
-            partial = self._scan(outer, micro, LocalEval(axes, self.size), partial=True)
-            return [p[None] for p in partial]  # one row per device: the partial sums
+        entry = axes if len(axes) > 1 else axes[0]
 
-        stacked = jax.shard_map(
+        def body(outer, micro):
+            partial, ys = self._scan(outer, micro, LocalEval(axes, self.size), partial=True)
+            return [p[None] for p in partial], ys  # one row per device: the partial sums
+
+        stacked, ys = jax.shard_map(
             body, mesh=mesh, in_specs=([PartitionSpec()] * len(outer), [batch] * len(micro)),
-            out_specs=[batch] * len(self.marker.invars), axis_names=set(axes),
-            check_vma=False)(outer, micro)
-        return [s.sum(axis=0) for s in stacked]
+            out_specs=([batch] * len(self.marker.invars),
+                       [PartitionSpec(*([None] * (d + 1) + [entry])) for _, d in self.rows]),
+            axis_names=set(axes), check_vma=False)(outer, micro)
+        return [s.sum(axis=0) for s in stacked], ys
 
     def _scan(self, outer, micro, local: LocalEval, partial: bool = False,
               pinned: PlanEvaluator | None = None):
@@ -317,7 +360,10 @@ class _Loop:
                 local.run(self.looped, env, kinds)
                 self.gathered |= local.gathered
             new = []
-            for a, v in zip(acc, self.marker.invars, strict=True):
+            for a, v, r in zip(acc, self.marker.invars, self.reductions, strict=True):
+                if r == combine.ROWS:  # joined from ``ys`` instead
+                    new.append(a)
+                    continue
                 val = v.val if isinstance(v, Literal) else env[v]
                 kind = R if isinstance(v, Literal) else kinds.get(v, R)
                 if partial:
@@ -325,10 +371,12 @@ class _Loop:
                 new.append(a + val.astype(a.dtype))
             if pinned is not None:
                 new = self._pin_marked(pinned, new)
-            return new, None
+            ys = [local.to_split(env[v], kinds.get(v, R), d) if partial else env[v]
+                  for v, d in self.rows]
+            return new, ys
 
-        total, _ = lax.scan(body, init, (jnp.arange(self.k), xs))
-        return total
+        total, ys = lax.scan(body, init, (jnp.arange(self.k), xs))
+        return total, ys
 
     def _pin_rows(self, pinned: PlanEvaluator, n: int, x, stacked: bool = False):
         """Micro-batch rows of batch input ``n`` with the plan's spec of that input (planned
@@ -356,18 +404,6 @@ def fold_keys(j):
     return hook
 
 
-def draws_random(eqn) -> bool:
-    """Whether an equation (or a jaxpr inside it) draws random numbers."""
-    if eqn.primitive.name in RANDOM:
-        return True
-    for p in eqn.params.values():
-        for sub in p if isinstance(p, tuple | list) else (p,):
-            jaxpr = getattr(sub, "jaxpr", sub)
-            if hasattr(jaxpr, "eqns") and any(draws_random(e) for e in jaxpr.eqns):
-                return True
-    return False
-
-
 def combined(total, reduction: str, k: int):
     """An accumulated marked value: ``total`` over ``k`` micro-batches by its reduction
     (an integer mean is of ``k`` equal values, see ``combine``: exact)."""
@@ -382,10 +418,13 @@ def _acc_dtype(dtype):
     return dtype
 
 
-def _check_split(jaxpr, pre, post, marker, batch_vars, batch_paths):
-    per_batch = dependents(pre, batch_vars)
+def _check_split(jaxpr, pre, post, marker, batch_vars, batch_paths, whole_update=False):
+    per_batch = dependents(pre, batch_vars | {o for e in pre if draws_random(e)
+                                              for o in e.outvars})
     for i, (v, r) in enumerate(zip(marker.invars, reductions_of(marker), strict=True)):
         if r == combine.ROWS:
+            if whole_update:
+                continue  # joined in row order for the whole-batch update
             raise ValueError(combine.per_row_error(jaxpr, i))
         dtype = getattr(v.aval, "dtype", None)
         if dtype is not None and not jnp.issubdtype(dtype, jnp.number):
@@ -394,6 +433,8 @@ def _check_split(jaxpr, pre, post, marker, batch_vars, batch_paths):
                 f"value {i}{_at(v, pre)} has dtype {dtype}, which cannot be summed. Return it "
                 "as a number (e.g. jnp.sum(mask) for a count), or outside "
                 "autoshard.value_and_grad's aux.")
+    if whole_update:
+        return  # the update reads the whole batch (after_grad checks what it cannot rebuild)
     marked_out = set(marker.outvars)
     outs = {v for v in jaxpr.outvars if isinstance(v, Var)}
     leaks = [v for v in used_vars(post) | outs

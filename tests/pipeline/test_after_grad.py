@@ -146,13 +146,27 @@ def test_update_reading_only_the_batch_matches_jit(k):
     assert sorted(ex.part.whole_inputs.values()) == [2, 3, 4] and ex.part.joined == {}
 
 
-def test_value_from_the_batch_read_after_the_gradient():
-    _run(leaking_step, 1)  # one micro-batch: its value is the whole batch's
+@pytest.mark.parametrize("k", [1, 4])
+def test_value_from_the_batch_read_after_the_gradient(k):
+    # k=1: the value itself; k=4: computed again from the whole batch for the update
+    _run(leaking_step, k)
+
+
+def test_random_value_from_the_batch_read_after_the_gradient_is_an_error():
+    def step(params, batch):
+        noisy = batch["x"] + 0.1 * jax.random.normal(jax.random.key(0), batch["x"].shape)
+
+        def loss_fn(p):
+            h = jnp.tanh(noisy @ p["w1"])
+            autoshard.mark_pipeline_boundary()
+            return jnp.mean((h @ p["w2"] - batch["y"]) ** 2)
+        loss, g = autoshard.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss, jnp.max(noisy)
     params, batch = _params_batch()
-    f = autoshard.parallelize(leaking_step, method=_method(4))
-    with pytest.raises(ValueError, match=r"reads a float32\[32\] value computed from the "
-                       r"batch by reduce_sum at \S*test_after_grad.py:\d+:\d+ \(leaking_step\) "
-                       r"before the marker(.|\n)*"
+    f = autoshard.parallelize(step, method=_method(4))
+    with pytest.raises(ValueError, match=r"reads a float32\[32,\d+\] value computed from the "
+                       r"batch by \w+ at \S*test_after_grad.py:\d+:\d+ \(\S*step\) "
+                       r"before the marker(.|\n)*draws random numbers(.|\n)*"
                        r"Return it as the aux of autoshard.value_and_grad"):
         f(params, batch)
 

@@ -8,10 +8,10 @@ from typing import Any
 
 from .._compat import Var
 from .._mesh import resolve_devices
+from ..after_grad import AfterGrad, whole_batch_update
 from ..markers import pipeline_p
 from ..sharding.cost import FLOP_COST_S
 from . import balance
-from .after_grad import AfterGrad, needs_whole_batch, whole_batch_update
 from .compile import stage_auto_option
 from .layers import AutoLayerOption, auto_layers, check_no_nested_markers, manual_layers
 from .partition import (
@@ -20,6 +20,7 @@ from .partition import (
     build_partition,
     forward_end,
     is_loss_marker,
+    needs_whole_batch,
     split_pre_post,
 )
 from .profile import StageProfiler, cache_file_of

@@ -7,7 +7,7 @@ levels only, so the runtime can run the apply tasks in (level, stage) order.
 from __future__ import annotations
 
 from .._compat import Var
-from ..grad_accum import draws_random
+from .._jaxpr import draws_random
 from .sums import SMALL
 
 

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 
 from .._compat import Literal, Var
-from .._jaxpr import dependents, grad_marker_index
-from ..grad_accum import draws_random
+from .._jaxpr import dependents, draws_random, grad_marker_index, used_vars
+from ..combine import ROWS
+from ..grad_accum import reductions_of
 from ..markers import pipeline_p
 from .levels import assign_apply
 from .sums import cross_stage_sums, split_tied_gradients
@@ -191,6 +192,24 @@ def free_eqns(pre, post, constvars) -> set[int]:
             free.add(id(e))
             free_vars.update(e.outvars)
     return free
+
+
+def needs_whole_batch(closed, batch_invars) -> bool:
+    """Whether the part after the gradient marker reads the batch, a marked value with one
+    entry per row (reduction ``"rows"``), or a value computed before the marker other than
+    through it (the runtime holds those per micro-batch only)."""
+    jaxpr = closed.jaxpr
+    cut = grad_marker_index(jaxpr)
+    if cut is None:
+        return False
+    pre, marker, post = jaxpr.eqns[:cut], jaxpr.eqns[cut], jaxpr.eqns[cut + 1:]
+    batch = {v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b}
+    free = free_eqns(pre, post, jaxpr.constvars)
+    made = {v for e in pre if id(e) not in free for v in e.outvars}
+    reads = used_vars(post) | {v for v in jaxpr.outvars if isinstance(v, Var)}
+    rows = {o for o, r in zip(marker.outvars, reductions_of(marker), strict=True)
+            if r == ROWS}
+    return bool(used_vars(post) & (batch | made) or reads & (batch | rows))
 
 
 def build_partition(

@@ -28,8 +28,8 @@ from .. import _compat
 from .._compat import Literal, Var
 from .._executable import MISS, deleted_error, select_dynamic
 from .._jaxpr import flatten_args
+from ..after_grad import row_dim
 from . import _cross_process
-from .after_grad import row_dim
 from .audit import PipelineAudit, Transfer, task_audit
 from .compile import CompiledTask, Specs, acc_dtype, finalize_fn, make_submeshes
 from .layouts import carried_spec, step_aliases

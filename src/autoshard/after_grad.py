@@ -1,6 +1,6 @@
 """The update after the gradient marker, run on the whole batch when it reads the batch.
 
-A pipeline traces its step on one micro-batch. The part after the gradient marker usually
+Gradient accumulation (``grad_accum``, and every pipeline) traces its step on one micro-batch. The part after the gradient marker usually
 reads only the accumulated values and the train state; when it also reads the batch (flax's
 pattern: metrics from the aux logits and the labels after ``value_and_grad``), or a marked
 value with one entry per row (aux logits: reduction ``"rows"``, ``combine``), it must see the
@@ -26,12 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import _compat
-from .._compat import Literal, Var
-from .._jaxpr import dependents, grad_marker_index, used_vars
-from ..combine import ROWS
-from ..grad_accum import reductions_of
-from .partition import free_eqns
+from . import _compat
+from ._compat import Literal, Var
+from ._jaxpr import dependents, draws_random, grad_marker_index, used_vars
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,24 +42,6 @@ class AfterGrad:
     """New variable -> index of the batch input whose whole argument it is."""
     joined: dict = field(default_factory=dict)
     """New variable -> the per-micro-batch variable whose values it joins in row order."""
-
-
-def needs_whole_batch(closed, batch_invars) -> bool:
-    """Whether the part after the gradient marker reads the batch, a marked value with one
-    entry per row (reduction ``"rows"``), or a value computed before the marker other than
-    through it (the runtime holds those per micro-batch only)."""
-    jaxpr = closed.jaxpr
-    cut = grad_marker_index(jaxpr)
-    if cut is None:
-        return False
-    pre, marker, post = jaxpr.eqns[:cut], jaxpr.eqns[cut], jaxpr.eqns[cut + 1:]
-    batch = {v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b}
-    free = free_eqns(pre, post, jaxpr.constvars)
-    made = {v for e in pre if id(e) not in free for v in e.outvars}
-    reads = used_vars(post) | {v for v in jaxpr.outvars if isinstance(v, Var)}
-    rows = {o for o, r in zip(marker.outvars, reductions_of(marker), strict=True)
-            if r == ROWS}
-    return bool(used_vars(post) & (batch | made) or reads & (batch | rows))
 
 
 def whole_batch_update(micro, whole, batch_invars, k: int) -> AfterGrad:
@@ -127,22 +106,27 @@ def whole_batch_update(micro, whole, batch_invars, k: int) -> AfterGrad:
     wanted = [v for v in dict.fromkeys(list(used_vars(wpost)) + wouts)
               if v in producer and v not in env]
     leaks = [v for v in wanted if v in from_batch]
-    if leaks and k > 1:
-        v = leaks[0]
+    # a value computed from the batch before the marker without passing through it (lm1b's
+    # padding weights, tokens > 0) is computed again from the whole batch, unless it draws
+    # random numbers (the micro-batches drew theirs)
+    drawn = [v for v in leaks if any(draws_random(e) for e in _closure(v, producer))]
+    if drawn and k > 1:
+        v = drawn[0]
         raise ValueError(
             f"The part of the step after the gradient marker reads a {v.aval.str_short()} "
             f"value computed from the batch by {producer[v].primitive.name} at "
-            f"{_where(v, producer)} before the marker without "
-            f"passing through it{f' (and {len(leaks) - 1} more)' if len(leaks) > 1 else ''}. "
-            f"With num_micro_batches={k} the pipeline computes it per micro-batch and cannot "
-            "rebuild its whole-batch value. Return it as the aux of "
-            "autoshard.value_and_grad(..., has_aux=True) (values with one entry per row are "
-            "joined in row order), or use num_micro_batches=1.")
-    for v in leaks:  # one micro-batch: the value itself, from the task that makes it
-        env[v] = Var(v.aval)
-        joined[env[v]] = v
-    # values from parameters and constants alone: computed again after the marker
-    needed = {v for v in wanted if v not in from_batch}
+            f"{_where(v, producer)} before the marker without passing through it, and "
+            f"computing it draws random numbers{f' (and {len(drawn) - 1} more)' if len(drawn) > 1 else ''}"
+            f". With num_micro_batches={k} each micro-batch drew its own, so the whole-batch "
+            "value cannot be rebuilt. Return it as the aux of autoshard.value_and_grad(..., "
+            "has_aux=True) (values with one entry per row are joined in row order), or use "
+            "num_micro_batches=1.")
+    if k == 1:
+        for v in leaks:  # one micro-batch: the value itself, from the task that makes it
+            env[v] = Var(v.aval)
+            joined[env[v]] = v
+    # values from parameters, constants and the batch alone: computed again after the marker
+    needed = {v for v in wanted if v not in from_batch or k > 1}
     again = []
     for e in reversed(wpre):
         if any(o in needed for o in e.outvars):
@@ -163,6 +147,19 @@ def whole_batch_update(micro, whole, batch_invars, k: int) -> AfterGrad:
                        eqns=eqns, outvars=outvars)
     closed = micro.replace(jaxpr=jaxpr, consts=list(micro.consts) + [c for _, c in consts])
     return AfterGrad(closed=closed, whole_inputs=whole_inputs, joined=joined)
+
+
+def _closure(v, producer) -> list:
+    """The equations ``v`` is computed by (before the marker), transitively."""
+    seen, todo, found = set(), [v], []
+    while todo:
+        e = producer.get(todo.pop())
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        found.append(e)
+        todo += [u for u in e.invars if isinstance(u, Var)]
+    return found
 
 
 def _read(env, v):
@@ -190,4 +187,4 @@ def _where(v, producer) -> str:
     return line or "an unknown source line"
 
 
-__all__ = ["AfterGrad", "needs_whole_batch", "row_dim", "whole_batch_update"]
+__all__ = ["AfterGrad", "row_dim", "whole_batch_update"]

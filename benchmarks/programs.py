@@ -21,14 +21,12 @@ Writes ``programs.json`` and ``programs.md`` into ``--out`` (default ``benchmark
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib.metadata
 import json
 import math
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,6 +46,7 @@ import autoshard  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import programs_models as models  # noqa: E402
+from suite_runner import time_limit  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TOLERANCE = 1e-4          # largest relative difference that counts as equal (float32)
@@ -64,18 +63,6 @@ class CellTimeout(BaseException):
     """A cell over its time (a BaseException, so the cell's own ``except Exception`` lets it by)."""
 
 
-@contextlib.contextmanager
-def time_limit(seconds: float):
-    """Raise CellTimeout in the main thread after ``seconds`` (checked between Python steps)."""
-    def handler(signum, frame):
-        raise CellTimeout(f"timed out after {seconds:g} s (--cell-timeout)")
-    previous = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def make_method(cell: str, program: models.Program):
@@ -243,7 +230,7 @@ def run_cell(program: models.Program, cell: str, ref: dict, rng, args) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            with time_limit(args.cell_timeout):
+            with time_limit(args.cell_timeout, CellTimeout, "--cell-timeout"):
                 method = make_method(cell, program)
                 f = (autoshard.parallelize(program.step) if method is None
                      else autoshard.parallelize(program.step, method=method))

@@ -40,10 +40,10 @@ class PairTimeout(Exception):
 
 
 @contextlib.contextmanager
-def time_limit(seconds: float):
-    """Raise PairTimeout in the main thread after ``seconds`` (checked between Python steps)."""
+def time_limit(seconds: float, error: type = PairTimeout, option: str = "--pair-timeout"):
+    """Raise ``error`` in the main thread after ``seconds`` (checked between Python steps)."""
     def handler(signum, frame):
-        raise PairTimeout(f"timed out after {seconds:g} s (--pair-timeout)")
+        raise error(f"timed out after {seconds:g} s ({option})")
     previous = signal.signal(signal.SIGALRM, handler)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:

@@ -286,15 +286,10 @@ def _stored_in_state(jaxpr, cut, aliases) -> set[int]:
 
 
 def _cannot(v, i, marker, kinds, out_paths, jaxpr, cut) -> str:
-    where = source_line(kinds.producer[v]) if v in kinds.producer else None
-    shape = "x".join(map(str, v.aval.shape)) or "scalar"
-    outs = _outputs_of(jaxpr, cut, i, out_paths)
     return (
-        f"Marked value {i} of the gradient marker ({v.aval.dtype.name}[{shape}]"
-        f"{', returned as ' + ', '.join(outs) if outs else ''}"
-        f"{', computed at ' + where if where else ''}) cannot be rebuilt from micro-batches: it "
-        "is neither a mean, a sum, a count nor a batch-independent value (e.g. exp of a mean "
-        "loss, a maximum over rows). Declare how to combine it with "
+        f"{_describe(jaxpr, cut, i, kinds.producer, out_paths)} cannot be rebuilt from "
+        "micro-batches: it is neither a mean, a sum, a count nor a batch-independent value "
+        "(e.g. exp of a mean loss, a maximum over rows). Declare how to combine it with "
         "autoshard.value_and_grad(..., aux_reduction=...) ('mean' or 'sum', or a pytree of "
         "them matching the aux), or compute it after the gradient from values that combine "
         "(e.g. exp of the returned mean loss).")
@@ -303,18 +298,25 @@ def _cannot(v, i, marker, kinds, out_paths, jaxpr, cut) -> str:
 def per_row_error(jaxpr, i: int, out_paths=()) -> str:
     """Why marked value ``i`` (one entry per row) cannot be summed or averaged."""
     cut = grad_marker_index(jaxpr)
-    v = jaxpr.eqns[cut].invars[i]
     producer = {o: e for e in jaxpr.eqns[:cut] for o in e.outvars}
+    return (
+        f"{_describe(jaxpr, cut, i, producer, out_paths)} holds one entry per row of the "
+        "micro-batch (e.g. logits), so it cannot be summed or averaged over micro-batches, "
+        "and this step was built without its function, so its update cannot run on the whole "
+        "batch. Reduce it inside the loss function (a mean, a sum or a count, returned as "
+        "aux), parallelize the step with autoshard.parallelize, or use num_micro_batches=1.")
+
+
+def _describe(jaxpr, cut, i, producer, out_paths) -> str:
+    """``Marked value i of the gradient marker (dtype[shape], returned as ..., computed at
+    file:line)``."""
+    v = jaxpr.eqns[cut].invars[i]
     where = source_line(producer[v]) if v in producer else None
     shape = "x".join(map(str, v.aval.shape)) or "scalar"
     outs = _outputs_of(jaxpr, cut, i, out_paths)
-    return (
-        f"Marked value {i} of the gradient marker ({v.aval.dtype.name}[{shape}]"
-        f"{', returned as ' + ', '.join(outs) if outs else ''}"
-        f"{', computed at ' + where if where else ''}) holds one entry per row of the "
-        "micro-batch (e.g. logits), so it cannot be combined over micro-batches. Reduce it "
-        "inside the loss function (a mean, a sum or a count, returned as aux), use "
-        "PipeshardParallel (its update runs on the whole batch), or num_micro_batches=1.")
+    return (f"Marked value {i} of the gradient marker ({v.aval.dtype.name}[{shape}]"
+            f"{', returned as ' + ', '.join(outs) if outs else ''}"
+            f"{', computed at ' + where if where else ''})")
 
 
 def _outputs_of(jaxpr, cut, i, out_paths) -> list[str]:

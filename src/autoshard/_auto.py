@@ -79,14 +79,26 @@ def plan_program(method, program: Program, cluster: Cluster, *,
                 program.closed, program.batch_invars, program.num_micro_batches, deferred))
 
     plan = solve(option, deferred=True)
-    if program.num_micro_batches > 1 and not batch_axes(program.batch_invars, plan.in_specs):
-        # The gradients' reductions wait for the end of the loop only where each device
-        # accumulates its own rows (the rows split over some axes). A plan that keeps the
-        # rows whole reduces in every micro-batch: price it so, and if the honest prices
-        # then favour splitting the rows, plan that with its reductions after the loop.
-        plan = solve(option, deferred=False)
-        if batch_axes(program.batch_invars, plan.in_specs):
-            plan = solve(_replace(option, force_batch_dim_to_mesh_dim=0), deferred=True)
+    if program.num_micro_batches > 1 and _loop_runs(plan, program) != "rows":
+        # The micro-batch loop runs a plan as costed in two cases: it keeps the rows whole
+        # (every value pinned; the gradients reduced in every micro-batch), or it splits the
+        # rows over every mesh axis (each device accumulates its own rows, one reduction
+        # after the loop). Price the first honestly, plan the second on a 1-D mesh, and take
+        # the cheaper of the two.
+        candidates = [p for p in [solve(option, deferred=False)]
+                      if _loop_runs(p, program) == "whole"]
+        if option.force_batch_dim_to_mesh_dim is None and option.logical_mesh_shape is None \
+                and axis_names is None:
+            try:
+                split = solve(_replace(option, force_batch_dim_to_mesh_dim=0,
+                                       logical_mesh_shape=(cluster.num_devices,)),
+                              deferred=True)
+            except ValueError:  # the rows do not split over the devices
+                split = None
+            if split is not None and _loop_runs(split, program) == "rows":
+                candidates.append(split)
+        if candidates:
+            plan = min(candidates, key=lambda p: p.objective.total_s)
     k = program.num_micro_batches
     if k > 1 and plan.objective.peak_bytes_per_device is not None:
         # planned for one micro-batch: the whole batch and the accumulators are held as well
@@ -100,6 +112,18 @@ def plan_program(method, program: Program, cluster: Cluster, *,
         num_devices=cluster.num_devices,
         devices_per_host=cluster.devices_per_host if cluster.num_hosts > 1 else None,
         num_micro_batches=program.num_micro_batches))
+
+
+def _loop_runs(plan, program: Program) -> str | None:
+    """How the micro-batch loop runs ``plan``: ``"whole"`` (rows whole, every value pinned),
+    ``"rows"`` (rows split over every mesh axis of more than one device, per device), or None
+    (rows split over some axes only: the other axes inside the loop are left to XLA)."""
+    axes = batch_axes(program.batch_invars, plan.in_specs)
+    if not axes:
+        return "whole"
+    others = [a for a, n in zip(plan.axis_names, plan.mesh_shape, strict=True)
+              if a not in axes and n > 1]
+    return None if others else "rows"
 
 
 def check_plan(plan, program: Program, devices, user_mesh) -> sharding.ShardingPlan:

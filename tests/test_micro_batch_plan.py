@@ -5,10 +5,10 @@ the plan predicts, and the audit agrees with the prediction."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tests.hlo import dot_shapes, loop_computations
 
 import autoshard
 from autoshard.sharding.hlo import collectives
-from tests.hlo import dot_shapes, loop_computations
 
 B, L, V, D, K = 32, 8, 128, 32, 4
 

@@ -96,7 +96,7 @@ def test_sharded_equals_replicated(name, kind, mode, rank, size):
     x, op = _cases(rank, size)[name]
     mesh, axes = _mesh(kind)
     sharded, replicated = _put(x, mesh, axes)
-    expected = jax.jit(op)(replicated)
+    expected = jax.block_until_ready(jax.jit(op)(replicated))  # its MPI call done
     fn = jax.jit(op) if mode == "jit" else op
     y, num_calls = _num_calls(fn, sharded)
     assert num_calls == 1
@@ -143,3 +143,15 @@ def test_grad_and_vmap_sharded(kind, rank, size):
     if kind != "auto":
         assert g.sharding.spec == x.sharding.spec
         assert y.sharding.spec == PartitionSpec(None, None, axes)
+
+
+@pytest.mark.parametrize("devices", [(2, 3), (4, 5, 6, 7)])
+def test_sub_mesh_without_device_0(devices, rank, size):
+    """The call is made by whichever device reaches it first: it gave zeros when device 0,
+    which used to be the one to call, was not among the jit's devices."""
+    mesh = jax.sharding.Mesh(np.array([jax.devices()[d] for d in devices]), ("d",))
+    x = jax.device_put(_rows(rank, 2, WIDTH), NamedSharding(mesh, PartitionSpec(None, "d")))
+    y, num_calls = _num_calls(jax.jit(lambda x: mpi.allreduce(x, MPI.SUM)[0]), x)
+    assert num_calls == 1
+    np.testing.assert_array_equal(y, sum(_rows(r, 2, WIDTH) for r in range(size)))
+    assert {d.id for d in y.devices()} == set(devices)

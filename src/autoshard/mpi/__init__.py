@@ -9,6 +9,11 @@ Importing this package without MPI raises an ImportError naming the missing piec
 process: no JAX function and no ``sys.excepthook`` is replaced. To make an uncaught
 exception on one rank abort the whole job, call ``abort_on_uncaught_exception()`` (or set
 AUTOSHARD_MPI_ABORT=1); AUTOSHARD_MPI_DEBUG=1 logs every MPI call (see _native.py).
+Ranks that disagree on a call (operation, root, op, dtype, shape) get an error naming every
+rank's call instead of MPI's undefined behaviour: each collective is checked the first time
+a process makes it with its arguments, AUTOSHARD_MPI_CHECK=1 checks every call (see
+_check.py). In a jit over several local devices a process makes one call on its whole
+array, however it is sharded; a result keeps its operand's sharding (see _sharding.py).
 Buffers of 4 MiB and more are advised onto transparent huge pages, as NumPy's arrays are,
 for mpi4py's speed on large messages; AUTOSHARD_MPI_HUGE_PAGES=0 leaves them as XLA
 allocated them (see PreferHugePages in _ffi.cc).

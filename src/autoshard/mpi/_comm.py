@@ -5,11 +5,15 @@ Each communicator gets tables in the native extension, indexed by device ordinal
 * the process tables: outside a user's shard_map a process makes one MPI call per operation
   (on whichever device runs it), so every rank must use the communicator itself, whatever
   its device. One table maps every device to it; in a jit over several devices, where
-  every device runs the call, a table per leader device maps only the leader to it and the
-  others to nothing (they skip the call; see _lowering._once_per_process);
+  every device runs the call, a table per region size does too and marks the region: the
+  first device to reach each call makes it, the others skip it (see
+  _lowering._once_per_process and "one call per process" in _ffi.cc);
 * the device table is for calls inside a user's shard_map, one per device, each on its own
   thread: each device talks through its own duplicate of the communicator (device 0 uses
   the communicator itself), so that the streams of MPI calls never mix.
+
+Every entry also names the communicator its argument checks go through (see _check.py): a
+duplicate of the entry's own, so that the checks' messages never meet the operations'.
 """
 
 from __future__ import annotations
@@ -51,10 +55,16 @@ def _num_local_devices() -> int:
     return max(d.id for d in jax.local_devices(backend="cpu")) + 1
 
 
-def _register(comms) -> int:
-    """Registers a table of communicators (None: that device skips its calls); returns its id."""
-    handles = (ctypes.c_int64 * len(comms))(*[0 if c is None else MPI._handleof(c) for c in comms])
-    return lib.autoshard_mpi_register_comm(handles, len(comms))
+def _register(comms, checks, num_region_devices=0) -> int:
+    """Registers a table of communicators and of their checks'; returns its id.
+
+    ``num_region_devices``: the size of the once-per-process region the table serves, if any.
+    """
+    def handles(table):
+        return (ctypes.c_int64 * len(table))(*[MPI._handleof(c) for c in table])
+
+    return lib.autoshard_mpi_register_comm(
+        handles(comms), handles(checks), len(comms), num_region_devices)
 
 
 def comm_id(comm) -> int:
@@ -71,8 +81,13 @@ def comm_id(comm) -> int:
     if entry is None:
         num_devices = _num_local_devices()
         comms = [comm] + [comm.Dup() for _ in range(num_devices - 1)]
-        entry = (_register(comms), comms)
+        checks = [c.Dup() for c in comms]
+        entry = (_register(comms, checks), comms + checks)
         _comm_ids[handle] = entry
-        _lowering.pair_comm_tables(entry[0], lambda leader: _register(
-            [comm if leader in (None, d) else None for d in range(num_devices)]))
+
+        def process_table(num_region_devices):
+            return _register([comm] * num_devices, [checks[0]] * num_devices,
+                             num_region_devices or 0)
+
+        _lowering.pair_comm_tables(entry[0], process_table)
     return entry[0]

@@ -48,3 +48,28 @@ def huge_pages() -> bool:
     which large MPI transfers need to match mpi4py (see PreferHugePages in _ffi.cc).
     """
     return _flag("AUTOSHARD_MPI_HUGE_PAGES", default=True)
+
+
+_CHECK_MODES = {"0": "off", "1": "every", "first": "first", "every": "every", "off": "off"}
+
+
+def check() -> str:
+    """AUTOSHARD_MPI_CHECK: when the ranks compare their arguments before an MPI call.
+
+    "first" (unset, the default): a collective the first time a process makes it with these
+    arguments on a communicator; "every" (1): every call, point-to-point included; "off" (0).
+    See _check.py.
+    """
+    value = os.environ.get("AUTOSHARD_MPI_CHECK", "")
+    key = value.strip().lower()
+    if not key:
+        return "first"
+    if key in _CHECK_MODES:
+        return _CHECK_MODES[key]
+    if key in _FLAGS:
+        return "every" if _FLAGS[key] else "off"
+    raise ValueError(
+        f"The environment variable AUTOSHARD_MPI_CHECK ({value!r}) must be 1 (or every: check "
+        f"every MPI call), 0 (or off: never) or first (the default when unset: check each "
+        f"collective the first time a process makes it with its arguments)."
+    )

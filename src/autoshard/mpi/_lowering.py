@@ -21,8 +21,8 @@ primitives, and ordering is established while lowering to StableHLO instead:
   lowered into a module sets that listener (chained to any listener already set) and it
   is restored as soon as that module is finished, so the lowering of every program without
   MPI calls is untouched (see _chain._listen).
-* In a jit over several devices each call runs inside a manual (shard_map) region, on its
-  first device only (one MPI call per process, see _once_per_process); the region's first
+* In a jit over several devices each call runs inside a manual (shard_map) region, on one
+  of its devices only (one MPI call per process, see _once_per_process); the region's first
   operand and result carry the chain.
 * A DCE rule keeps every MPI equation even when its results are unused (send, barrier). An
   equation of a higher-order primitive (cond, while, scan, jit, ...) that holds MPI calls but
@@ -36,7 +36,7 @@ from __future__ import annotations
 from jax.interpreters import mlir
 
 from .._compat import mpi_internals
-from . import _sharding
+from . import _check, _sharding
 from ._chain import PROCESS_AXIS, chain_type, current_token
 from ._native import target_name
 
@@ -51,6 +51,8 @@ def _layout(aval):
 
 
 def _attr(value):
+    if isinstance(value, str):
+        return ir.StringAttr.get(value)
     if isinstance(value, tuple):
         return ir.DenseI64ArrayAttr.get([int(v) for v in value])
     return mlir.i64_attr(int(value))
@@ -62,15 +64,17 @@ def emit(
     operands,
     *,
     attrs: dict[str, int | tuple[int, ...]],
+    signature: str,
     aliases: dict[int, int] | None = None,
 ):
     """Emits the custom call for ``op``; returns its array results (the token is chained).
 
-    ``attrs`` are int64 scalars or tuples (int64 arrays). ``aliases`` maps an array operand
-    index to the array result index it is donated to.
+    ``attrs`` are int64 scalars or tuples (int64 arrays). ``signature`` is what the ranks
+    must agree on, checked before the MPI call (see _check.py), e.g. ``float32[3], op=SUM``.
+    ``aliases`` maps an array operand index to the array result index it is donated to.
     """
     token = current_token(ctx.module_context)
-    attrs = {**attrs, "comm": _comm_table(ctx, attrs["comm"])}
+    attrs = {**attrs, "comm": _comm_table(ctx, attrs["comm"]), **_check.attrs(op, signature)}
     result_types = [mlir.aval_to_ir_type(ctx.module_context, a) for a in ctx.avals_out]
     call = _mlir.custom_call(
         target_name(op),
@@ -87,16 +91,18 @@ def emit(
     return list(call.results)[:-1]
 
 
-_leaders: list[int] = []  # the leader device of the _once_per_process region being lowered
+_regions: list[int] = []  # the sizes of the _once_per_process regions being lowered
 _table_makers: dict[int, object] = {}  # device-table id -> its communicator's make_table
-_tables: dict[tuple[int, int | None], int] = {}  # (device table, leader) -> table id
+_tables: dict[tuple[int, int | None], int] = {}  # (device table, region size) -> table id
 
 
 def pair_comm_tables(device_table: int, make_table) -> None:
     """Records how to build the other tables of a communicator whose device table is given.
 
-    ``make_table(None)`` maps every device to the communicator, ``make_table(d)`` only
-    device ``d`` (the others skip their calls); both return the table's id.
+    ``make_table(None)`` maps every device to the communicator, for calls that one device
+    runs; ``make_table(n)`` does too, for the calls of a region of ``n`` devices, of which
+    only the first to reach each call makes it (see "one call per process" in _ffi.cc). Both
+    return the table's id.
     """
     _table_makers[device_table] = make_table
 
@@ -113,10 +119,10 @@ def _comm_table(ctx: mlir.LoweringRuleContext, device_table: int) -> int:
         and PROCESS_AXIS not in axis_context.mesh.axis_names
     ):
         return device_table
-    leader = _leaders[-1] if isinstance(axis_context, SPMDAxisContext) else None
-    key = (device_table, leader)
+    region = _regions[-1] if isinstance(axis_context, SPMDAxisContext) else None
+    key = (device_table, region)
     if key not in _tables:
-        _tables[key] = _table_makers[device_table](leader)
+        _tables[key] = _table_makers[device_table](region)
     return _tables[key]
 
 
@@ -157,10 +163,10 @@ def _once_per_process(primitive, lowering, calls_mpi):
     maximal sharding that would run it on one device is dropped by Shardy, which keeps
     shardings only on the custom calls it knows. So the call runs in a manual region
     (``shard_map``) over the jit's devices, on the replicated operands. Every device runs
-    the custom call, but only the first one (the leader) finds the communicator in its
-    table entry and calls MPI; the others find MPI_COMM_NULL and return zeros (no
-    conditional around the call: the devices' programs stay identical). A sum over the
-    devices (bit-exact, see _from_first_device) then hands every device the result.
+    the custom call, but only the first to reach it in a run calls MPI; the others return
+    zeros, or the caller's error (no conditional around the call: the devices' programs
+    stay identical; see "one call per process" in _ffi.cc). A sum over the devices
+    (bit-exact, see _from_first_device) then hands every device the result.
     Operands whose type shards them (Explicit mesh axes) are gathered first, and results are
     sliced to the sharding their operation gives them (see _sharding.py); shard_map could not
     take them as they are, their axes not being the region's.
@@ -188,8 +194,6 @@ def _once_per_process(primitive, lowering, calls_mpi):
 
         mesh = AbstractMesh((axis_context.num_devices,), (PROCESS_AXIS,))
         spec = PartitionSpec()
-        assignment = axis_context.device_assignment
-        leader = assignment[0].id if assignment else 0
 
         def body(anchor, *xs):
             # The anchor gives the region an operand and a result even for send and barrier:
@@ -212,17 +216,17 @@ def _once_per_process(primitive, lowering, calls_mpi):
             outs = [_sharding.resharded(o, a) for o, a in zip(outs, ctx.avals_out, strict=True)]
             return list(outs) if primitive.multiple_results else outs[0]
 
-        _leaders.append(leader)
+        _regions.append(axis_context.num_devices)
         try:
             return mlir.lower_fun(whole, multiple_results=primitive.multiple_results)(ctx, *args)
         finally:
-            _leaders.pop()
+            _regions.pop()
 
     return rule
 
 
 def _from_first_device(value):
-    """The first device's ``value`` on every device of the region, the others holding zeros.
+    """The calling device's ``value`` on every device of the region, the others holding zeros.
 
     A sum over the region's devices; floats are summed as unsigned integers of their width,
     so the result is bit-exact (-0.0 and NaN payloads included).

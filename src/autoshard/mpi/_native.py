@@ -25,13 +25,15 @@ try:
     lib = ctypes.CDLL(str(_install.LIBRARY), mode=ctypes.RTLD_GLOBAL)
 except OSError as err:
     raise ImportError(_install.unloadable_extension(err)) from err
-_ABI_VERSION = 3  # autoshard_mpi_abi_version() in _ffi.cc
+_ABI_VERSION = 4  # autoshard_mpi_abi_version() in _ffi.cc
 if getattr(lib, "autoshard_mpi_abi_version", lambda: 1)() != _ABI_VERSION:
     raise ImportError(_install.stale_extension())
 lib.autoshard_mpi_abi_version.restype = ctypes.c_int64
 
 lib.autoshard_mpi_register_comm.restype = ctypes.c_int64
-lib.autoshard_mpi_register_comm.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
+lib.autoshard_mpi_register_comm.argtypes = [
+    ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64,
+]
 lib.autoshard_mpi_inflight.restype = ctypes.c_int64
 lib.autoshard_mpi_status_size.restype = ctypes.c_int64
 lib.autoshard_mpi_num_calls.restype = ctypes.c_int64
@@ -40,6 +42,11 @@ lib.autoshard_mpi_set_debug.argtypes = [ctypes.c_int64]
 lib.autoshard_mpi_set_debug(int(_config.debug()))
 lib.autoshard_mpi_set_huge_pages.argtypes = [ctypes.c_int64]
 lib.autoshard_mpi_num_collapsed.restype = ctypes.c_int64
+lib.autoshard_mpi_num_checks.restype = ctypes.c_int64
+lib.autoshard_mpi_set_check.argtypes = [ctypes.c_int64]
+CHECK_MODES = {"off": 0, "first": 1, "every": 2}  # enum CheckMode in _ffi.cc
+# When the ranks compare their arguments before a call (AUTOSHARD_MPI_CHECK, see _check.py).
+lib.autoshard_mpi_set_check(CHECK_MODES[_config.check()])
 # Buffers of 4 MiB and more go onto transparent huge pages (AUTOSHARD_MPI_HUGE_PAGES=0: not).
 lib.autoshard_mpi_set_huge_pages(int(_config.huge_pages()))
 

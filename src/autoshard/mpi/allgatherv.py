@@ -11,7 +11,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from .._compat import apply_primitive
-from . import _lowering, _sharding, _validation
+from . import _check, _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
 
@@ -46,7 +46,8 @@ def _abstract_eval(x, *, counts, comm):
 def _lowering_rule(ctx, x, *, counts, comm):
     (aval,) = ctx.avals_in
     row_bytes = int(np.prod(aval.shape[1:], dtype=np.int64)) * aval.dtype.itemsize
-    return _lowering.emit(ctx, "allgatherv", [x],
+    signature = f"rows of {_check.array(aval, aval.shape[1:])}, counts={counts}"
+    return _lowering.emit(ctx, "allgatherv", [x], signature=signature,
                           attrs={"comm": comm, "counts": counts, "row_bytes": row_bytes})
 
 

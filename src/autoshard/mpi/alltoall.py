@@ -9,7 +9,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from .._compat import apply_primitive
-from . import _lowering, _sharding
+from . import _check, _lowering, _sharding
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
 
@@ -38,7 +38,8 @@ def _abstract_eval(x, *, comm):
 
 
 def _lowering_rule(ctx, x, *, comm):
-    return _lowering.emit(ctx, "alltoall", [x], attrs={"comm": comm})
+    signature = _check.array(ctx.avals_in[0])
+    return _lowering.emit(ctx, "alltoall", [x], attrs={"comm": comm}, signature=signature)
 
 
 def _batching_rule(args, dims, **params):

@@ -10,7 +10,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from .._compat import apply_primitive
-from . import _lowering, _sharding, _validation
+from . import _check, _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
 from .alltoall import alltoall
@@ -64,7 +64,9 @@ def _lowering_rule(ctx, x, send_counts, recv_counts, *, comm):
     aval = ctx.avals_in[0]
     row_bytes = int(np.prod(aval.shape[2:], dtype=np.int64)) * aval.dtype.itemsize
     attrs = {"comm": comm, "row_bytes": row_bytes, "max_rows": aval.shape[1]}
-    return _lowering.emit(ctx, "alltoallv", [x, send_counts, recv_counts], attrs=attrs)
+    signature = f"rows of {_check.array(aval, aval.shape[2:])}"  # max_rows may differ
+    return _lowering.emit(ctx, "alltoallv", [x, send_counts, recv_counts], attrs=attrs,
+                          signature=signature)
 
 
 def _batching_rule(args, dims, **params):

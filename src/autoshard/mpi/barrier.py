@@ -29,7 +29,7 @@ def _abstract_eval(*, comm):
 
 
 def _lowering_rule(ctx, *, comm):
-    return _lowering.emit(ctx, "barrier", [], attrs={"comm": comm})
+    return _lowering.emit(ctx, "barrier", [], attrs={"comm": comm}, signature="")
 
 
 def _batching_rule(args, dims, **params):

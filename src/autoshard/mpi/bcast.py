@@ -9,7 +9,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from .._compat import apply_primitive
-from . import _lowering, _sharding, _validation
+from . import _check, _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
 
@@ -34,7 +34,9 @@ def _abstract_eval(x, *, root, comm):
 
 def _lowering_rule(ctx, x, *, root, comm):
     # In place: the root's buffer already holds the data, the others receive into it.
-    return _lowering.emit(ctx, "bcast", [x], attrs={"comm": comm, "root": root}, aliases={0: 0})
+    signature = f"{_check.array(ctx.avals_in[0])}, root={root}"
+    return _lowering.emit(ctx, "bcast", [x], attrs={"comm": comm, "root": root},
+                          signature=signature, aliases={0: 0})
 
 
 def _batching_rule(args, dims, **params):

@@ -9,7 +9,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from .._compat import apply_primitive
-from . import _lowering, _sharding, _validation
+from . import _check, _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
 
@@ -33,7 +33,9 @@ def _abstract_eval(x, *, root, comm, size, is_root):
 
 def _lowering_rule(ctx, x, *, root, comm, size, is_root):
     aliases = None if is_root else {0: 0}
-    return _lowering.emit(ctx, "gather", [x], attrs={"comm": comm, "root": root}, aliases=aliases)
+    signature = f"{_check.array(ctx.avals_in[0])}, root={root}"
+    return _lowering.emit(ctx, "gather", [x], attrs={"comm": comm, "root": root},
+                          signature=signature, aliases=aliases)
 
 
 def _batching_rule(args, dims, **params):

@@ -9,7 +9,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from .._compat import apply_primitive
-from . import _lowering, _sharding, _validation
+from . import _check, _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._native import MPI
 from ._token import Token, check_token
@@ -38,7 +38,8 @@ def _abstract_eval(x, *, source, tag, comm, status):
 
 def _lowering_rule(ctx, x, *, source, tag, comm, status):
     attrs = {"comm": comm, "source": source, "tag": tag, "status": status}
-    return _lowering.emit(ctx, "recv", [x], attrs=attrs)  # x gives the shape only: no alias
+    # x gives the shape only: no alias.
+    return _lowering.emit(ctx, "recv", [x], attrs=attrs, signature=_check.array(ctx.avals_in[0]))
 
 
 def _batching_rule(args, dims, **params):

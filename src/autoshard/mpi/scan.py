@@ -9,7 +9,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from .._compat import apply_primitive
-from . import _lowering, _sharding, _validation
+from . import _check, _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
 
@@ -30,8 +30,9 @@ def _abstract_eval(x, *, op, comm):
 
 
 def _lowering_rule(ctx, x, *, op, comm):
+    signature = f"{_check.array(ctx.avals_in[0])}, op={_validation.op_name(op)}"
     return _lowering.emit(ctx, "scan", [x], attrs={"comm": comm, "op": op},
-                          aliases={0: 0})  # in place (MPI_IN_PLACE)
+                          signature=signature, aliases={0: 0})  # in place (MPI_IN_PLACE)
 
 
 def _batching_rule(args, dims, **params):

@@ -9,7 +9,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from .._compat import apply_primitive
-from . import _lowering, _sharding, _validation
+from . import _check, _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
 
@@ -42,7 +42,10 @@ def _abstract_eval(x, *, root, comm, is_root):
 
 def _lowering_rule(ctx, x, *, root, comm, is_root):
     aliases = None if is_root else {0: 0}
-    return _lowering.emit(ctx, "scatter", [x], attrs={"comm": comm, "root": root}, aliases=aliases)
+    # The piece each rank gets: the root's operand has one more (leading) dim.
+    piece = _check.array(ctx.avals_out[0])
+    return _lowering.emit(ctx, "scatter", [x], attrs={"comm": comm, "root": root},
+                          signature=f"{piece} per rank, root={root}", aliases=aliases)
 
 
 def _batching_rule(args, dims, **params):

@@ -9,7 +9,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from .._compat import apply_primitive
-from . import _lowering, _validation
+from . import _check, _lowering, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
 
@@ -32,7 +32,8 @@ def _abstract_eval(x, *, dest, tag, comm):
 
 
 def _lowering_rule(ctx, x, *, dest, tag, comm):
-    return _lowering.emit(ctx, "send", [x], attrs={"comm": comm, "dest": dest, "tag": tag})
+    return _lowering.emit(ctx, "send", [x], attrs={"comm": comm, "dest": dest, "tag": tag},
+                          signature=_check.array(ctx.avals_in[0]))
 
 
 def _batching_rule(args, dims, **params):

@@ -9,7 +9,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from .._compat import apply_primitive
-from . import _lowering, _sharding, _validation
+from . import _check, _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._native import MPI
 from ._token import Token, check_token
@@ -49,7 +49,9 @@ def _lowering_rule(ctx, sendbuf, recvbuf, *, source, dest, sendtag, recvtag, com
     # buffers, nothing is copied. Not when recvbuf is sendbuf itself (sendrecv(x, x, ...)):
     # MPI buffers must not overlap, and a fresh result then costs no copy either.
     aliases = None if sendbuf == recvbuf else {1: 0}
-    return _lowering.emit(ctx, "sendrecv", [sendbuf, recvbuf], attrs=attrs, aliases=aliases)
+    sent, received = (_check.array(a) for a in ctx.avals_in)
+    return _lowering.emit(ctx, "sendrecv", [sendbuf, recvbuf], attrs=attrs, aliases=aliases,
+                          signature=f"sendbuf {sent}, recvbuf {received}")
 
 
 def _batching_rule(args, dims, **params):

@@ -7,6 +7,9 @@ Each test uses a communicator of its own: the default check runs the first time 
 makes a call with its arguments on a communicator, so earlier tests must not have made it.
 """
 
+import re
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,6 +175,25 @@ def test_every_call_checks_point_to_point(every_call, fresh, rank, size):
             jax.block_until_ready(mpi.sendrecv(jnp.ones(2, dtype), jnp.ones(2, dtype), peer, peer,
                                                comm=fresh)[0])
     mpi.barrier(comm=fresh)
+
+
+def test_first_call_wait_warns(fresh, rank, capfd):
+    """A rank waiting long in its check says why it may never end (here the other is late)."""
+    mpi.barrier(comm=fresh)  # the communicator's first use, collective, is behind us
+    lib.autoshard_mpi_set_check_warn_ms(300)
+    try:
+        if rank != 0:
+            time.sleep(1.0)
+        y, _ = mpi.allreduce(jnp.ones(7), MPI.SUM, comm=fresh)
+        np.testing.assert_array_equal(y, np.full(7, fresh.Get_size()))
+    finally:
+        lib.autoshard_mpi_set_check_warn_ms(10_000)
+    err = capfd.readouterr().err
+    if rank == 0:
+        assert re.search(r"rank 0 has waited 0\.\d s for the other ranks to check "
+                         r"allreduce\(float32\[7\], op=SUM\).*AUTOSHARD_MPI_CHECK=1", err)
+    else:
+        assert "has waited" not in err
 
 
 def test_environment_variable(monkeypatch):

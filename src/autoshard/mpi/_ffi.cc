@@ -338,7 +338,7 @@ std::atomic<int64_t> g_check_mode{kCheckFirst};
 std::atomic<int64_t> g_num_checks{0};
 std::mutex g_checked_mutex;
 std::set<std::pair<int64_t, int64_t>> g_checked;  // (check communicator, signature hash)
-constexpr std::chrono::seconds kCheckWarnAfter{10};
+std::atomic<int64_t> g_check_warn_ms{10000};  // see AwaitCheck
 constexpr size_t kSignatureBytes = 200;  // a signature's text, as exchanged (truncated)
 
 struct Signature {
@@ -375,17 +375,18 @@ ffi::Error AwaitCheck(MPI_Request* request, MPI_Comm check, const Signature& sig
     if (done) return ffi::Error::Success();
     if (polls < 4096) continue;  // the others are usually there within microseconds
     std::this_thread::sleep_for(std::chrono::microseconds(100));
-    if (!warned && Clock::now() - start > kCheckWarnAfter) {
+    const auto waited = std::chrono::duration<double>(Clock::now() - start).count();
+    if (!warned && waited * 1000 > static_cast<double>(g_check_warn_ms.load())) {
       warned = true;
       std::fprintf(stderr,
-                   "autoshard.mpi: rank %d has waited %lld s for the other ranks to check "
+                   "autoshard.mpi: rank %d has waited %.1f s for the other ranks to check "
                    "%.*s before making the call. A rank still busy (compiling, computing) "
                    "ends this wait. A rank that already went past this point with other "
                    "arguments does not: AUTOSHARD_MPI_CHECK is 'first' (the default), which "
                    "skips the check of a call a rank has made before with the same "
                    "arguments; run with AUTOSHARD_MPI_CHECK=1 to check every call and get an "
                    "error naming every rank's arguments instead of this deadlock.\n",
-                   CommRank(check), static_cast<long long>(kCheckWarnAfter.count()),
+                   CommRank(check), waited,
                    static_cast<int>(sig.text.size()), sig.text.data());
       std::fflush(stderr);
     }
@@ -1111,6 +1112,9 @@ void autoshard_mpi_set_debug(int64_t on) { g_debug.store(on != 0); }
 // How calls are checked for agreement between ranks: 0 off, 1 first call, 2 every call
 // (AUTOSHARD_MPI_CHECK; see "argument checks").
 void autoshard_mpi_set_check(int64_t mode) { g_check_mode.store(mode); }
+
+// After how long a rank waiting in a check warns (10 s by default; see AwaitCheck).
+void autoshard_mpi_set_check_warn_ms(int64_t ms) { g_check_warn_ms.store(ms); }
 
 // Argument checks this process has exchanged so far.
 int64_t autoshard_mpi_num_checks() { return g_num_checks.load(); }

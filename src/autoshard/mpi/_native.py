@@ -44,6 +44,7 @@ lib.autoshard_mpi_set_huge_pages.argtypes = [ctypes.c_int64]
 lib.autoshard_mpi_num_collapsed.restype = ctypes.c_int64
 lib.autoshard_mpi_num_checks.restype = ctypes.c_int64
 lib.autoshard_mpi_set_check.argtypes = [ctypes.c_int64]
+lib.autoshard_mpi_set_check_warn_ms.argtypes = [ctypes.c_int64]
 CHECK_MODES = {"off": 0, "first": 1, "every": 2}  # enum CheckMode in _ffi.cc
 # When the ranks compare their arguments before a call (AUTOSHARD_MPI_CHECK, see _check.py).
 lib.autoshard_mpi_set_check(CHECK_MODES[_config.check()])

@@ -40,8 +40,8 @@ from ._walk import INLINE_CALLS, body_of
 
 MEAN, SUM, SAME, STAT, OTHER = "mean", "sum", "same", "statistic", "other"
 ROWS = "rows"
-"""A marked value with one entry per row (aux logits): the micro-batches' values concatenated
-in row order, for a method whose update runs on the whole batch (pipelines)."""
+"""A marked value with one entry per row (aux logits): the micro-batches' values joined in row
+order for the update after the gradient, which then runs on the whole batch (``after_grad``)."""
 
 _PASS = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims", "copy",
                    "copy_p", "pipeline_marker", "reduce_precision", "broadcast_in_dim",
@@ -79,16 +79,16 @@ def resolve(closed, *, batch_invars, num_micro_batches: int, aliases=(), whole_b
         if k == 1:
             resolved.append(MEAN)
             continue
-        kind = SAME if _is_constant(v, jaxpr) else kinds.of(v)
-        if is_rows(kind):  # concatenated in row order where the method can (pipelines)
-            resolved.append(ROWS)
-            continue
-        if kind == SAME and _is_constant(v, jaxpr):
+        if _is_constant(v, jaxpr):
             whole = whole if whole is not None else whole_batch()
             kind = _constant_kind(v, i, closed, whole, cut, k)
+        else:
+            kind = kinds.of(v)
+        if is_rows(kind):  # joined in row order for the update after the gradient
+            resolved.append(ROWS)
+            continue
         dtype = v.aval.dtype
-        if kind in (MEAN, SAME, STAT) and not jnp.issubdtype(dtype, jnp.inexact) and (
-                kind != SAME):
+        if kind in (MEAN, STAT) and not jnp.issubdtype(dtype, jnp.inexact):
             kind = OTHER
         if kind == OTHER and jnp.issubdtype(dtype, jnp.integer):
             kind = SUM  # an integer computed from the rows: a count

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from . import combine
 from ._compat import Literal, Var, source_line
@@ -165,8 +165,7 @@ def loop_costs(closed, batch_invars: Sequence[bool], num_micro_batches: int,
         return {}
     pre = jaxpr.eqns[:cut]
     batch_vars = {v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b}
-    random_outs = {o for e in pre if draws_random(e) for o in e.outvars}
-    per_batch = dependents(pre, batch_vars | random_outs)
+    per_batch = per_micro_batch(pre, batch_vars)
     looped = [i for i, e in enumerate(pre) if any(o in per_batch for o in e.outvars)]
     producer = {o: i for i, e in enumerate(pre) for o in e.outvars}
     in_loop = set(looped)
@@ -202,13 +201,12 @@ def loop_bytes(closed, plan, num_micro_batches: int) -> int:
         return 0
     sizes = plan.mesh_sizes
     specs = dict(plan.intermediates)
-    producer = {o: (i, j) for i, e in enumerate(closed.jaxpr.eqns[:cut])
-                for j, o in enumerate(e.outvars)}
     extra = 0
-    for v in closed.jaxpr.eqns[cut].invars:
+    for v, key in zip(closed.jaxpr.eqns[cut].invars, marked_sites(closed.jaxpr, cut),
+                      strict=True):
         if not isinstance(v, Var):
             continue
-        spec = specs.get(site((producer[v][0],), producer[v][1])) if v in producer else None
+        spec = None if key is None else specs.get(key)
         shards = 1 if spec is None else math.prod(
             sizes[a] for entry in spec for a in spec_axes(entry))
         itemsize = jnp.dtype(_acc_dtype(v.aval.dtype)).itemsize
@@ -216,12 +214,27 @@ def loop_bytes(closed, plan, num_micro_batches: int) -> int:
     return extra
 
 
+def per_micro_batch(pre, batch_vars) -> set:
+    """Variables before the marker that differ from one micro-batch to the next: computed
+    from the batch, or drawn at random (each micro-batch draws its own)."""
+    return dependents(pre, set(batch_vars) | {o for e in pre if draws_random(e)
+                                              for o in e.outvars})
+
+
+def marked_sites(jaxpr, cut) -> list:
+    """Per marked value, the plan's site of the top-level equation output it is (None for a
+    literal or an input)."""
+    producer = {o: (i, j) for i, e in enumerate(jaxpr.eqns[:cut])
+                for j, o in enumerate(e.outvars)}
+    return [site((producer[v][0],), producer[v][1]) if isinstance(v, Var) and v in producer
+            else None for v in jaxpr.eqns[cut].invars]
+
+
 def _reads_whole_batch(jaxpr, pre, post, marker, batch_vars) -> bool:
     """Whether the part after the marker reads the batch, a per-row marked value or a value
     computed from the batch (or drawn at random: the loop draws per micro-batch) that skips
     the marker: then it runs on the whole batch."""
-    per_batch = dependents(pre, batch_vars | {o for e in pre if draws_random(e)
-                                              for o in e.outvars})
+    per_batch = per_micro_batch(pre, batch_vars)
     reads = used_vars(post) | {v for v in jaxpr.outvars if isinstance(v, Var)}
     rows = {o for o, r in zip(marker.outvars, reductions_of(marker), strict=True)
             if r == combine.ROWS}
@@ -262,16 +275,12 @@ class _Loop:
         """Per-row values the loop also returns, joined in row order: (variable, row dim)."""
         self.batch_invars = batch_invars
         self.batch_vars = [v for v, b in zip(jaxpr.invars, batch_invars, strict=True) if b]
-        random_outs = {o for e in pre if draws_random(e) for o in e.outvars}
-        per_batch = dependents(pre, set(self.batch_vars) | random_outs)
+        per_batch = per_micro_batch(pre, self.batch_vars)
         self.looped_at = [i for i, e in enumerate(pre) if any(o in per_batch for o in e.outvars)]
         self.hoisted_at = [i for i, e in enumerate(pre) if i not in set(self.looped_at)]
         self.looped = [pre[i] for i in self.looped_at]
         self.hoisted = [pre[i] for i in self.hoisted_at]
-        producer = {o: (i, j) for i, e in enumerate(pre) for j, o in enumerate(e.outvars)}
-        self.marked_sites = [site((producer[v][0],), producer[v][1])
-                             if isinstance(v, Var) and v in producer else None
-                             for v in marker.invars]
+        self.marked_sites = marked_sites(jaxpr, len(pre))
         self.batch_at = [n for n, b in enumerate(batch_invars) if b]
         needed = used_vars(self.looped) | {v for v in marker.invars if isinstance(v, Var)} | {
             v for v, _ in self.rows}
@@ -341,7 +350,7 @@ class _Loop:
         xs = [jnp.moveaxis(m, 1, 0) for m in micro]
         init = [jnp.zeros(v.aval.shape, _acc_dtype(v.aval.dtype)) for v in self.marker.invars]
         if pinned is not None:
-            xs = [self._pin_rows(pinned, n, x, stacked=True)
+            xs = [pinned.pin_input(n, x, stacked=True)
                   for n, x in zip(self.batch_at, xs, strict=True)]
             init = self._pin_marked(pinned, init)
 
@@ -351,7 +360,7 @@ class _Loop:
             kinds = {}
             if pinned is not None:  # the plan of one micro-batch's step places every value
                 for n, v, x in zip(self.batch_at, self.batch_vars, rows, strict=True):
-                    env[v] = self._pin_rows(pinned, n, x)
+                    env[v] = pinned.pin_input(n, x)
                 pinned.run(self.jaxpr, self.looped_at, env, fold_keys(j))
             else:
                 for v, x in zip(self.batch_vars, rows, strict=True):
@@ -377,15 +386,6 @@ class _Loop:
 
         total, ys = lax.scan(body, init, (jnp.arange(self.k), xs))
         return total, ys
-
-    def _pin_rows(self, pinned: PlanEvaluator, n: int, x, stacked: bool = False):
-        """Micro-batch rows of batch input ``n`` with the plan's spec of that input (planned
-        for one micro-batch; ``stacked``: all micro-batches along a new leading dim)."""
-        spec = tuple(pinned.pins_input_spec(n))
-        if stacked:
-            spec = (None,) + spec
-        return lax.with_sharding_constraint(
-            x, NamedSharding(self.hooks.mesh, PartitionSpec(*spec)))
 
     def _pin_marked(self, pinned: PlanEvaluator, values):
         """Accumulators with the plan's spec of the marked value each one sums."""
@@ -419,8 +419,7 @@ def _acc_dtype(dtype):
 
 
 def _check_split(jaxpr, pre, post, marker, batch_vars, batch_paths, whole_update=False):
-    per_batch = dependents(pre, batch_vars | {o for e in pre if draws_random(e)
-                                              for o in e.outvars})
+    per_batch = per_micro_batch(pre, batch_vars)
     for i, (v, r) in enumerate(zip(marker.invars, reductions_of(marker), strict=True)):
         if r == combine.ROWS:
             if whole_update:

@@ -123,10 +123,6 @@ class PlanEvaluator:
         self._apply = _Apply(self.pins)
         self._in_specs = plan.in_specs
 
-    def pins_input_spec(self, n: int) -> PartitionSpec:
-        """The plan's spec of flat input ``n``."""
-        return self._in_specs[n]
-
     def run(self, jaxpr, indices, env: dict, key_hook: Callable | None = None) -> None:
         """Evaluate ``jaxpr.eqns[i]`` for ``i`` in ``indices`` on ``env`` (var -> value).
 
@@ -147,19 +143,16 @@ class PlanEvaluator:
             if name.split(":")[0].split("/")[0] in heads:
                 self.pins.used.add(key)
 
-    def pin(self, key: str, x, drop_leading: bool = False):
-        """``x`` with the plan's spec of the value at site ``key`` (``drop_leading``: ``x`` is
-        one slice of a stacked value; the reverse with ``stacked``)."""
-        return self.pins.sliced(key, x, drop_leading=True) if drop_leading else (
-            self.pins.value(key, x))
+    def pin(self, key: str, x):
+        """``x`` with the plan's spec of the value at site ``key``."""
+        return self.pins.value(key, x)
 
-    def stacked(self, key: str, x):
-        """``x`` (a stack of values at site ``key`` along a new leading dim) pinned."""
-        return self.pins.sliced(key, x, drop_leading=False)
-
-    def spec(self, key: str) -> PartitionSpec | None:
-        sharding = self.pins.values.get(key)
-        return None if sharding is None else sharding.spec
+    def pin_input(self, n: int, x, stacked: bool = False):
+        """``x`` with the plan's spec of flat input ``n`` (``stacked``: several values of that
+        input along a new leading dim, e.g. every micro-batch of a batch input)."""
+        spec = tuple(self._in_specs[n])
+        return lax.with_sharding_constraint(x, NamedSharding(
+            self.pins.mesh, PartitionSpec(*(((None,) + spec) if stacked else spec))))
 
     def finish(self) -> None:
         self.pins.check_all_used()

@@ -20,6 +20,8 @@ Rules cover what a per-device training step runs: elementwise ops, layout change
 convolutions (grouped, depthwise, and the weight-gradient convolutions whose contraction over
 the rows is partial), pooling windows and their transposes, reductions, cumulative ops, sorts
 and top-k within a row, gathers and scatters by row indices, and dynamic slices.
+The kinds live in ``_local_kinds``; the rules for loops, for windows and convolutions, and for
+indexing in the mixins ``_local_loops``, ``_local_windows`` and ``_local_index``.
 """
 
 from __future__ import annotations
@@ -27,24 +29,15 @@ from __future__ import annotations
 import copy
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._compat import Literal, Var, bind_eqn
+from ._compat import bind_eqn
+from ._local_index import IndexRules
+from ._local_kinds import P, R, is_split, one_split, split
+from ._local_loops import LoopRules
+from ._local_windows import WindowRules, bind_conv
 from ._walk import INLINE_CALLS, Walker
-
-R = "R"
-P = "P"
-
-
-def split(d: int):
-    return ("S", d)
-
-
-def is_split(kind) -> bool:
-    return isinstance(kind, tuple)
-
 
 ELEMENTWISE = frozenset("""
 add add_any sub mul div max min pow neg exp exp2 log log1p expm1 tanh logistic sin cos tan abs sign
@@ -65,7 +58,7 @@ AXIS_OPS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "ax
             "argmax": "axes", "argmin": "axes", "top_k": "axis"}
 
 
-class LocalEval(Walker):
+class LocalEval(LoopRules, WindowRules, IndexRules, Walker):
     """Evaluates equations on local values with kinds, over the manual ``axes`` of ``size``.
 
     A walked value is an ``(array, kind)`` pair; calls are inlined (their bodies keep kinds),
@@ -279,7 +272,7 @@ class LocalEval(Walker):
         along = set(along) if isinstance(along, tuple | list) else {along}
         if name == "cumsum" and ks[0] == P:
             return bind_eqn(e, ins)[0], P
-        kind = _one_split(ks)
+        kind = one_split(ks)
         if kind is None or kind[1] in along:
             return None
         d = kind[1]
@@ -313,33 +306,6 @@ class LocalEval(Walker):
         if not is_split(ks[0]) or ks[0][1] == e.params["axis"]:
             return None
         return bind_eqn(e, ins), [ks[0]] * len(e.outvars)
-
-    def _dynamic_slice(self, e, ins, ks):
-        x, kx, idx = ins[0], ks[0], ks[1:]
-        if any(k != R for k in idx):
-            return None
-        if kx == P:
-            return bind_eqn(e, ins)[0], P
-        d = kx[1]
-        sizes = list(e.params["slice_sizes"])
-        if sizes[d] != e.invars[0].aval.shape[d]:
-            return None  # a slice of the rows: its start clamps to 0 only when it takes all
-        sizes[d] = x.shape[d]
-        return lax.dynamic_slice(x, ins[1:], sizes), kx
-
-    def _dynamic_update_slice(self, e, ins, ks):
-        (x, upd), (kx, ku), idx = ins[:2], ks[:2], ks[2:]
-        if any(k != R for k in idx):
-            return None
-        if P in (kx, ku):  # linear in (operand, update) together
-            if is_split(kx) or is_split(ku):
-                return None
-            return bind_eqn(e, [self.to_p(x, kx), self.to_p(upd, ku)] + ins[2:])[0], P
-        kind = _one_split((kx, ku))
-        if kind is None or e.invars[1].aval.shape[kind[1]] != e.invars[0].aval.shape[kind[1]]:
-            return None  # an update of some rows only
-        d = kind[1]
-        return bind_eqn(e, [self.to_split(x, kx, d), self.to_split(upd, ku, d)] + ins[2:])[0], kind
 
     def _slice(self, e, ins, ks):
         if ks[0] == P:
@@ -376,210 +342,6 @@ class LocalEval(Walker):
         if tuple(e.params["padding_config"][d]) != (0, 0, 0):
             return None
         return bind_eqn(e, ins)[0], ks[0]
-
-    # Loops ------------------------------------------------------------------------------------
-    def _scan(self, e, ins, ks):
-        """A scan over a dim other than the rows (time steps of an RNN): the body runs on each
-        device's rows."""
-        p = e.params
-        nc, ncar = p["num_consts"], p["num_carry"]
-        consts, init, xs = list(ins[:nc]), ins[nc:nc + ncar], list(ins[nc + ncar:])
-        const_kinds, init_kinds, xs_kinds = list(ks[:nc]), ks[nc:nc + ncar], ks[nc + ncar:]
-        if split(0) in xs_kinds:
-            return self._scan_rows(e, ins, ks)
-        x_kinds = [split(k[1] - 1) if is_split(k) else k for k in xs_kinds]
-
-        def run(carry, carry_kinds, x, gathered):
-            return self._run_body(p["jaxpr"], consts + list(carry) + list(x),
-                                  const_kinds + carry_kinds + x_kinds, gathered)
-        x_avals = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
-        carry_kinds = self._stable_carries(
-            init, init_kinds, lambda c, kinds, x: run(c, kinds, x, set())[:ncar], x_avals)
-        if carry_kinds is None:
-            return None
-        gathered, ys_kinds = set(), []
-
-        def step(carry, x):
-            outs = run(carry, carry_kinds, x, gathered)
-            ys_kinds[:] = [k for _, k in outs[ncar:]]
-            return ([self.to_kind(v, k, c) for (v, k), c in zip(
-                outs[:ncar], carry_kinds, strict=True)], [v for v, _ in outs[ncar:]])
-        carry, ys = lax.scan(step, self._converted(init, init_kinds, carry_kinds), xs,
-                             length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
-        self.gathered |= gathered
-        out_kinds = carry_kinds + [split(k[1] + 1) if is_split(k) else k for k in ys_kinds]
-        return list(carry) + list(ys), out_kinds
-
-    def _while(self, e, ins, ks):
-        """A while loop whose condition reads no rows: the body runs on each device's rows."""
-        p = e.params
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        cond_consts, body_consts, init = list(ins[:cn]), list(ins[cn:cn + bn]), ins[cn + bn:]
-        cond_kinds, body_kinds, init_kinds = list(ks[:cn]), list(ks[cn:cn + bn]), ks[cn + bn:]
-
-        def run(carry, carry_kinds, gathered):
-            return self._run_body(p["body_jaxpr"], body_consts + list(carry),
-                                  body_kinds + carry_kinds, gathered)
-
-        def test(carry, carry_kinds, gathered):
-            return self._run_body(p["cond_jaxpr"], cond_consts + list(carry),
-                                  cond_kinds + carry_kinds, gathered)[0]
-        carry_kinds = self._stable_carries(init, init_kinds,
-                                           lambda c, kinds, _: run(c, kinds, set()))
-        if carry_kinds is None:
-            return None
-        verdict = []
-        jax.eval_shape(lambda c: verdict.append(test(self._converted(
-            c, init_kinds, carry_kinds), carry_kinds, set())[1]), list(init))
-        if verdict != [R]:
-            return None  # the condition depends on the rows
-        gathered: set[str] = set()
-
-        def body(carry):
-            return [self.to_kind(v, k, c) for (v, k), c in zip(
-                run(carry, carry_kinds, gathered), carry_kinds, strict=True)]
-        out = lax.while_loop(lambda c: test(c, carry_kinds, gathered)[0], body,
-                             self._converted(init, init_kinds, carry_kinds))
-        self.gathered |= gathered
-        return list(out), carry_kinds
-
-    def _cond(self, e, ins, ks):
-        """Branches chosen by a whole index: each runs on each device's rows."""
-        if ks[0] != R:
-            return None
-        branches, ops, op_kinds = e.params["branches"], list(ins[1:]), list(ks[1:])
-        kinds = None
-        for branch in branches:
-            found = []
-            jax.eval_shape(lambda *a, branch=branch, found=found: found.extend(
-                k for _, k in self._run_body(branch, list(a), op_kinds, set())), *ops)
-            kinds = found if kinds is None else [_join(a, b) for a, b in zip(
-                kinds, found, strict=True)]
-        if None in kinds:
-            return None
-        gathered: set[str] = set()
-        fns = [lambda *a, branch=branch: [self.to_kind(v, k, t) for (v, k), t in zip(
-            self._run_body(branch, list(a), op_kinds, gathered), kinds, strict=True)]
-            for branch in branches]
-        outs = lax.switch(ins[0], fns, *ops)
-        self.gathered |= gathered
-        return list(outs), kinds
-
-    def _stable_carries(self, init, init_kinds, natural, extra_avals=()):
-        """Kinds of loop carries that the body keeps: each starts as its initial value's and
-        moves to what the body returns when that costs nothing (whole -> split or partial);
-        None when a carry would need communication every iteration. ``natural(carry,
-        carry_kinds, extra)`` evaluates the body on abstract values."""
-        kinds = list(init_kinds)
-        for _ in range(len(kinds) + 2):  # each round moves a carry away from R
-            returned = []
-
-            def probe(init, extra, kinds=kinds, returned=returned):
-                outs = natural(self._converted(init, init_kinds, kinds), kinds, extra)
-                returned[:] = [k for _, k in outs]
-            jax.eval_shape(probe, list(init), list(extra_avals))
-            joined = [_join(c, r) for c, r in zip(kinds, returned, strict=True)]
-            if None in joined or joined == kinds:
-                return None if None in joined else kinds
-            kinds = joined
-        return None
-
-    def _converted(self, values, kinds, targets):
-        return [self.to_kind(v, k, t) for v, k, t in zip(values, kinds, targets, strict=True)]
-
-    def _scan_rows(self, e, ins, ks):
-        """A scan over the rows themselves: ``lax.map`` over the batch, and its transpose, which
-        adds a term per row into carries. Each device runs its own rows; a carry holds the
-        sum of its rows' terms (partial; the first device also starts from the initial
-        value). Every other operand must be whole."""
-        p = e.params
-        nc, ncar = p["num_consts"], p["num_carry"]
-        xs, xs_kinds = ins[nc + ncar:], ks[nc + ncar:]
-        if any(k != R for k in ks[:nc + ncar]) or any(k not in (R, split(0)) for k in xs_kinds) or (
-                not _accumulators(p["jaxpr"].jaxpr, nc, ncar)):
-            return None
-        xs = [self.to_split(x, k, 0) for x, k in zip(xs, xs_kinds, strict=True)]
-        consts, init = list(ins[:nc]), [self.to_p(x, R) for x in ins[nc:nc + ncar]]
-        whole = [R] * len(ins)  # inside, one row of this device: plain evaluation
-
-        def step(carry, x):
-            outs = self._run_body(p["jaxpr"], consts + list(carry) + list(x), whole,
-                                  self.gathered)
-            return [v for v, _ in outs[:ncar]], [v for v, _ in outs[ncar:]]
-        carry, ys = lax.scan(step, init, xs, length=xs[0].shape[0], reverse=p["reverse"],
-                             unroll=p["unroll"])
-        return list(carry) + list(ys), [P] * ncar + [split(0)] * len(ys)
-
-    def _run_body(self, closed, values, kinds, gathered: set):
-        """(value, kind) of the outputs of a loop body run by a child evaluator."""
-        sub = self.child()
-        jaxpr = closed.jaxpr
-        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(jaxpr.invars, values, strict=True))
-        kind_of = dict(zip(jaxpr.invars, kinds, strict=True))
-        sub.run(jaxpr.eqns, env, kind_of)
-        gathered |= sub.gathered
-        return [(v.val, R) if isinstance(v, Literal) else (env[v], kind_of.get(v, R))
-                for v in jaxpr.outvars]
-
-    # Windows (pooling) and convolutions -------------------------------------------------------
-    def _reduce_window_sum(self, e, ins, ks):
-        if ks[0] == P:
-            return bind_eqn(e, ins)[0], P
-        return self._windowed(e, ins, ks, len(ins))
-
-    def _reduce_window_max(self, e, ins, ks):
-        return self._windowed(e, ins, ks, len(ins))
-
-    _reduce_window_min = _reduce_window_max
-
-    def _reduce_window(self, e, ins, ks):
-        """The general form: operands, then their initial values (scalars)."""
-        return self._windowed(e, ins, ks, len(ins) // 2)
-
-    def _select_and_scatter_add(self, e, ins, ks):
-        """The transpose of max pooling: (cotangent, pooled input) -> input's cotangent."""
-        if ks[0] == P and ks[1] == R:
-            return bind_eqn(e, ins)[0], P
-        return self._windowed(e, ins, ks, 2)
-
-    def _select_and_gather_add(self, e, ins, ks):
-        """The JVP of max pooling: (tangent, input) -> the tangent at each window's max."""
-        return self._select_and_scatter_add(e, ins, ks)
-
-    def _windowed(self, e, ins, ks, num_arrays: int):
-        """A window op whose window is one element wide along the rows: per device."""
-        kind = _one_split(ks[:num_arrays])
-        if kind is None or P in ks or any(k != R for k in ks[num_arrays:]):
-            return None
-        d, p = kind[1], e.params
-        trivial = (p["window_dimensions"][d] == 1 and p["window_strides"][d] == 1
-                   and tuple(p["padding"][d]) == (0, 0)
-                   and p.get("base_dilation", (1,) * (d + 1))[d] == 1)
-        if not trivial:
-            return None
-        ins = [self.to_split(x, k, d) if i < num_arrays else x
-               for i, (x, k) in enumerate(zip(ins, ks, strict=True))]
-        outs = bind_eqn(e, ins)
-        return (outs if e.primitive.multiple_results else outs[0]), kind
-
-    def _conv_general_dilated(self, e, ins, ks):
-        """Rows on the batch dim of the input stay per device; rows on the contracted feature
-        dims of both operands (the kernel's gradient) give a partial sum."""
-        lhs_spec, rhs_spec, out_spec = e.params["dimension_numbers"]
-        groups, batch_groups = e.params["feature_group_count"], e.params["batch_group_count"]
-        (lhs, rhs), (kl, kr) = ins, ks
-        if P in ks:  # bilinear: one partial operand times a replicated one
-            if kl == kr or is_split(kl) or is_split(kr):
-                return None
-            return bind_conv(e, ins), P
-        if kl == split(lhs_spec[0]) and kr == R and batch_groups == 1:
-            return bind_conv(e, ins), split(out_spec[0])
-        rows_l, rows_r = split(lhs_spec[1]), split(rhs_spec[1])
-        if groups == 1 and kl in (R, rows_l) and kr in (R, rows_r):
-            new = [self.to_split(lhs, kl, lhs_spec[1]), self.to_split(rhs, kr, rhs_spec[1])]
-            return bind_conv(e, new), P
-        return None
 
     def _dot_general(self, e, ins, ks):
         (lc, rc), (lb, rb) = e.params["dimension_numbers"]
@@ -624,173 +386,7 @@ class LocalEval(Walker):
             return (out, P) if role == "contract" else (out, split(out_dim(side, d)))
         return None
 
-    def _gather(self, e, ins, ks):
-        (operand, indices), (ko, ki) = ins, ks
-        dn = e.params["dimension_numbers"]
-        if ko == P and ki == R:
-            return bind_eqn(e, ins)[0], P
-        if P in ks:
-            return None
-        nidx = len(e.invars[1].aval.shape)
-        batch_out = [i for i in range(len(e.outvars[0].aval.shape)) if i not in dn.offset_dims]
-        if is_split(ko) and ki == R:
-            od = ko[1]
-            if od in dn.operand_batching_dims:  # indices made whole in the step: slice them
-                ki = split(dn.start_indices_batching_dims[
-                    list(dn.operand_batching_dims).index(od)])
-                indices = self.to_split(indices, R, ki[1])
-            else:  # every row's whole slice along the rows: x[:, i]
-                return self._gather_along_rows(e, operand, indices, od)
-        if not is_split(ki) or ki[1] == nidx - 1:
-            return None
-        d = ki[1]
-        if d in dn.start_indices_batching_dims:  # rows of the operand and of the indices pair
-            od = dn.operand_batching_dims[list(dn.start_indices_batching_dims).index(d)]
-            if ko not in (R, split(od)):
-                return None
-            operand = self.to_split(operand, ko, od)
-        elif ko != R:
-            return None
-        return e.primitive.bind(operand, indices, **e.params), split(batch_out[d])
-
-    def _gather_along_rows(self, e, operand, indices, od):
-        dn, params = e.params["dimension_numbers"], dict(e.params)
-        sizes = list(params["slice_sizes"])
-        if od in dn.collapsed_slice_dims or od in dn.start_index_map or (
-                sizes[od] != e.invars[0].aval.shape[od]):
-            return None
-        kept = [i for i in range(len(sizes))
-                if i not in dn.collapsed_slice_dims and i not in dn.operand_batching_dims]
-        sizes[od] = operand.shape[od]
-        params["slice_sizes"] = tuple(sizes)
-        return e.primitive.bind(operand, indices, **params), split(
-            dn.offset_dims[kept.index(od)])
-
-    def _scatter_rows(self, e, ins, ks):
-        """Any scatter into rows split on a dim the indices do not address: per device."""
-        (operand, indices, updates), (ko, ki, ku) = ins, ks
-        if ki != R or P in (ko, ku):
-            return None
-        dn = e.params["dimension_numbers"]
-        window = [i for i in range(len(e.invars[0].aval.shape))
-                  if i not in dn.inserted_window_dims and i not in dn.operand_batching_dims]
-        if is_split(ko) and ko[1] in window and ko[1] not in dn.scatter_dims_to_operand_dims:
-            od = ko[1]
-            ud = dn.update_window_dims[window.index(od)]
-        elif is_split(ku) and ku[1] in dn.update_window_dims:
-            ud = ku[1]
-            od = window[list(dn.update_window_dims).index(ud)]
-            if od in dn.scatter_dims_to_operand_dims:
-                return None
-        else:
-            return None
-        if e.invars[2].aval.shape[ud] != e.invars[0].aval.shape[od] or (
-                ko not in (R, split(od)) or ku not in (R, split(ud))):
-            return None
-        new = [self.to_split(operand, ko, od), indices, self.to_split(updates, ku, ud)]
-        return bind_eqn(e, new)[0], split(od)
-
-    _scatter = _scatter_mul = _scatter_min = _scatter_max = _scatter_rows
-
-    def _scatter_add(self, e, ins, ks):
-        operand, indices, updates = ins
-        ko, ki, ku = ks
-        dn = e.params["dimension_numbers"]
-        nidx, nupd = len(e.invars[1].aval.shape), len(e.invars[2].aval.shape)
-        scatter_dims = [i for i in range(nupd) if i not in dn.update_window_dims]
-        if ki == R and is_split(ku) and ku[1] in scatter_dims:  # indices made whole in the step
-            ki = split(scatter_dims.index(ku[1]))
-            indices = self.to_split(indices, R, ki[1])
-        elif ki == R and (is_split(ko) or is_split(ku)):
-            return self._scatter_rows(e, ins, ks)
-        if ki == R and ku in (R, P) and ko in (R, P):
-            return bind_eqn(e, [self.to_p(operand, ko), indices, self.to_p(updates, ku)])[0], P
-        if is_split(ki) and ku == R and ki[1] < nidx - 1:  # each device takes its rows' updates
-            ku = split(scatter_dims[ki[1]])
-            updates = self.to_split(updates, R, ku[1])
-        if not (is_split(ki) and is_split(ku)):
-            return None
-        if ki[1] == nidx - 1 or scatter_dims[ki[1]] != ku[1]:
-            return None
-        if _paired(dn.operand_batching_dims, ko[1] if is_split(ko) else -1,
-                   dn.scatter_indices_batching_dims, ki[1]) or (
-                ko == R and ki[1] in dn.scatter_indices_batching_dims):
-            # Row-wise scatter (the transpose of take_along_axis): each row into its own row.
-            d = dn.operand_batching_dims[list(dn.scatter_indices_batching_dims).index(ki[1])]
-            return bind_eqn(e, [self.to_split(operand, ko, d), indices, updates])[0], split(d)
-        if is_split(ko):
-            return None
-        # Each device adds its own rows' updates into its copy: a partial sum of the result.
-        return bind_eqn(e, [self.to_p(operand, ko), indices, updates])[0], P
-
-
-def bind_conv(e, ins):
-    """A ``conv_general_dilated`` equation bound in the canonical dim order (batch, spatial...,
-    feature; kernel spatial..., in, out) between explicit transposes. Inside a ``while`` body
-    XLA:CPU leaves other orders (a kernel gradient's rows-as-features) to a slow naive loop,
-    ~30x slower than the same convolution outside a loop."""
-    lhs, rhs = ins
-    lhs_spec, rhs_spec, out_spec = e.params["dimension_numbers"]
-    nd = len(lhs_spec) - 2
-    spatial = tuple(range(1, nd + 1))
-    canon = lax.ConvDimensionNumbers(lhs_spec=(0, nd + 1) + spatial,
-                                     rhs_spec=(nd + 1, nd) + tuple(range(nd)),
-                                     out_spec=(0, nd + 1) + spatial)
-    if e.params["dimension_numbers"] == canon:
-        return bind_eqn(e, ins)[0]
-    lhs = lax.transpose(lhs, (lhs_spec[0],) + tuple(lhs_spec[2:]) + (lhs_spec[1],))
-    rhs = lax.transpose(rhs, tuple(rhs_spec[2:]) + (rhs_spec[1], rhs_spec[0]))
-    out = e.primitive.bind(lhs, rhs, **dict(e.params, dimension_numbers=canon))
-    back = [0] * (nd + 2)  # canonical dim of each of the equation's output dims
-    back[out_spec[0]], back[out_spec[1]] = 0, nd + 1
-    for i, d in enumerate(out_spec[2:]):
-        back[d] = 1 + i
-    return lax.transpose(out, tuple(back))
-
-
-def _join(carried, returned):
-    """The kind a loop carry keeps when the body returns ``returned`` for ``carried`` (or two
-    branches' outputs share): a whole value gives way (slicing or zeroing it is free), two
-    different splits or a split and a partial cannot be kept without communication (None)."""
-    if carried == returned or returned == R:
-        return carried
-    if carried == R:
-        return returned
-    return None
-
-
-def _accumulators(jaxpr, num_consts: int, num_carry: int) -> bool:
-    """Whether every carry of a scan body only has terms added to it (``c + f(x, consts)``)."""
-    carries = jaxpr.invars[num_consts:num_consts + num_carry]
-    tainted = set(carries)
-    sums = {}
-    for e in jaxpr.eqns:
-        reads = [v for v in e.invars if isinstance(v, Var) and v in tainted]
-        if not reads:
-            continue
-        if e.primitive.name not in ("add", "add_any") or len(reads) != 1 or (
-                reads[0] not in carries):
-            return False
-        sums[e.outvars[0]] = reads[0]
-        tainted.add(e.outvars[0])
-    return [sums.get(v) for v in jaxpr.outvars[:num_carry]] == list(carries) and not any(
-        v in tainted for v in jaxpr.outvars[num_carry:])
-
-
-def _one_split(ks):
-    """The one split kind among ``ks`` (others replicated), or None."""
-    splits = {k for k in ks if is_split(k)}
-    if len(splits) != 1 or any(k != R and not is_split(k) for k in ks):
-        return None
-    return next(iter(splits))
-
 
 def _after_removing(d: int, axes) -> tuple:
     """The split of dim ``d`` once the dims ``axes`` (not ``d``) are reduced away."""
     return split(d - sum(1 for a in axes if a < d))
-
-
-def _paired(operand_dims, d_operand: int, index_dims, d_index: int) -> bool:
-    """Whether operand dim ``d_operand`` and index dim ``d_index`` are one batching pair."""
-    return any(a == d_operand and b == d_index for a, b in zip(
-        operand_dims, index_dims, strict=True))

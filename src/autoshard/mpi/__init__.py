@@ -8,7 +8,10 @@ Importing this package without MPI raises an ImportError naming the missing piec
 (``python -m autoshard.mpi`` prints a diagnosis). Importing it changes nothing else in the
 process: no JAX function and no ``sys.excepthook`` is replaced. To make an uncaught
 exception on one rank abort the whole job, call ``abort_on_uncaught_exception()`` (or set
-AUTOSHARD_MPI_ABORT=1); AUTOSHARD_MPI_DEBUG=1 logs every MPI call (see _native.py).
+AUTOSHARD_MPI_ABORT=1); AUTOSHARD_MPI_DEBUG=1 (or mpi4jax's MPI4JAX_DEBUG=1) logs every MPI call, and
+``set_logging(True)`` turns the log on at run time (see _native.py).
+``autoshard.mpi.notoken`` offers the same operations with mpi4jax 0.8+'s token-free API:
+``import autoshard.mpi.notoken as mpi4jax``.
 Ranks that disagree on a call (operation, root, op, dtype, shape) get an error naming every
 rank's call instead of MPI's undefined behaviour: each collective is checked the first time
 a process makes it with its arguments, AUTOSHARD_MPI_CHECK=1 checks every call (see
@@ -28,6 +31,8 @@ if _install.diagnosing():
 else:
     from . import _config
     from ._native import MPI as _MPI  # noqa: F401  (fails first, with a clear ImportError)
+    from ._native import get_logging as get_logging
+    from ._native import set_logging as set_logging
     from ._runtime import abort_on_uncaught_exception as abort_on_uncaught_exception
     from ._token import Token as Token
     from .allgather import allgather as allgather
@@ -50,6 +55,6 @@ else:
 
     __all__ = [
         "Token", "abort_on_uncaught_exception", "allgather", "allgatherv", "allreduce",
-        "alltoall", "alltoallv", "barrier", "bcast", "gather", "recv", "reduce", "scan",
-        "scatter", "send", "sendrecv",
+        "alltoall", "alltoallv", "barrier", "bcast", "gather", "get_logging", "recv", "reduce",
+        "scan", "scatter", "send", "sendrecv", "set_logging",
     ]

@@ -32,8 +32,12 @@ def _flag(name: str, default: bool = False) -> bool:
 
 
 def debug() -> bool:
-    """AUTOSHARD_MPI_DEBUG=1: log every native MPI call on entry and exit (rank, op, bytes, time)."""
-    return _flag("AUTOSHARD_MPI_DEBUG")
+    """AUTOSHARD_MPI_DEBUG=1: log every native MPI call on entry and exit (rank, op, bytes, time).
+
+    mpi4jax's MPI4JAX_DEBUG=1 is accepted too (either turns the log on); at run time
+    ``set_logging`` (in _native.py) switches it.
+    """
+    return _flag("AUTOSHARD_MPI_DEBUG") or _flag("MPI4JAX_DEBUG")
 
 
 def abort_on_uncaught_exception() -> bool:

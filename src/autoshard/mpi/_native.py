@@ -38,8 +38,28 @@ lib.autoshard_mpi_inflight.restype = ctypes.c_int64
 lib.autoshard_mpi_status_size.restype = ctypes.c_int64
 lib.autoshard_mpi_num_calls.restype = ctypes.c_int64
 lib.autoshard_mpi_set_debug.argtypes = [ctypes.c_int64]
-# AUTOSHARD_MPI_DEBUG=1: every native call logs "r{rank} | {op} {bytes} B ..." on entry and exit.
-lib.autoshard_mpi_set_debug(int(_config.debug()))
+_logging = _config.debug()
+
+
+def set_logging(enable: bool) -> None:
+    """Turns the debug log of every native MPI call on or off (mpi4jax's ``set_logging``).
+
+    Each call then prints "r{rank} | {op} {bytes} B ..." to stderr on entry and on exit. At
+    import the log follows AUTOSHARD_MPI_DEBUG (or mpi4jax's MPI4JAX_DEBUG); see _config.py.
+    """
+    global _logging
+    if not isinstance(enable, (bool, int)):
+        raise TypeError(f"set_logging takes True or False, got {type(enable).__name__} {enable!r}.")
+    _logging = bool(enable)
+    lib.autoshard_mpi_set_debug(int(_logging))
+
+
+def get_logging() -> bool:
+    """Whether the debug log of native MPI calls is on (see ``set_logging``)."""
+    return _logging
+
+
+lib.autoshard_mpi_set_debug(int(_logging))
 lib.autoshard_mpi_set_huge_pages.argtypes = [ctypes.c_int64]
 lib.autoshard_mpi_num_collapsed.restype = ctypes.c_int64
 lib.autoshard_mpi_num_checks.restype = ctypes.c_int64
@@ -79,4 +99,4 @@ for _op in TARGETS:
         target_name(_op), jax.ffi.pycapsule(getattr(lib, target_name(_op))), platform="cpu"
     )
 
-__all__ = ["MPI", "lib", "target_name"]
+__all__ = ["MPI", "get_logging", "lib", "set_logging", "target_name"]

@@ -44,8 +44,13 @@ def op_name(code: int) -> str:
 SUM_CODE = 0
 
 
-def static_int(value, name: str, fn: str, low: int | None = None, high: int | None = None) -> int:
-    """Checks that ``value`` is a concrete Python/NumPy integer (not a tracer)."""
+def static_int(value, name: str, fn: str, low: int | None = None, high: int | None = None,
+               mpi_call: str | None = None) -> int:
+    """Checks that ``value`` is a concrete Python/NumPy integer (not a tracer).
+
+    With ``low`` and ``high`` it is a rank, ``low <= value < high``; ``mpi_call`` names the
+    MPI function a point-to-point rank goes to, for the error (see _rank_error).
+    """
     if isinstance(value, jax_core.Tracer):
         raise TypeError(
             f"{fn}: {name} must be a concrete integer known at trace time, got a traced value "
@@ -56,22 +61,35 @@ def static_int(value, name: str, fn: str, low: int | None = None, high: int | No
         raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__} {value!r}.")
     value = int(value)
     if low is not None and high is not None and not low <= value < high:
-        raise ValueError(
-            f"{fn}: {name} must be a rank of the communicator, 0 <= {name} < {high}, got {value}."
-        )
+        raise ValueError(_rank_error(fn, name, high, value, mpi_call))
     return value
 
 
-def rank_or_any(value, name: str, fn: str, size: int, any_value: int) -> int:
+def _rank_error(fn: str, name: str, size: int, value: int, mpi_call: str | None,
+                alternative: str = "") -> str:
+    """The message for a rank outside the communicator.
+
+    For a point-to-point call it also says what MPI would have done, in mpi4jax's words
+    (whose tests look for them): the call fails at run time and the job aborts.
+    """
+    message = (f"{fn}: {name} must be a rank of the communicator, 0 <= {name} < {size}"
+               f"{alternative}, got {value}.")
+    if mpi_call is not None:
+        message += (
+            f" Checked before anything ran; left to MPI, the call would fail at run time "
+            f"(mpi4jax reports 'r{MPI.COMM_WORLD.Get_rank()} | {mpi_call} returned error code "
+            f"{MPI.ERR_RANK}') and abort the job.")
+    return message
+
+
+def rank_or_any(value, name: str, fn: str, size: int, any_value: int,
+                mpi_call: str | None = None) -> int:
     """Like static_int for a rank or a tag that may also be MPI.ANY_SOURCE / MPI.ANY_TAG."""
     value = static_int(value, name, fn)
     if value == any_value:
         return value
     if size is not None and not 0 <= value < size:
-        raise ValueError(
-            f"{fn}: {name} must be a rank of the communicator, 0 <= {name} < {size}, "
-            f"or MPI.ANY_SOURCE, got {value}."
-        )
+        raise ValueError(_rank_error(fn, name, size, value, mpi_call, ", or MPI.ANY_SOURCE"))
     return value
 
 

@@ -27,8 +27,8 @@ def alltoall(x, *, comm=None, token=None):
     x = jnp.asarray(x)
     if x.ndim == 0 or x.shape[0] != size:
         raise ValueError(
-            f"mpi.alltoall: x must have shape (size, ...) = ({size}, ...), got {x.shape}. "
-            "Put the row for rank i at x[i]."
+            f"mpi.alltoall: x must have shape (nproc, ...) with nproc the communicator size, "
+            f"({size}, ...), got {x.shape}. Put the row for rank i at x[i]."
         )
     return mpi_alltoall_p.bind(x, comm=comm_id(comm)), Token()
 

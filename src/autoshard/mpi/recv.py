@@ -24,7 +24,8 @@ def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None, t
     """
     check_token(token)
     comm = resolve(comm)
-    source = _validation.rank_or_any(source, "source", "mpi.recv", comm.Get_size(), MPI.ANY_SOURCE)
+    source = _validation.rank_or_any(source, "source", "mpi.recv", comm.Get_size(), MPI.ANY_SOURCE,
+                                     mpi_call="MPI_Recv")
     tag = _validation.tag(tag, "tag", "mpi.recv", allow_any=True)
     status_addr = _validation.status_address(status, "mpi.recv")
     y = mpi_recv_p.bind(jnp.asarray(x), source=source, tag=tag, comm=comm_id(comm),

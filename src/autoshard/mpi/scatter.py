@@ -30,8 +30,9 @@ def scatter(x, root, *, comm=None, token=None):
     is_root = comm.Get_rank() == root
     if is_root and (x.ndim == 0 or x.shape[0] != size):
         raise ValueError(
-            f"mpi.scatter: on the root, x must have shape (size, ...) = ({size}, ...), got "
-            f"{x.shape}. Stack one row per rank along the first dim."
+            f"mpi.scatter: on the root (rank {root}) the Scatter input must have shape "
+            f"(nproc, ...) with nproc the communicator size, ({size}, ...), got {x.shape}. "
+            f"Stack one row per rank along the first dim."
         )
     return mpi_scatter_p.bind(x, root=root, comm=comm_id(comm), is_root=is_root), Token()
 

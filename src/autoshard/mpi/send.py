@@ -21,7 +21,8 @@ def send(x, dest, *, tag=0, comm=None, token=None):
     """Sends ``x`` to ``dest`` with ``tag``; returns a token. Never removed as dead code."""
     check_token(token)
     comm = resolve(comm)
-    dest = _validation.static_int(dest, "dest", "mpi.send", 0, comm.Get_size())
+    dest = _validation.static_int(dest, "dest", "mpi.send", 0, comm.Get_size(),
+                                mpi_call="MPI_Send")
     tag = _validation.tag(tag, "tag", "mpi.send")
     mpi_send_p.bind(jnp.asarray(x), dest=dest, tag=tag, comm=comm_id(comm))
     return Token()

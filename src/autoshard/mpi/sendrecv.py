@@ -27,8 +27,9 @@ def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, 
     check_token(token)
     comm = resolve(comm)
     size = comm.Get_size()
-    source = _validation.rank_or_any(source, "source", "mpi.sendrecv", size, MPI.ANY_SOURCE)
-    dest = _validation.static_int(dest, "dest", "mpi.sendrecv", 0, size)
+    source = _validation.rank_or_any(source, "source", "mpi.sendrecv", size, MPI.ANY_SOURCE,
+                                     mpi_call="MPI_Sendrecv")
+    dest = _validation.static_int(dest, "dest", "mpi.sendrecv", 0, size, mpi_call="MPI_Sendrecv")
     sendtag = _validation.tag(sendtag, "sendtag", "mpi.sendrecv")
     recvtag = _validation.tag(recvtag, "recvtag", "mpi.sendrecv", allow_any=True)
     status_addr = _validation.status_address(status, "mpi.sendrecv")

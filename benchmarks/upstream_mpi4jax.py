@@ -1,0 +1,256 @@
+"""mpi4jax 0.9.1's own test suite, unmodified, run against autoshard.mpi.notoken.
+
+    python benchmarks/upstream_mpi4jax.py [--upstream DIR] [--np 1 2 3]
+
+DIR holds mpi4jax's ``tests/``, ``examples/`` and ``pyproject.toml`` at tag v0.9.1 (default
+/work/upstream/mpi4jax; fetch them from github.com/mpi4jax/mpi4jax, they are not part of this
+repository). They are copied to a temporary directory and run as mpi4jax's CI runs them
+(.github/workflows/mpi-tests.yml): ``pytest .`` and ``mpirun -np N pytest .``, here with
+``--oversubscribe --allow-run-as-root`` for N = 2 and 3, each rank on one CPU device.
+
+The one-line alias: a file ``mpi4jax.py`` on PYTHONPATH holding
+``sys.modules["mpi4jax"] = autoshard.mpi.notoken`` (PYTHONPATH also reaches the tests'
+subprocesses). This file doubles as a pytest plugin (``-p upstream_mpi4jax``) that records
+every test's outcome on every rank.
+
+Writes benchmarks/results/upstream_mpi4jax.md: per number of processes the counts, per test
+its outcome, and the reason for every test that does not pass or does not apply. Tests that
+import mpi4jax's private ``mpi4jax._src`` modules (version checks, its type-check decorator,
+its ABI probe, its logging internals) do not apply to a re-implementation and are listed apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results" / "upstream_mpi4jax.md"
+UPSTREAM_TAG = "v0.9.1"
+ALIAS = 'import sys, autoshard.mpi.notoken; sys.modules["mpi4jax"] = autoshard.mpi.notoken\n'
+MPIRUN = ["mpirun", "--oversubscribe", "--allow-run-as-root"]
+TIMEOUT_S = 900  # the whole pytest run at one N (mpi4jax's CI allows 5 minutes)
+
+# Tests that fail on purpose, with the reason (README, "Compatibility").
+ACCEPTED = {
+    "tests/collective_ops/test_sendrecv.py::test_sendrecv_jacfwd": (
+        "expects jax.jacfwd through sendrecv to raise RuntimeError; autoshard.mpi differentiates "
+        "sendrecv in forward mode too (its JVP is a sendrecv of the tangent), so jacfwd returns "
+        "the Jacobian (tests/mpi/test_notoken.py checks its values)"
+    ),
+}
+# Tests that cannot pass at some N with any implementation, with the reason.
+NOT_RUNNABLE = {
+    ("tests/test_examples.py::test_shallow_water_demo", 3): (
+        "mpi4jax's example accepts 1, 2, 4, 6, 8 or 16 processes and raises RuntimeError('Got "
+        "invalid number of MPI processes: 3') at import, for mpi4jax itself as well"
+    ),
+}
+
+
+# --- pytest plugin: loaded in every rank's pytest with -p upstream_mpi4jax -------------------
+
+_outcomes: dict[str, dict] = {}
+
+
+def pytest_runtest_logreport(report):
+    entry = _outcomes.setdefault(report.nodeid, {"outcome": "passed", "detail": ""})
+    if report.skipped and report.when in ("setup", "call"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        entry.update(outcome="skipped", detail=reason.removeprefix("Skipped: "))
+    elif report.failed:
+        entry.update(outcome="failed" if report.when == "call" else "error",
+                     detail=_last_error_line(report))
+
+
+def _last_error_line(report) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(report.longrepr)
+    return " ".join(text.split())[:400]
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("UPSTREAM_MPI4JAX_OUT")
+    if out:
+        from mpi4py import MPI
+
+        path = pathlib.Path(out) / f"rank{MPI.COMM_WORLD.Get_rank()}.json"
+        path.write_text(json.dumps(_outcomes, indent=1))
+
+
+# --- runner ---------------------------------------------------------------------------------
+
+
+def private_tests(tests_dir: pathlib.Path) -> dict[str, str]:
+    """Test functions whose code imports mpi4jax._src: nodeid prefix -> what they import."""
+    found = {}
+    for path in sorted(tests_dir.rglob("test_*.py")):
+        source = path.read_text()
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                segment = ast.get_source_segment(source, node)
+                if "mpi4jax._src" in segment:
+                    names = sorted({line.strip() for line in segment.splitlines()
+                                    if "mpi4jax._src" in line and "import" in line})
+                    rel = path.relative_to(tests_dir.parent).as_posix()
+                    found[f"{rel}::{node.name}"] = "; ".join(f"`{n}`" for n in names)
+    return found
+
+
+def run_suite(upstream: pathlib.Path, num_procs: int, work: pathlib.Path) -> dict[str, list]:
+    """Runs the suite at ``num_procs`` processes; returns nodeid -> [outcome per rank]."""
+    suite = work / f"np{num_procs}"
+    for name in ("tests", "examples"):
+        shutil.copytree(upstream / name, suite / name)
+    shutil.copy(upstream / "pyproject.toml", suite / "pyproject.toml")
+    alias_dir = work / "alias"
+    alias_dir.mkdir(exist_ok=True)
+    (alias_dir / "mpi4jax.py").write_text(ALIAS)
+    out = work / f"out{num_procs}"
+    out.mkdir()
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device per process, as in mpi4jax's CI
+    env["PYTHONPATH"] = os.pathsep.join([str(alias_dir), str(HERE)])
+    env["UPSTREAM_MPI4JAX_OUT"] = str(out)
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+              "upstream_mpi4jax", "--timeout", "120", "."]
+    command = pytest if num_procs == 1 else [*MPIRUN, "-np", str(num_procs), *pytest]
+    proc = subprocess.run(command, cwd=suite, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    (work / f"np{num_procs}.log").write_text(proc.stdout + proc.stderr)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(num_procs)
+             if (out / f"rank{r}.json").exists()]
+    if len(ranks) != num_procs:
+        raise RuntimeError(f"np {num_procs}: {len(ranks)} of {num_procs} ranks reported; log:\n"
+                           f"{(proc.stdout + proc.stderr)[-4000:]}")
+    nodeids = sorted(set().union(*ranks))
+    return {n: [r.get(n, {"outcome": "missing", "detail": ""}) for r in ranks] for n in nodeids}
+
+
+def private_reason(nodeid: str, private: dict[str, str]) -> str | None:
+    base = nodeid.split("[")[0]
+    return private.get(base)
+
+
+def classify(per_rank: list[dict], nodeid: str, num_procs: int) -> tuple[str, str]:
+    """One test at one N: (kind, reason). A test passes if no rank fails and one rank ran it."""
+    outcomes = [r["outcome"] for r in per_rank]
+    bad = [(i, r) for i, r in enumerate(per_rank) if r["outcome"] not in ("passed", "skipped")]
+    if bad:
+        reason = ACCEPTED.get(nodeid) or NOT_RUNNABLE.get((nodeid, num_procs))
+        kind = ("accepted" if nodeid in ACCEPTED else
+                "not runnable" if (nodeid, num_procs) in NOT_RUNNABLE else "failed")
+        detail = "; ".join(f"r{i} {r['outcome']}: {r['detail']}" for i, r in bad)
+        return kind, reason or detail
+    if "passed" in outcomes:
+        return "passed", ""
+    return "skipped", per_rank[0]["detail"]
+
+
+def cell(per_rank: list[dict]) -> str:
+    outcomes = [r["outcome"] for r in per_rank]
+    if len(set(outcomes)) == 1:
+        return outcomes[0]
+    return ", ".join(f"r{i} {o}" for i, o in enumerate(outcomes))
+
+
+def report(results: dict[int, dict], private: dict[str, str], elapsed: dict[int, float]) -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()
+    import jax
+    from mpi4py import MPI
+
+    lines = [
+        "# mpi4jax 0.9.1's test suite through `autoshard.mpi.notoken`",
+        "",
+        f"`python benchmarks/upstream_mpi4jax.py` at autoshard {commit}, "
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC: mpi4jax's `tests/` and "
+        f"`examples/` at tag {UPSTREAM_TAG}, unmodified, run as its CI runs them (`pytest .`, "
+        f"`mpirun -np N pytest .`, one CPU device per process), with one alias on PYTHONPATH "
+        f"(`mpi4jax.py`: `{ALIAS.strip()}`). jax {jax.__version__}, "
+        f"{MPI.Get_library_version().splitlines()[0].strip()}.",
+        "",
+        "A test passes at N processes when it fails on no rank and runs on at least one (mpi4jax's",
+        "own `skipif` conditions skip some tests on some ranks, e.g. sendrecv beyond rank 1);",
+        "`skipped` means upstream skips it on every rank at that N (send/recv need 2 processes).",
+        "Applicable: every test except those importing mpi4jax's private `mpi4jax._src`.",
+        "",
+        "| processes | collected | applicable | passed | skipped by upstream | passed or skipped |"
+        " accepted difference | not runnable at N | failed | seconds |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    kinds = {}
+    for n, tests in results.items():
+        kinds[n] = {nodeid: classify(per_rank, nodeid, n) for nodeid, per_rank in tests.items()
+                    if private_reason(nodeid, private) is None}
+        counts = {k: sum(1 for kind, _ in kinds[n].values() if kind == k)
+                  for k in ("passed", "skipped", "accepted", "not runnable", "failed")}
+        lines.append(
+            f"| {n} | {len(tests)} | {len(kinds[n])} | {counts['passed']} | {counts['skipped']} "
+            f"| {counts['passed'] + counts['skipped']} of {len(kinds[n])} | {counts['accepted']} "
+            f"| {counts['not runnable']} | {counts['failed']} | {elapsed[n]:.0f} |")
+    lines += ["", "## Exceptions", ""]
+    for n in results:
+        for nodeid, (kind, reason) in kinds[n].items():
+            if kind in ("accepted", "not runnable", "failed"):
+                lines.append(f"- np {n}, `{nodeid}`: {kind}. {reason}")
+    if all(k not in ("accepted", "not runnable", "failed")
+           for n in kinds for k, _ in kinds[n].values()):
+        lines.append("- none")
+    lines += ["", "## Not applicable: tests of mpi4jax's private modules", ""]
+    all_ids = sorted(set().union(*results.values()))
+    for nodeid in all_ids:
+        why = private_reason(nodeid, private)
+        if why is not None:
+            lines.append(f"- `{nodeid}`: {why}")
+    lines += ["", "## Every test", "",
+              "| test | " + " | ".join(f"np {n}" for n in results) + " |",
+              "|---|" + "---|" * len(results)]
+    for nodeid in all_ids:
+        row = [cell(results[n][nodeid]) if nodeid in results[n] else "-" for n in results]
+        if private_reason(nodeid, private) is not None:
+            row = [f"n/a ({c})" for c in row]
+        lines.append(f"| `{nodeid}` | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--upstream", type=pathlib.Path,
+                        default=pathlib.Path("/work/upstream/mpi4jax"))
+    parser.add_argument("--np", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = parser.parse_args()
+    if not (args.upstream / "tests" / "conftest.py").exists():
+        sys.exit(f"{args.upstream} does not hold mpi4jax's tests/ (tag {UPSTREAM_TAG}); fetch "
+                 f"github.com/mpi4jax/mpi4jax and copy its tests/, examples/ and pyproject.toml "
+                 f"there, or pass --upstream DIR.")
+    private = private_tests(args.upstream / "tests")
+    work = pathlib.Path(tempfile.mkdtemp(prefix="upstream_mpi4jax_"))
+    results, elapsed = {}, {}
+    try:
+        for n in args.np:
+            start = datetime.datetime.now()
+            results[n] = run_suite(args.upstream, n, work)
+            elapsed[n] = (datetime.datetime.now() - start).total_seconds()
+            print(f"np {n}: {len(results[n])} tests in {elapsed[n]:.0f} s", flush=True)
+    finally:
+        if args.keep:
+            print(f"work directory kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    RESULTS.write_text(report(results, private, elapsed))
+    print(RESULTS.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -288,9 +288,10 @@ def test_wrong_per_shard_shape_names_op_and_shapes():
     bad_op.__name__ = "bad_op"
     bad_op.def_partition(partition, sharding_rule="i j -> i j")
     sharding = NamedSharding(mesh_1d(), P("x"))
-    with pytest.raises(Exception, match=r"custom_partitioning 'bad_op': lower_fn returned "
-                                        r"per-shard shapes \[\(16, 4\)\].*global results "
-                                        r"\[\(16, 4\)\] give per-shard shapes \[\(2, 4\)\]"):
+    with pytest.raises(ValueError, match=r"^Mismatch in result shapes\. custom_partitioning "
+                                         r"'bad_op': lower_fn returned per-shard results "
+                                         r"\[float32\[16,4\]\].*global results \[float32\[16,4\]\] "
+                                         r"per-shard results \[float32\[2,4\]\]"):
         jax.jit(bad_op, in_shardings=sharding, out_shardings=sharding)(jnp.ones((16, 4)))
 
 

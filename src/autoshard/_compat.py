@@ -139,6 +139,19 @@ def uses_shardy() -> bool:
     return bool(jax.config.jax_use_shardy_partitioner)
 
 
+def add_compile_error_handler(handler) -> None:
+    """Let ``handler(JaxRuntimeError) -> Exception | None`` replace an XLA compilation error.
+
+    XLA runs the partition callbacks of custom_partitioning while it compiles and turns a
+    Python exception raised there into ``JaxRuntimeError: INTERNAL: custom_partitioner:
+    Traceback ...``. JAX's hook for re-raising a clearer exception instead (it raises the
+    handler's exception ``from`` the runtime error) is private in jax 0.10.
+    """
+    from jax._src import compiler
+
+    compiler.register_xla_runtime_error_handler(handler)
+
+
 # -- autoshard.mpi: narrow lowering hook and token types (jax 0.10) ------------------------------
 # autoshard.mpi patches nothing at import. Its one lowering hook is JAX's lowering event listener
 # (jax._src.util.test_event_listener), set only while a module that holds an MPI call is being

@@ -25,14 +25,27 @@ JAX's), and closes its gaps::
   factor of its rule may be split on a mesh axis (a split reduction factor costs an
   all-reduce; need-replication factors are never split), so the chosen plan keeps operands
   split instead of gathering them.
-* ``partition`` callbacks whose ``lower_fn`` returns the wrong per-shard shape, and rule strings
-  that do not parse, get errors that name the operation, the shapes or the bad character.
+* ``static_argnums`` as in JAX: arguments are bound to ``fun``'s signature with its defaults
+  filled in (so a static argument may be left to its default), and the static values reach the
+  callbacks in the order ``static_argnums`` lists them.
+* Inside a ``shard_map`` that is manual over every mesh axis, the operation runs ``fun`` on the
+  local block and its rule is not applied (as JAX lowers it there).
+* A ``lower_fn`` that returns the wrong per-shard shape raises JAX's ``"Mismatch in result
+  shapes."`` with the operation, the shardings and both shapes; rule strings that do not parse
+  point at the bad character.
+* An exception raised in ``partition``, ``infer_sharding_from_operands`` or
+  ``propagate_user_sharding`` while XLA compiles reaches the caller of ``jax.jit`` as itself,
+  raised from the ``JaxRuntimeError`` XLA makes of it. This is the one hook the module installs:
+  a handler of JAX's compilation errors, registered on the first call of a custom-partitioned
+  operation, that only replaces errors carrying an exception one of these callbacks raised.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,9 +53,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from ._compat import cp_rule_types, is_tracer, uses_shardy
+from ._compat import add_compile_error_handler, cp_rule_types, is_tracer, uses_shardy
 from ._cp_rules import (
     FactorRule,
     from_sdy,
@@ -53,7 +66,43 @@ from ._cp_rules import (
     to_sdy,
 )
 
-_RULE_KWARGS = ("reduction_factors", "need_replication_factors", "permutation_factors")
+# -- exceptions raised in the callbacks while XLA compiles -----------------------------------------
+# XLA turns them into "INTERNAL: custom_partitioner: Traceback ..."; the handler, registered on the
+# first call of an operation, re-raises the Python exception itself. Only the last few are kept.
+_RAISED_IN_XLA: collections.deque[BaseException] = collections.deque(maxlen=8)
+_HANDLER_REGISTERED = False
+
+
+def _reraise_callback_error(err: Exception) -> BaseException | None:
+    text = str(err)
+    if "custom_partitioner" not in text:
+        return None
+    for exc in reversed(_RAISED_IN_XLA):
+        if (str(exc) or type(exc).__name__) in text:
+            _RAISED_IN_XLA.remove(exc)
+            return exc
+    return None
+
+
+def _register_handler() -> None:
+    global _HANDLER_REGISTERED
+    if not _HANDLER_REGISTERED:
+        add_compile_error_handler(_reraise_callback_error)
+        _HANDLER_REGISTERED = True
+
+
+def _surfaced(callback):
+    """``callback``, with what it raises kept for ``_reraise_callback_error``."""
+
+    @functools.wraps(callback)
+    def run(*args, **kwargs):
+        try:
+            return callback(*args, **kwargs)
+        except Exception as exc:
+            _RAISED_IN_XLA.append(exc)
+            raise
+
+    return run
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +142,7 @@ class BoundOp:
     def __repr__(self) -> str:  # part of the planner's cache key: stable, no ids
         return f"autoshard.custom_partitioning({self.name}, static_args={self.static_args!r})"
 
+    @_surfaced
     def __call__(self, mesh, arg_shapes, result_shape):
         got = self.definition.partition(*self.static_args, mesh, arg_shapes, result_shape)
         if not (isinstance(got, (tuple, list)) and len(got) == 4):
@@ -102,24 +152,33 @@ class BoundOp:
         p_mesh, lower_fn, result_shardings, arg_shardings = got
         outs = jax.tree.leaves(result_shape)
         shardings = jax.tree.leaves(result_shardings)
-        expected = [tuple(s.shard_shape(tuple(o.shape))) for s, o in
-                    zip(shardings, outs, strict=False)]
-        specs = [getattr(s, "spec", s) for s in shardings]
+        expected = [_shard_aval(s, o) for s, o in zip(shardings, outs, strict=False)]
 
         def checked_lower_fn(*xs):
-            y = lower_fn(*xs)
-            actual = [tuple(jnp.shape(leaf)) for leaf in jax.tree.leaves(y)]
-            if actual != expected:
-                raise ValueError(
-                    f"custom_partitioning {self.name!r}: lower_fn returned per-shard shapes "
-                    f"{actual}, but result shardings {specs} of the global results "
-                    f"{[tuple(o.shape) for o in outs]} give per-shard shapes {expected}. "
-                    "lower_fn runs on one shard: return arrays of the per-shard shape, or make "
-                    "partition return result shardings that match what lower_fn computes.")
+            try:
+                y = lower_fn(*xs)
+            except Exception as exc:
+                _RAISED_IN_XLA.append(exc)
+                raise
+            actual = [_short(jnp.shape(leaf), jnp.result_type(leaf))
+                      for leaf in jax.tree.leaves(y)]
+            if None not in expected and actual != expected:
+                specs = ", ".join(str(getattr(s, "spec", s)) for s in shardings)
+                err = ValueError(
+                    f"Mismatch in result shapes. custom_partitioning {self.name!r}: lower_fn "
+                    f"returned per-shard results [{', '.join(actual)}], but the result "
+                    f"shardings [{specs}] that partition returned make the global results "
+                    f"[{', '.join(_short(o.shape, o.dtype) for o in outs)}] per-shard results "
+                    f"[{', '.join(expected)}]. lower_fn runs on one shard: return arrays of the "
+                    "per-shard shape, or make partition return result shardings that match what "
+                    "lower_fn computes.")
+                _RAISED_IN_XLA.append(err)
+                raise err
             return y
 
         return p_mesh, checked_lower_fn, result_shardings, arg_shardings
 
+    @_surfaced
     def infer(self, mesh, arg_shapes, result_shape):
         d = self.definition
         if d.infer is not None:
@@ -128,6 +187,7 @@ class BoundOp:
             return infer_from_rule(d.rule, self.name, mesh, arg_shapes, result_shape)
         return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), result_shape)
 
+    @_surfaced
     def propagate(self, mesh, user_shape):
         return self.definition.propagate(*self.static_args, mesh, user_shape)
 
@@ -159,6 +219,27 @@ class BoundOp:
                           self.out["avals"], self.out["tree"])
 
 
+def _short(shape, dtype) -> str:
+    return f"{jnp.dtype(dtype).name}[{','.join(map(str, shape))}]"
+
+
+def _shard_aval(sharding, aval) -> str | None:
+    """The per-shard shape and dtype of ``aval`` under ``sharding`` (None when unknown)."""
+    shape = tuple(aval.shape)
+    if isinstance(sharding, NamedSharding):  # uneven splits round up, as XLA's tiles do
+        mesh_shape = dict(sharding.mesh.shape)
+        spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+        per = []
+        for size, entry in zip(shape, spec, strict=False):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            per.append(-(-size // math.prod(mesh_shape[a] for a in axes)))
+        return _short(per, aval.dtype)
+    try:
+        return _short(sharding.shard_shape(shape), aval.dtype)
+    except Exception:  # noqa: BLE001 -- a sharding we cannot tile: JAX's own check still runs
+        return None
+
+
 class custom_partitioning:  # noqa: N801  (the name of jax.experimental.custom_partitioning)
     """A function with user-given partitioning: ``def_partition``, ``def_vjp``; see the module."""
 
@@ -170,7 +251,7 @@ class custom_partitioning:  # noqa: N801  (the name of jax.experimental.custom_p
             raise TypeError(f"static_argnums ({static_argnums!r}) must be non-negative ints, "
                             "the positions of the static arguments.")
         self.fun = fun
-        self.static_argnums = tuple(sorted(set(nums)))
+        self.static_argnums = nums  # JAX's order: the callbacks get the static args in it
         self._definition: _Definition | None = None
         self._vjp: tuple[Callable, Callable] | None = None
         self.__name__ = getattr(fun, "__name__", "custom_partitioning")
@@ -227,12 +308,15 @@ class custom_partitioning:  # noqa: N801  (the name of jax.experimental.custom_p
         args = _positional(self.fun, args, kwargs)
         for i in self.static_argnums:
             if i >= len(args):
-                raise ValueError(f"static_argnums ({self.static_argnums}) names argument {i}, "
-                                 f"but {name} got {len(args)} arguments.")
+                raise ValueError(
+                    f"static_argnums ({self.static_argnums}) names argument {i}, but {name} got "
+                    f"{len(args)} arguments (with its defaults filled in). Pass argument {i}, "
+                    f"give it a default in {name}'s signature, or drop it from static_argnums.")
             if any(is_tracer(x) for x in jax.tree.leaves(args[i])):
-                raise TypeError(f"argument {i} of custom_partitioning {name!r} is static "
-                                f"(static_argnums={self.static_argnums}) but is a tracer; pass "
-                                "a Python value, or drop it from static_argnums.")
+                raise jax.errors.UnexpectedTracerError(
+                    f"argument {i} of custom_partitioning {name!r} is static (static_argnums="
+                    f"{self.static_argnums}) but is a tracer; pass a Python value, or drop it "
+                    "from static_argnums.")
         static = tuple(args[i] for i in self.static_argnums)
         dyn_pos = [i for i in range(len(args)) if i not in self.static_argnums]
 
@@ -253,6 +337,7 @@ class custom_partitioning:  # noqa: N801  (the name of jax.experimental.custom_p
         return diff(*(args[i] for i in dyn_pos))
 
     def _bind(self, static, full, dyn):
+        _register_handler()
         flat, in_tree = jax.tree.flatten(tuple(dyn))
         bound = BoundOp(self.__name__, self._definition, static,
                         tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
@@ -275,7 +360,9 @@ class custom_partitioning:  # noqa: N801  (the name of jax.experimental.custom_p
                          propagate_user_sharding=bound.propagate if d.propagate else None,
                          decode_shardings=d.decode_shardings, sharding_rule=bound.jax_rule())
         out = op(*dyn)
-        if d.rule is not None:  # a rule that does not fit the shapes fails here, not in XLA
+        # A rule that does not fit the shapes fails here, not in XLA. Inside a shard_map manual
+        # over every axis JAX lowers fun on the local block and never reads the rule.
+        if d.rule is not None and not _in_fully_manual_shard_map():
             resolve(d.rule, [a.shape for a in bound.in_avals],
                     [a.shape for a in bound.out["avals"]], self.__name__)
         return out
@@ -315,12 +402,25 @@ class custom_partitioning:  # noqa: N801  (the name of jax.experimental.custom_p
         return cts
 
 
+def _in_fully_manual_shard_map() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and all(t == AxisType.Manual for t in mesh.axis_types)
+
+
 def _positional(fun, args, kwargs) -> tuple:
-    if not kwargs:
+    """All arguments by position, defaults filled in (JAX's custom_partitioning binds them so)."""
+    try:
+        signature = inspect.signature(fun)
+    except (TypeError, ValueError):  # a callable without a signature: take the call as it is
+        if kwargs:
+            raise TypeError(f"custom_partitioning {getattr(fun, '__name__', fun)!r}: keyword "
+                            f"arguments {sorted(kwargs)} cannot be matched to positions (the "
+                            "function has no signature); pass them positionally.") from None
         return tuple(args)
-    bound = inspect.signature(fun).bind(*args, **kwargs)
+    bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
-    if bound.kwargs:
+    passed = sorted(k for k in bound.kwargs if k in kwargs)  # keyword-only ones left unset keep
+    if passed:                                               # fun's defaults
         raise TypeError(f"custom_partitioning {fun.__name__!r}: keyword-only arguments "
-                        f"{sorted(bound.kwargs)} cannot be passed; make them positional.")
+                        f"{passed} cannot be passed; make them positional.")
     return tuple(bound.args)

@@ -287,3 +287,51 @@ def test_scans_whiles_and_conds_run_on_each_devices_rows():
         return jnp.mean((out - batch[1]) ** 2) + 0.1 * jnp.sum(total) / batch[0].shape[0]
     f = run_against_jit(loss_fn, params, (x, y), k=2)
     assert_rows_stay_local(f)
+
+
+# Sums of one group go together ---------------------------------------------------------------
+class TwoNorms(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x)))
+        h = nn.BatchNorm(use_running_average=False)(nn.Dense(8)(h))
+        return nn.Dense(4)(h)
+
+
+@pytest.mark.parametrize("bundle", [True, False])
+def test_batch_norm_statistics_take_one_reduction_each_way(monkeypatch, bundle):
+    """The mean and the mean of squares of a BatchNorm are summed over the devices in one
+    all-reduce (and the backward's pair in one): 4 reductions per micro-batch for two norms,
+    not 6 (XLA combines only the backward's pairs by itself). Same numbers as jax.jit's micro-batch loop either way."""
+    monkeypatch.setattr(autoshard._local.LocalEval, "bundle_sums", bundle)
+    k, batch = 2, N * 2 * 2
+    model = TwoNorms()
+    x, y = normal(7, (batch, 6)), jnp.arange(batch) % 4
+    variables = model.init(jax.random.key(0), x)
+    loss_fn = resnet_loss(model)
+
+    def step(params, batch_stats, batch):
+        (loss, _), g = autoshard.value_and_grad(loss_fn, has_aux=True, aux_reduction="mean")(
+            params, batch_stats, *batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), loss
+
+    @jax.jit
+    def reference(params, batch_stats, x, y):
+        (loss, _), g = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True),
+                                in_axes=(None, None, 0, 0))(
+            params, batch_stats, x.reshape(-1, k, 6).swapaxes(0, 1),
+            y.reshape(-1, k).swapaxes(0, 1))
+        g = jax.tree.map(lambda g: g.mean(0), g)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), loss.mean()
+
+    f = autoshard.parallelize(step, batch_argnums=(2,),
+                              method=autoshard.DataParallel(num_micro_batches=k))
+    p = q = variables["params"]
+    for _ in range(3):
+        p, loss = f(p, variables["batch_stats"], (x, y))
+        q, ref_loss = reference(q, variables["batch_stats"], x, y)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(p, q, rtol=1e-5, atol=1e-6)
+    inside = [c for c in compiled_collectives(f) if c.in_loop]
+    assert all(c.kind == "all-reduce" for c in inside)
+    assert len(inside) == (4 if bundle else 6), [c.shape for c in inside]

@@ -16,6 +16,12 @@ statistic of the whole micro-batch over all devices, a small value, never the ro
 operation with no rule here gathers its split operands first: correct, only slower
 (``LocalEval.gathered`` names them; the loop warns).
 
+Partial values that will be summed go together: ``run`` first traces the equations once to
+learn which partial values some rule sums (a probe, discarded), then, at the first sum, sums
+every such value already computed in the same ``psum``. BatchNorm's mean and mean of squares
+(and the backward's pair) then cost one reduction, not two in a row: in a micro-batch loop a
+reduction's latency is paid once per micro-batch.
+
 Rules cover what a per-device training step runs: elementwise ops, layout changes, dots and
 convolutions (grouped, depthwise, and the weight-gradient convolutions whose contraction over
 the rows is partial), pooling windows and their transposes, reductions, cumulative ops, sorts
@@ -29,6 +35,7 @@ from __future__ import annotations
 import copy
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -67,19 +74,59 @@ class LocalEval(LoopRules, WindowRules, IndexRules, Walker):
 
     forward_identities = False
 
+    bundle_sums = True
+    """Sum the partial values a run will sum together, at the first of those sums."""
+
     def __init__(self, axes: tuple[str, ...], size: int, key_hook=None):
         self.axes = axes
         self.size = size
         self.key_hook = key_hook
         self.gathered: set[str] = set()
+        self._fresh_sums()
+
+    def _fresh_sums(self, will_sum=frozenset(), probing=False):
+        # Tables keyed by id of a traced value hold the value too (its id stays its own).
+        self._will_sum = will_sum   # vars whose partial value some rule sums (from the probe)
+        self._probing = probing     # recording ``_summed_vars`` instead of bundling
+        self._partials: dict[int, tuple] = {}  # id -> (partial value, its var)
+        self._summed_vars: set = set()
+        self._fed_by: dict = {}  # var of a partial value -> var of the one partial it is from
+        self._pending: dict[int, tuple] = {}   # id -> (partial value, var), to be summed
+        self._summed: dict[int, tuple] = {}    # id -> (partial value, its sum)
 
     # Conversions between kinds ---------------------------------------------------------------
     def to_r(self, x, kind):
         if kind == R:
             return x
         if kind == P:
-            return lax.psum(x, self.axes)
+            return self._sum(x)
         return lax.all_gather(x, self.axes, axis=kind[1], tiled=True)
+
+    def _sum(self, x):
+        """psum of the partial ``x``, with every pending partial value that will be summed."""
+        done = self._summed.get(id(x))
+        if done is not None and done[0] is x:
+            return done[1]
+        if self._probing:
+            known = self._partials.get(id(x))
+            if known is not None and known[0] is x:
+                self._summed_vars.add(known[1])
+        group = [x]
+        if self._pending.get(id(x), (None,))[0] is x:
+            group += [y for y, _ in self._pending.values() if y is not x]
+            self._pending.clear()
+        sums = lax.psum(tuple(group), self.axes)
+        for y, total in zip(group, sums, strict=True):
+            self._summed[id(y)] = (y, total)
+        return sums[0]
+
+    def _summed_of(self, x, kind):
+        """(value, kind) of ``x`` taking a sum already made into account."""
+        if kind == P:
+            done = self._summed.get(id(x))
+            if done is not None and done[0] is x:
+                return done[1], R
+        return x, kind
 
     def to_p(self, x, kind):
         """A replicated value as a partial one: the first device holds it, the others zero."""
@@ -104,19 +151,51 @@ class LocalEval(LoopRules, WindowRules, IndexRules, Walker):
         return self.to_split(x, kind, target[1])
 
     def child(self):
-        """An evaluator for a loop body: the same rules and hooks, its own ``gathered``."""
+        """An evaluator for a loop body: the same rules and hooks, its own ``gathered``; sums
+        inside the body are not bundled (the body is a trace of its own)."""
         sub = copy.copy(self)
         sub.gathered = set()
+        sub.bundle_sums = False
+        sub._fresh_sums()
         return sub
 
     # Walking ---------------------------------------------------------------------------------
     def run(self, eqns, env: dict, kinds: dict):
         """Evaluate ``eqns``: ``env`` maps vars to local arrays, ``kinds`` to their kinds (R
         when absent); both receive the outputs."""
+        self._fresh_sums(self._probe(eqns, env, kinds))
+        self._run(eqns, env, kinds)
+        self._fresh_sums()
+
+    def _run(self, eqns, env: dict, kinds: dict):
         pairs = {v: (x, kinds.get(v, R)) for v, x in env.items()}
         self.run_eqns(eqns, pairs)
         for v, (x, k) in pairs.items():
-            env[v], kinds[v] = x, k
+            env[v], kinds[v] = self._summed_of(x, k)
+
+    def _probe(self, eqns, env: dict, kinds: dict) -> frozenset:
+        """The vars whose partial value some rule sums when ``eqns`` run on these kinds,
+        found by tracing them once on the side (the trace is discarded)."""
+        if not (self.bundle_sums and self.axes):
+            return frozenset()
+        probe = copy.copy(self)
+        probe.gathered = set()
+        probe._fresh_sums(probing=True)
+        jax.make_jaxpr(lambda: probe._run(eqns, dict(env), dict(kinds)) or [])()
+        # A summed partial value computed from one no bigger partial value (BatchNorm's
+        # variance from the mean of squares) is summed as that value, which then goes with
+        # the other sums of its group: same bytes, one reduction fewer in a row.
+        wanted, todo = set(), list(probe._summed_vars)
+        while todo:
+            var = todo.pop()
+            if var not in wanted:
+                wanted.add(var)
+                if var in probe._fed_by:
+                    todo.append(probe._fed_by[var])
+        return frozenset(wanted)
+
+    def lookup(self, env: dict, atom):
+        return self._summed_of(*super().lookup(env, atom))
 
     def literal(self, lit):
         return (lit.val, R)
@@ -129,7 +208,23 @@ class LocalEval(LoopRules, WindowRules, IndexRules, Walker):
         if self.key_hook is not None:
             xs = self.key_hook(e, xs)
         outs, out_kinds = self.eqn(e, xs, ks)
+        for var, x, k in zip(e.outvars, outs, out_kinds, strict=True):
+            if k != P:
+                continue
+            if self._probing:
+                self._partials[id(x)] = (x, var)
+                self._note_source(var, xs, ks)
+            elif var in self._will_sum:
+                self._pending[id(x)] = (x, var)
         return list(zip(outs, out_kinds, strict=True))
+
+    def _note_source(self, var, xs, ks):
+        """In the probe: ``var``'s partial value comes from exactly one partial operand no
+        bigger than it (the others replicated)."""
+        froms = [self._partials.get(id(x)) for x, k in zip(xs, ks, strict=True) if k == P]
+        if len(froms) == 1 and froms[0] is not None and froms[0][0] is xs[ks.index(P)] and (
+                math.prod(froms[0][1].aval.shape) <= math.prod(var.aval.shape)):
+            self._fed_by[var] = froms[0][1]
 
     def eqn(self, e, ins, ks):
         name = e.primitive.name

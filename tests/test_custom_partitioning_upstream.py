@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import autoshard
+from autoshard._cp_errors import reraise_callback_error
 
 CLASSES = {"autoshard": autoshard.custom_partitioning, "jax": jax_cp.custom_partitioning}
 
@@ -222,9 +223,7 @@ def test_exception_in_partition_reaches_the_caller_as_itself():
     with pytest.raises(UserError, match="partition refuses this sharding"):
         jax.jit(op, in_shardings=s, out_shardings=s)(jnp.arange(8.0))
     # Other compilation errors pass through the handler untouched.
-    from autoshard.custom_partitioning import _reraise_callback_error
-
-    assert _reraise_callback_error(RuntimeError("INTERNAL: something else")) is None
+    assert reraise_callback_error(RuntimeError("INTERNAL: something else")) is None
 
 
 # -- a fully manual shard_map: the local block, no rule -----------------------------------------

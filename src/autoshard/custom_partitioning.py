@@ -35,14 +35,14 @@ JAX's), and closes its gaps::
   point at the bad character.
 * An exception raised in ``partition``, ``infer_sharding_from_operands`` or
   ``propagate_user_sharding`` while XLA compiles reaches the caller of ``jax.jit`` as itself,
-  raised from the ``JaxRuntimeError`` XLA makes of it. This is the one hook the module installs:
-  a handler of JAX's compilation errors, registered on the first call of a custom-partitioned
-  operation, that only replaces errors carrying an exception one of these callbacks raised.
+  raised from the ``JaxRuntimeError`` XLA makes of it. This is the one hook the module installs
+  (``_cp_errors``): a handler of JAX's compilation errors, registered on the first call of a
+  custom-partitioned operation, that only replaces errors carrying an exception one of these
+  callbacks raised.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 import math
@@ -55,7 +55,8 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from ._compat import add_compile_error_handler, cp_rule_types, is_tracer, uses_shardy
+from ._compat import cp_rule_types, is_tracer, uses_shardy
+from ._cp_errors import raised_in_xla, register_handler, surfaced
 from ._cp_rules import (
     FactorRule,
     from_sdy,
@@ -65,44 +66,6 @@ from ._cp_rules import (
     resolve,
     to_sdy,
 )
-
-# -- exceptions raised in the callbacks while XLA compiles -----------------------------------------
-# XLA turns them into "INTERNAL: custom_partitioner: Traceback ..."; the handler, registered on the
-# first call of an operation, re-raises the Python exception itself. Only the last few are kept.
-_RAISED_IN_XLA: collections.deque[BaseException] = collections.deque(maxlen=8)
-_HANDLER_REGISTERED = False
-
-
-def _reraise_callback_error(err: Exception) -> BaseException | None:
-    text = str(err)
-    if "custom_partitioner" not in text:
-        return None
-    for exc in reversed(_RAISED_IN_XLA):
-        if (str(exc) or type(exc).__name__) in text:
-            _RAISED_IN_XLA.remove(exc)
-            return exc
-    return None
-
-
-def _register_handler() -> None:
-    global _HANDLER_REGISTERED
-    if not _HANDLER_REGISTERED:
-        add_compile_error_handler(_reraise_callback_error)
-        _HANDLER_REGISTERED = True
-
-
-def _surfaced(callback):
-    """``callback``, with what it raises kept for ``_reraise_callback_error``."""
-
-    @functools.wraps(callback)
-    def run(*args, **kwargs):
-        try:
-            return callback(*args, **kwargs)
-        except Exception as exc:
-            _RAISED_IN_XLA.append(exc)
-            raise
-
-    return run
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +105,7 @@ class BoundOp:
     def __repr__(self) -> str:  # part of the planner's cache key: stable, no ids
         return f"autoshard.custom_partitioning({self.name}, static_args={self.static_args!r})"
 
-    @_surfaced
+    @surfaced
     def __call__(self, mesh, arg_shapes, result_shape):
         got = self.definition.partition(*self.static_args, mesh, arg_shapes, result_shape)
         if not (isinstance(got, (tuple, list)) and len(got) == 4):
@@ -158,7 +121,7 @@ class BoundOp:
             try:
                 y = lower_fn(*xs)
             except Exception as exc:
-                _RAISED_IN_XLA.append(exc)
+                raised_in_xla(exc)
                 raise
             actual = [_short(jnp.shape(leaf), jnp.result_type(leaf))
                       for leaf in jax.tree.leaves(y)]
@@ -172,13 +135,13 @@ class BoundOp:
                     f"[{', '.join(expected)}]. lower_fn runs on one shard: return arrays of the "
                     "per-shard shape, or make partition return result shardings that match what "
                     "lower_fn computes.")
-                _RAISED_IN_XLA.append(ValueError(message))  # unraised: no notes, no frames
+                raised_in_xla(ValueError(message))  # unraised: no notes, no frames
                 raise ValueError(message)
             return y
 
         return p_mesh, checked_lower_fn, result_shardings, arg_shardings
 
-    @_surfaced
+    @surfaced
     def infer(self, mesh, arg_shapes, result_shape):
         d = self.definition
         if d.infer is not None:
@@ -187,7 +150,7 @@ class BoundOp:
             return infer_from_rule(d.rule, self.name, mesh, arg_shapes, result_shape)
         return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), result_shape)
 
-    @_surfaced
+    @surfaced
     def propagate(self, mesh, user_shape):
         return self.definition.propagate(*self.static_args, mesh, user_shape)
 
@@ -337,7 +300,7 @@ class custom_partitioning:  # noqa: N801  (the name of jax.experimental.custom_p
         return diff(*(args[i] for i in dyn_pos))
 
     def _bind(self, static, full, dyn):
-        _register_handler()
+        register_handler()
         flat, in_tree = jax.tree.flatten(tuple(dyn))
         bound = BoundOp(self.__name__, self._definition, static,
                         tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))

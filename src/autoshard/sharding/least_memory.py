@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from scipy.optimize import milp
 
 from . import solver
 from .memory import live_bytes, memory_rows, peak_bytes
@@ -34,6 +33,7 @@ SCALE = 1e3
 
 def least_memory(ilp: Ilp, first: Solution, tradeoff: float) -> Solution:
     """A plan of much less peak memory whose time is within ``tradeoff`` of ``first``'s."""
+    from scipy.optimize import milp  # loads on first use
     prob = ilp.prob
     if tradeoff <= 0 or not first.choice or first.objective_s <= 0:
         return first

@@ -9,7 +9,6 @@ estimate a plan reports (``Executable.audit()`` compares it with XLA's allocatio
 from __future__ import annotations
 
 import numpy as np
-import scipy.sparse as sp
 
 from .problem import Problem, value_bytes
 from .spec import shards
@@ -98,6 +97,7 @@ def memory_rows(prob: Problem, col0, K, total, num_points: int = 48, points=None
     Points: the half with the largest replicated live set, plus evenly spaced ones; or the
     given ``points`` (node indices, ascending), e.g. where a solved plan went over budget.
     """
+    import scipy.sparse as sp  # loads on first use
     spans = liveness(prob)
     n = len(prob.graph.nodes) + 1
     repl = np.zeros(n + 1)

@@ -16,8 +16,6 @@ import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
-import scipy.sparse as sp
-from scipy.optimize import LinearConstraint, milp
 
 from .build import merged_latency, merged_reductions
 from .memory import live_bytes, memory_rows
@@ -124,6 +122,7 @@ class Ilp:
 
 def lp_bound_s(ilp: Ilp) -> float | None:
     """The LP relaxation's objective: a lower bound of every plan of the ILP (cached)."""
+    from scipy.optimize import milp  # scipy loads on the first plan, not on import
     if ilp.lp is None:
         relaxed = milp(ilp.c * OBJECTIVE_SCALE, integrality=np.zeros(ilp.total),
                        bounds=ilp.bounds, constraints=ilp.constraints,
@@ -136,6 +135,8 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
               extra_allowed: dict[int, set[int]] | None = None,
               node_limit: int | None = None) -> Ilp:
     """The ILP of ``prob``: one-hot strategy columns, resharding edges, memory rows."""
+    import scipy.sparse as sp  # scipy loads on the first plan, not on import
+    from scipy.optimize import LinearConstraint
     t0 = time.perf_counter()
     g = prob.graph
     roots = sorted({prob.var(n.id) for n in g.nodes})
@@ -303,6 +304,7 @@ def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:
     without one (an objective row bounded by the cutoff was tried: it made those solves up to
     2x slower).
     """
+    from scipy.optimize import LinearConstraint, milp  # loads on first use
     t0 = time.perf_counter() - ilp.build_s
     prob, c, integrality, bounds = ilp.prob, ilp.c, ilp.integrality, ilp.bounds
     constraints, options, col0, K, roots = (list(ilp.constraints), ilp.options, ilp.col0,

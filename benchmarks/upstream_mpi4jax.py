@@ -1,6 +1,6 @@
 """mpi4jax 0.9.1's own test suite, unmodified, run against autoshard.mpi.notoken.
 
-    python benchmarks/upstream_mpi4jax.py [--upstream DIR] [--np 1 2 3]
+    python benchmarks/upstream_mpi4jax.py [--upstream DIR] [--np 1 2 3] [--reference SITE]
 
 DIR holds mpi4jax's ``tests/``, ``examples/`` and ``pyproject.toml`` at tag v0.9.1 (default
 /work/upstream/mpi4jax; fetch them from github.com/mpi4jax/mpi4jax, they are not part of this
@@ -17,6 +17,10 @@ Writes benchmarks/results/upstream_mpi4jax.md: per number of processes the count
 its outcome, and the reason for every test that does not pass or does not apply. Tests that
 import mpi4jax's private ``mpi4jax._src`` modules (version checks, its type-check decorator,
 its ABI probe, its logging internals) do not apply to a re-implementation and are listed apart.
+
+``--reference SITE``: also run the suite against mpi4jax itself, installed in the directory
+SITE (``pip install --target SITE --no-deps --no-build-isolation mpi4jax==0.9.1.post2``, see
+mk/mpi.mk's mpi4jax target for building its CPU extension), for a comparison column.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -44,12 +49,19 @@ TIMEOUT_S = 900  # the whole pytest run at one N (mpi4jax's CI allows 5 minutes)
 ACCEPTED = {
     "tests/collective_ops/test_sendrecv.py::test_sendrecv_jacfwd": (
         "expects jax.jacfwd through sendrecv to raise RuntimeError; autoshard.mpi differentiates "
-        "sendrecv in forward mode too (its JVP is a sendrecv of the tangent), so jacfwd returns "
-        "the Jacobian (tests/mpi/test_notoken.py checks its values)"
+        "sendrecv in forward mode too (the JVP sends the tangent along with the value), so "
+        "jacfwd returns the forward-mode Jacobian of the program over all ranks, the adjoint of "
+        "reverse mode (tests/mpi/test_notoken.py::test_sendrecv_grad_jacrev_and_jacfwd checks "
+        "its values and the adjointness)"
     ),
 }
 # Tests that cannot pass at some N with any implementation, with the reason.
 NOT_RUNNABLE = {
+    ("tests/collective_ops/test_alltoall.py::test_alltoall_transpose", 3): (
+        "reshapes a (256 // 3, 256) = (85, 256) array to [85, 3, 256 // 3] = [85, 3, 85]: 256 is "
+        "not divisible by 3, so jnp.reshape raises TypeError before any MPI call, for mpi4jax "
+        "itself as well"
+    ),
     ("tests/test_examples.py::test_shallow_water_demo", 3): (
         "mpi4jax's example accepts 1, 2, 4, 6, 8 or 16 processes and raises RuntimeError('Got "
         "invalid number of MPI processes: 3') at import, for mpi4jax itself as well"
@@ -106,31 +118,36 @@ def private_tests(tests_dir: pathlib.Path) -> dict[str, str]:
     return found
 
 
-def run_suite(upstream: pathlib.Path, num_procs: int, work: pathlib.Path) -> dict[str, list]:
-    """Runs the suite at ``num_procs`` processes; returns nodeid -> [outcome per rank]."""
-    suite = work / f"np{num_procs}"
-    for name in ("tests", "examples"):
-        shutil.copytree(upstream / name, suite / name)
+def run_suite(upstream: pathlib.Path, num_procs: int, work: pathlib.Path,
+              reference: pathlib.Path | None = None) -> dict[str, list]:
+    """Runs the suite at ``num_procs`` processes; returns nodeid -> [outcome per rank].
+
+    Through the alias to autoshard.mpi.notoken, or against mpi4jax installed in ``reference``.
+    """
+    name = f"{'mpi4jax' if reference else 'autoshard'}_np{num_procs}"
+    suite = work / name
+    for part in ("tests", "examples"):
+        shutil.copytree(upstream / part, suite / part)
     shutil.copy(upstream / "pyproject.toml", suite / "pyproject.toml")
     alias_dir = work / "alias"
     alias_dir.mkdir(exist_ok=True)
     (alias_dir / "mpi4jax.py").write_text(ALIAS)
-    out = work / f"out{num_procs}"
+    out = work / f"{name}_out"
     out.mkdir()
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one CPU device per process, as in mpi4jax's CI
-    env["PYTHONPATH"] = os.pathsep.join([str(alias_dir), str(HERE)])
+    env["PYTHONPATH"] = os.pathsep.join([str(reference or alias_dir), str(HERE)])
     env["UPSTREAM_MPI4JAX_OUT"] = str(out)
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
               "upstream_mpi4jax", "--timeout", "120", "."]
     command = pytest if num_procs == 1 else [*MPIRUN, "-np", str(num_procs), *pytest]
     proc = subprocess.run(command, cwd=suite, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
-    (work / f"np{num_procs}.log").write_text(proc.stdout + proc.stderr)
+    (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(num_procs)
              if (out / f"rank{r}.json").exists()]
     if len(ranks) != num_procs:
-        raise RuntimeError(f"np {num_procs}: {len(ranks)} of {num_procs} ranks reported; log:\n"
+        raise RuntimeError(f"{name}: {len(ranks)} of {num_procs} ranks reported; log:\n"
                            f"{(proc.stdout + proc.stderr)[-4000:]}")
     nodeids = sorted(set().union(*ranks))
     return {n: [r.get(n, {"outcome": "missing", "detail": ""}) for r in ranks] for n in nodeids}
@@ -141,16 +158,18 @@ def private_reason(nodeid: str, private: dict[str, str]) -> str | None:
     return private.get(base)
 
 
-def classify(per_rank: list[dict], nodeid: str, num_procs: int) -> tuple[str, str]:
+def classify(per_rank: list[dict], nodeid: str, num_procs: int,
+             accepted: dict[str, str]) -> tuple[str, str]:
     """One test at one N: (kind, reason). A test passes if no rank fails and one rank ran it."""
     outcomes = [r["outcome"] for r in per_rank]
     bad = [(i, r) for i, r in enumerate(per_rank) if r["outcome"] not in ("passed", "skipped")]
     if bad:
-        reason = ACCEPTED.get(nodeid) or NOT_RUNNABLE.get((nodeid, num_procs))
-        kind = ("accepted" if nodeid in ACCEPTED else
-                "not runnable" if (nodeid, num_procs) in NOT_RUNNABLE else "failed")
         detail = "; ".join(f"r{i} {r['outcome']}: {r['detail']}" for i, r in bad)
-        return kind, reason or detail
+        if nodeid in accepted:
+            return "accepted", accepted[nodeid]
+        if (nodeid, num_procs) in NOT_RUNNABLE:
+            return "not runnable", NOT_RUNNABLE[nodeid, num_procs]
+        return "failed", detail
     if "passed" in outcomes:
         return "passed", ""
     return "skipped", per_rank[0]["detail"]
@@ -163,7 +182,27 @@ def cell(per_rank: list[dict]) -> str:
     return ", ".join(f"r{i} {o}" for i, o in enumerate(outcomes))
 
 
-def report(results: dict[int, dict], private: dict[str, str], elapsed: dict[int, float]) -> str:
+KINDS = ("passed", "skipped", "accepted", "not runnable", "failed")
+
+
+def count_rows(label: str, results: dict[int, dict], private: dict[str, str],
+               accepted: dict[str, str], elapsed: dict[int, float]):
+    """The counts table's rows for one implementation, and each test's (kind, reason) per N."""
+    rows, kinds = [], {}
+    for n, tests in results.items():
+        kinds[n] = {nodeid: classify(per_rank, nodeid, n, accepted)
+                    for nodeid, per_rank in tests.items()
+                    if private_reason(nodeid, private) is None}
+        c = {k: sum(1 for kind, _ in kinds[n].values() if kind == k) for k in KINDS}
+        rows.append(
+            f"| {label} | {n} | {len(tests)} | {len(kinds[n])} | {c['passed']} | {c['skipped']} "
+            f"| {c['passed'] + c['skipped']} of {len(kinds[n])} | {c['accepted']} "
+            f"| {c['not runnable']} | {c['failed']} | {elapsed[n]:.0f} |")
+    return rows, kinds
+
+
+def report(results: dict[int, dict], private: dict[str, str], elapsed: dict[int, float],
+           reference: dict[int, dict] | None, reference_elapsed: dict[int, float]) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip()
     import jax
@@ -177,46 +216,50 @@ def report(results: dict[int, dict], private: dict[str, str], elapsed: dict[int,
         f"`examples/` at tag {UPSTREAM_TAG}, unmodified, run as its CI runs them (`pytest .`, "
         f"`mpirun -np N pytest .`, one CPU device per process), with one alias on PYTHONPATH "
         f"(`mpi4jax.py`: `{ALIAS.strip()}`). jax {jax.__version__}, "
-        f"{MPI.Get_library_version().splitlines()[0].strip()}.",
+        f"{MPI.Get_library_version().splitlines()[0].split(',')[0].strip()}."
+        + (" The reference rows run the same suite against mpi4jax 0.9.1.post2 itself (PyPI, "
+           "CPU extension built here)." if reference else ""),
         "",
         "A test passes at N processes when it fails on no rank and runs on at least one (mpi4jax's",
         "own `skipif` conditions skip some tests on some ranks, e.g. sendrecv beyond rank 1);",
         "`skipped` means upstream skips it on every rank at that N (send/recv need 2 processes).",
         "Applicable: every test except those importing mpi4jax's private `mpi4jax._src`.",
         "",
-        "| processes | collected | applicable | passed | skipped by upstream | passed or skipped |"
-        " accepted difference | not runnable at N | failed | seconds |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| implementation | processes | collected | applicable | passed | skipped by upstream |"
+        " passed or skipped | accepted difference | cannot pass at N | failed | seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    kinds = {}
-    for n, tests in results.items():
-        kinds[n] = {nodeid: classify(per_rank, nodeid, n) for nodeid, per_rank in tests.items()
-                    if private_reason(nodeid, private) is None}
-        counts = {k: sum(1 for kind, _ in kinds[n].values() if kind == k)
-                  for k in ("passed", "skipped", "accepted", "not runnable", "failed")}
-        lines.append(
-            f"| {n} | {len(tests)} | {len(kinds[n])} | {counts['passed']} | {counts['skipped']} "
-            f"| {counts['passed'] + counts['skipped']} of {len(kinds[n])} | {counts['accepted']} "
-            f"| {counts['not runnable']} | {counts['failed']} | {elapsed[n]:.0f} |")
-    lines += ["", "## Exceptions", ""]
-    for n in results:
-        for nodeid, (kind, reason) in kinds[n].items():
-            if kind in ("accepted", "not runnable", "failed"):
-                lines.append(f"- np {n}, `{nodeid}`: {kind}. {reason}")
-    if all(k not in ("accepted", "not runnable", "failed")
-           for n in kinds for k, _ in kinds[n].values()):
-        lines.append("- none")
+    rows, kinds = count_rows("autoshard.mpi.notoken", results, private, ACCEPTED, elapsed)
+    lines += rows
+    if reference:
+        rows, ref_kinds = count_rows("mpi4jax 0.9.1.post2", reference, private, {},
+                                     reference_elapsed)
+        lines += rows
+    lines += ["", "## Exceptions (autoshard.mpi.notoken)", ""]
+    exceptions = [f"- np {n}, `{nodeid}`: {kind}. {reason}" for n in results
+                  for nodeid, (kind, reason) in kinds[n].items()
+                  if kind in ("accepted", "not runnable", "failed")]
+    lines += exceptions or ["- none"]
+    if reference:
+        lines += ["", "## Exceptions (mpi4jax 0.9.1.post2 itself)", ""]
+        exceptions = [f"- np {n}, `{nodeid}`: {kind}. {reason}" for n in reference
+                      for nodeid, (kind, reason) in ref_kinds[n].items()
+                      if kind in ("not runnable", "failed")]
+        lines += exceptions or ["- none"]
     lines += ["", "## Not applicable: tests of mpi4jax's private modules", ""]
     all_ids = sorted(set().union(*results.values()))
     for nodeid in all_ids:
         why = private_reason(nodeid, private)
         if why is not None:
             lines.append(f"- `{nodeid}`: {why}")
+    columns = [(f"np {n}", results[n]) for n in results]
+    if reference:
+        columns += [(f"mpi4jax np {n}", reference[n]) for n in reference]
     lines += ["", "## Every test", "",
-              "| test | " + " | ".join(f"np {n}" for n in results) + " |",
-              "|---|" + "---|" * len(results)]
+              "| test | " + " | ".join(name for name, _ in columns) + " |",
+              "|---|" + "---|" * len(columns)]
     for nodeid in all_ids:
-        row = [cell(results[n][nodeid]) if nodeid in results[n] else "-" for n in results]
+        row = [cell(tests[nodeid]) if nodeid in tests else "-" for _, tests in columns]
         if private_reason(nodeid, private) is not None:
             row = [f"n/a ({c})" for c in row]
         lines.append(f"| `{nodeid}` | " + " | ".join(row) + " |")
@@ -228,27 +271,36 @@ def main() -> None:
     parser.add_argument("--upstream", type=pathlib.Path,
                         default=pathlib.Path("/work/upstream/mpi4jax"))
     parser.add_argument("--np", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--reference", type=pathlib.Path, default=None,
+                        help="a directory holding mpi4jax 0.9.1 itself, for a comparison column")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args()
     if not (args.upstream / "tests" / "conftest.py").exists():
         sys.exit(f"{args.upstream} does not hold mpi4jax's tests/ (tag {UPSTREAM_TAG}); fetch "
                  f"github.com/mpi4jax/mpi4jax and copy its tests/, examples/ and pyproject.toml "
                  f"there, or pass --upstream DIR.")
+    if args.reference and not (args.reference / "mpi4jax" / "__init__.py").exists():
+        sys.exit(f"--reference {args.reference} does not hold an installed mpi4jax package.")
     private = private_tests(args.upstream / "tests")
     work = pathlib.Path(tempfile.mkdtemp(prefix="upstream_mpi4jax_"))
-    results, elapsed = {}, {}
+    results, elapsed, reference, reference_elapsed = {}, {}, {}, {}
     try:
-        for n in args.np:
-            start = datetime.datetime.now()
-            results[n] = run_suite(args.upstream, n, work)
-            elapsed[n] = (datetime.datetime.now() - start).total_seconds()
-            print(f"np {n}: {len(results[n])} tests in {elapsed[n]:.0f} s", flush=True)
+        for target, into, seconds in [(None, results, elapsed),
+                                      (args.reference, reference, reference_elapsed)]:
+            if into is reference and not args.reference:
+                continue
+            for n in args.np:
+                start = time.monotonic()
+                into[n] = run_suite(args.upstream, n, work, target)
+                seconds[n] = time.monotonic() - start
+                print(f"{'mpi4jax' if target else 'autoshard'} np {n}: {len(into[n])} tests in "
+                      f"{seconds[n]:.0f} s", flush=True)
     finally:
         if args.keep:
             print(f"work directory kept: {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    RESULTS.write_text(report(results, private, elapsed))
+    RESULTS.write_text(report(results, private, elapsed, reference or None, reference_elapsed))
     print(RESULTS.read_text())
 
 

@@ -27,7 +27,8 @@ $(MPI_EXT): $(MPI_SRC) setup.py $(STAMP)
 
 test-mpi: native
 	$(MPI_TIMEOUT) $(MPIRUN) -np 2 $(PY) -m pytest -q -p no:cacheprovider tests/mpi
-	$(MPI_TIMEOUT) $(MPIRUN) -np 3 $(PY) -m pytest -q -p no:cacheprovider tests/mpi/test_roots.py
+	$(MPI_TIMEOUT) $(MPIRUN) -np 3 $(PY) -m pytest -q -p no:cacheprovider tests/mpi/test_roots.py \
+	  tests/mpi/test_notoken.py
 
 # mpi4jax, for the benchmark's comparison column only (never needed by the tests; when it cannot
 # be installed the benchmark prints why and skips the column). Its setup.py builds a CUDA

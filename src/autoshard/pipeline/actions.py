@@ -52,6 +52,17 @@ def _deps(a: Action, num_stages: int, backward_kind: str) -> list[Action]:
 
 
 def dependencies(a: Action, schedule: ScheduleLike) -> list[Action]:
-    """What ``a`` waits for: the previous forward stage, the next backward stage, its own F/Ba."""
-    split = any(x.kind == "Ba" for r in schedule.ranks for x in r)
-    return _deps(a, schedule.num_stages, "Ba" if split else "B")
+    """What ``a`` waits for: the previous forward stage, the next backward stage, its own F/Ba.
+    (Scans the schedule once; ``dependency_table`` answers for every action at once.)"""
+    return _deps(a, schedule.num_stages, backward_kind(schedule))
+
+
+def backward_kind(schedule: ScheduleLike) -> str:
+    """``Ba`` when the schedule splits backwards into Ba and Bw, else ``B``."""
+    return "Ba" if any(x.kind == "Ba" for r in schedule.ranks for x in r) else "B"
+
+
+def dependency_table(schedule: ScheduleLike) -> dict[Action, list[Action]]:
+    """``dependencies`` of every action of ``schedule``, in one pass over it."""
+    kind = backward_kind(schedule)
+    return {a: _deps(a, schedule.num_stages, kind) for r in schedule.ranks for a in r}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from .actions import Action, ScheduleLike, dependencies
+from .actions import Action, ScheduleLike, dependency_table
 
 Costs = Mapping | Callable[[Action], float] | None
 """Per-action costs: None (every action 1), ``{kind: cost}``, ``{(kind, stage): cost}``, or a
@@ -123,35 +123,41 @@ def check_complete(schedule: ScheduleLike) -> None:
 
 
 def simulate(schedule: ScheduleLike, costs: Costs = None) -> Simulation:
-    """Replay ``schedule``; raises ValueError if it is incomplete or deadlocks."""
+    """Replay ``schedule``; raises ValueError if it is incomplete or deadlocks.
+
+    Linear in the number of actions: each action's dependencies are listed once, and a rank
+    that waits is woken by the action it waits for (not found again by rescanning)."""
     check_complete(schedule)
+    deps_of = dependency_table(schedule)
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     nxt = [0] * schedule.num_ranks
     free = [0.0] * schedule.num_ranks
     busy = [0.0] * schedule.num_ranks
-    remaining = sum(len(r) for r in schedule.ranks)
-    while remaining:
-        progressed = False
-        for r, acts in enumerate(schedule.ranks):
-            while nxt[r] < len(acts):
-                a = acts[nxt[r]]
-                deps = dependencies(a, schedule)
-                if any(d not in end for d in deps):
-                    break
-                t0 = max([free[r]] + [end[d] for d in deps])
-                c = cost_of(costs, a)
-                start[a], end[a] = t0, t0 + c
-                free[r] = t0 + c
-                busy[r] += c
-                nxt[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = [str(acts[nxt[r]]) for r, acts in enumerate(schedule.ranks)
-                     if nxt[r] < len(acts)]
-            raise ValueError(f"schedule {schedule.name!r} deadlocks: each rank waits on an "
-                             f"action that never runs first (next actions: {stuck}).")
+    waiting: dict[Action, list[int]] = {}   # an action not run yet -> ranks waiting on it
+    ready = list(range(schedule.num_ranks))
+    while ready:
+        r = ready.pop()
+        acts = schedule.ranks[r]
+        while nxt[r] < len(acts):
+            a = acts[nxt[r]]
+            deps = deps_of[a]
+            missing = next((d for d in deps if d not in end), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(r)
+                break
+            t0 = max([free[r]] + [end[d] for d in deps])
+            c = cost_of(costs, a)
+            start[a], end[a] = t0, t0 + c
+            free[r] = t0 + c
+            busy[r] += c
+            nxt[r] += 1
+            ready.extend(waiting.pop(a, ()))
+    if any(nxt[r] < len(acts) for r, acts in enumerate(schedule.ranks)):
+        stuck = [str(acts[nxt[r]]) for r, acts in enumerate(schedule.ranks)
+                 if nxt[r] < len(acts)]
+        raise ValueError(f"schedule {schedule.name!r} deadlocks: each rank waits on an "
+                         f"action that never runs first (next actions: {stuck}).")
     makespan = max(end.values()) - min(start.values()) if end else 0.0
     return Simulation(schedule=schedule, start=start, end=end, makespan=makespan,
                       busy=tuple(busy), peak_in_flight=_peak_in_flight(schedule, start, end))

@@ -13,7 +13,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from . import _compat, _config
-from ._config import CLUSTERS, Cluster, required_cluster
+from ._config import BACKENDS, Backend, required_cluster
 from ._executable import MISS, Executable, abstract_leaf, deleted_error, warn_on_divergence
 from ._jaxpr import FlatArgs, flatten_args
 from ._methods import ParallelMethod, ShardParallel
@@ -25,7 +25,7 @@ _all_funcs: weakref.WeakSet = weakref.WeakSet()
 
 
 # init / shutdown -------------------------------------------------------------------------------
-def init(cluster: Cluster = "local", **kwargs) -> None:
+def init(cluster: Backend = "local", **kwargs) -> None:
     """Join a cluster. Idempotent; ``local`` needs no call (it happens implicitly).
 
     ``distributed`` joins JAX's distributed runtime: ``coordinator_address``, ``num_processes``
@@ -33,8 +33,8 @@ def init(cluster: Cluster = "local", **kwargs) -> None:
     Open MPI set; CPU collectives use gloo. ``ray``: in a process Ray started, the same; in
     the driver, connects to Ray (kwargs as for ``ray.init``). Call it before any other JAX use.
     """
-    if cluster not in CLUSTERS:
-        raise ValueError(f"cluster ({cluster!r}) must be one of {CLUSTERS}.")
+    if cluster not in BACKENDS:
+        raise ValueError(f"cluster ({cluster!r}) must be one of {BACKENDS}.")
     current = _state["cluster"]
     if current == cluster:
         return

@@ -6,16 +6,18 @@ import os
 import re
 from typing import Literal
 
-Cluster = Literal["local", "distributed", "ray"]
-CLUSTERS = ("local", "distributed", "ray")
+Backend = Literal["local", "distributed", "ray"]
+"""How ``autoshard.init(cluster=...)`` runs processes (not ``autoshard.Cluster``, the hardware a
+plan is costed for)."""
+BACKENDS = ("local", "distributed", "ray")
 
 
-def required_cluster() -> Cluster:
+def required_cluster() -> Backend:
     """The cluster a launcher told this process to join (AUTOSHARD_CLUSTER), default local."""
     value = os.environ.get("AUTOSHARD_CLUSTER", "local")
-    if value not in CLUSTERS:
+    if value not in BACKENDS:
         raise ValueError(
-            f"The environment variable AUTOSHARD_CLUSTER ({value!r}) must be one of {CLUSTERS}.")
+            f"The environment variable AUTOSHARD_CLUSTER ({value!r}) must be one of {BACKENDS}.")
     return value
 
 

@@ -264,7 +264,7 @@ def stage_plans(k=8, width=64, repeats=5) -> dict:
 "model_stages": stages, "sub_meshes": ex.schedule.num_ranks,
                      "compile_s": round(ex.timings["compile_s"], 2),
                      "tasks_planned": len(ex.task_plans),
-                     "tasks": len(ex.get_hlo_text()),
+                     "tasks": len(ex.get_task_hlo_texts()),
                      "step_ms": round(statistics.median(times) * 1e3, 2),
                      "reshards_per_step": moves["reshard"], "copies_per_step": moves["copy"]}
     return out

@@ -303,7 +303,7 @@ class _Stages:
         self.executable = executable
 
     def as_text(self) -> list[str]:
-        return self.executable.get_hlo_text()
+        return list(self.executable.get_task_hlo_texts().values())
 
     def memory_analysis(self):
         total = self.executable.get_total_allocation_size()

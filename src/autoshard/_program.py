@@ -130,11 +130,18 @@ def _check_batch_argnums(args, flat: FlatArgs, batch_argnums):
                 f"batch_argnums ({tuple(batch_argnums)}) names argument {b!r}, but the function "
                 f"was called with {len(args)} positional argument(s). Use indices in "
                 f"range(0, {len(args)}), or batch_argnums=() when there is no batch.")
-        if b not in flat.leaf_argnum:
+        if b not in flat.leaf_argnum and not (
+                isinstance(args[b], dict | list | tuple) and not _holds_array(args[b])):
             raise ValueError(
                 f"batch_argnums ({tuple(batch_argnums)}) names argument {b}, which holds no "
                 f"array (got {type(args[b]).__name__}). A batch argument must be an array or a "
                 "pytree of arrays split on dim 0; fix batch_argnums.")
+
+
+def _holds_array(tree) -> bool:
+    """Whether a pytree has an array leaf (an empty dict of rngs, say, has none: it is a batch
+    argument with nothing to split, as Alpa accepts)."""
+    return any(hasattr(x, "shape") and hasattr(x, "dtype") for x in jax.tree.leaves(tree))
 
 
 # Train states: what donate_argnums="auto" donates -------------------------------------------------

@@ -5,6 +5,9 @@ tangent copies, ``boundary`` cuts layers, ``grad`` tags gradients (and values co
 them) for gradient accumulation, with one declared reduction per value (``mean`` or ``sum``
 over micro-batches), ``params`` tags the values ``autoshard.grad`` differentiates (the model
 parameters, found by structure), ``hook`` is a user tap. In HLO a marker is nothing at all.
+
+``pipeline_p.bind(*values, name=..., mark_type=...)`` (Alpa's form, without ``reductions``)
+works as well: every parameter after ``mark_type`` has a default.
 """
 
 from __future__ import annotations
@@ -112,21 +115,21 @@ def _is_array_like(x) -> bool:
 
 
 # Abstract evaluation and implementation --------------------------------------------------------
-def _abstract_eval(*avals, name, mark_type, reductions):
+def _abstract_eval(*avals, name, mark_type, reductions=()):
     return list(avals)
 
 
-def _impl(*values, name, mark_type, reductions):
+def _impl(*values, name, mark_type, reductions=()):
     return list(values)
 
 
 # Lowering: pure identity, no custom call -------------------------------------------------------
-def _lowering(ctx, *values, name, mark_type, reductions):
+def _lowering(ctx, *values, name, mark_type, reductions=()):
     return list(values)
 
 
 # Batching: the marker does not care about the batch dim ----------------------------------------
-def _batching(values, dims, *, name, mark_type, reductions):
+def _batching(values, dims, *, name, mark_type, reductions=()):
     return pipeline_p.bind(*values, name=name, mark_type=mark_type,
                            reductions=reductions), list(dims)
 
@@ -135,7 +138,7 @@ def _batching(values, dims, *, name, mark_type, reductions):
 _TANGENT_TYPE = {"start": "jvp_start", "end": "jvp_end"}
 
 
-def _jvp(primals, tangents, *, name, mark_type, reductions):
+def _jvp(primals, tangents, *, name, mark_type, reductions=()):
     primals_out = pipeline_p.bind(*primals, name=name, mark_type=mark_type,
                                   reductions=reductions)
     live = [i for i, t in enumerate(tangents) if not isinstance(t, _compat.Zero)]
@@ -154,7 +157,7 @@ def _jvp(primals, tangents, *, name, mark_type, reductions):
 _TRANSPOSED_TYPE = {"jvp_start": "end", "jvp_end": "start", "start": "end", "end": "start"}
 
 
-def _transpose(cts, *values, name, mark_type, reductions):
+def _transpose(cts, *values, name, mark_type, reductions=()):
     live = [i for i, ct in enumerate(cts) if not isinstance(ct, _compat.Zero)]
     out = [
         _compat.Zero(v.aval) if _compat.is_undefined_primal(v) else None for v in values

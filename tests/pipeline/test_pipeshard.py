@@ -43,8 +43,9 @@ def test_mlp_matches_single_device(schedule, num_stages):
     got, want, ex = run_steps(sgd_step(mlp_loss), method, mlp_params(), mlp_batch())
     assert_trees_close(got, want)
     assert len(ex.plan.stage_layer_ids) == num_stages
-    assert len(ex.get_hlo_text()) == 2 * num_stages + len(ex.apply) + (
+    assert len(ex.get_task_hlo_texts()) == 2 * num_stages + len(ex.apply) + (
         num_stages if schedule == "zero_bubble" else 0) + len(ex.reduce_tasks)
+    assert len(ex.get_hlo_text()) == 3 * num_stages  # Alpa's: forward, backward, apply
     # a data-parallel stage's gradients: one all-reduce per step, in its reduce task
     assert ex.reduce_tasks and all("all-reduce(" in t.compiled.as_text()
                                    for t in ex.reduce_tasks)

@@ -55,7 +55,7 @@ class PipelineAudit:
     """What the per-task plans predicted against what runs, per task and per step."""
 
     tasks: tuple[TaskAudit, ...]
-    """Tasks in the order of ``get_hlo_text()`` (forward, backward in reverse, apply)."""
+    """Tasks: forward, backward in reverse, apply, then the reduce tasks and cross-stage sums."""
     transfers: tuple[Transfer, ...] = ()
     """Values crossing between sub-meshes, with their copies per step."""
 

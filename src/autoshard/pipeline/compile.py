@@ -79,8 +79,16 @@ def stage_auto_option(default, mesh, overrides: dict) -> AutoShardingOption:
         raise ValueError(
             f"submesh_autosharding_option_dicts entry {overrides} names {unknown}, which are not "
             f"AutoShardingOption fields. Use fields such as 'force_batch_dim_to_mesh_dim'.")
-    changes = {"logical_mesh_shape": tuple(mesh.devices.shape), "show_progress": False}
+    shape = tuple(mesh.devices.shape)
+    changes = {"logical_mesh_shape": shape, "show_progress": False}
     changes.update(overrides)
+    axis = changes.get("force_batch_dim_to_mesh_dim", base.force_batch_dim_to_mesh_dim)
+    if isinstance(axis, int) and 0 <= axis < len(shape) and shape[axis] == 1:
+        # Alpa accepts it: the batch is split over that axis, i.e. not at all
+        warnings.warn(
+            f"force_batch_dim_to_mesh_dim ({axis}) names an axis of size 1 of the stage's "
+            f"sub-mesh {shape}; it has no effect there (ignored).", UserWarning, stacklevel=2)
+        changes["force_batch_dim_to_mesh_dim"] = None
     return for_task_plans(dataclasses.replace(base, **changes))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 
 import jax
@@ -443,13 +444,47 @@ class PipelineExecutable:
                if (t := self.tasks.get((kind, i))) is not None]
         return fwd + bwd + self.apply
 
-    def get_hlo_text(self) -> list[str]:
-        """One optimized HLO text per task: forward stages, backward stages in reverse, the
-        stages' once-per-step gradient reductions, the sums spanning stages, apply."""
+    def _all_ordered_tasks(self) -> list:
+        """Every compiled task in the order values flow: forward stages, backward stages in
+        reverse, the stages' once-per-step gradient reductions, the sums spanning stages,
+        apply."""
         tasks = self._ordered_tasks()
-        tasks[len(tasks) - len(self.apply):len(tasks) - len(self.apply)] = (
-            self.reduce_tasks + self.sums)
-        return [t.compiled.as_text() for t in tasks]
+        at = len(tasks) - len(self.apply)
+        return tasks[:at] + self.reduce_tasks + self.sums + tasks[at:]
+
+    def get_task_hlo_texts(self) -> dict[str, str]:
+        """Task name -> its optimized HLO text, for every compiled task (``F0``, ``B1``,
+        ``reduce0``, cross-stage sums, ``apply0.0``, ...) in the order values flow."""
+        out = {t.task.name: t.compiled.as_text() for t in self._all_ordered_tasks()}
+        assert len(out) == len(self._all_ordered_tasks()), "task names must be unique"
+        return out
+
+    def get_hlo_text(self) -> list[str]:
+        """Alpa's list: the forward of each stage, the backward of each stage in reverse, the
+        apply of each stage (training, 2 stages: ``[F0, F1, B1, B0, A0, A1]``; inference:
+        the forwards). A stage's once-per-step gradient reduction is part of its backward
+        entry (Alpa reduces in the backward of the last micro-batch), each sum spanning
+        stages part of the apply entry of the stage whose update runs next, a stage's apply
+        levels one entry; an entry of several modules is their texts one after the other
+        (the stage's own tasks first). Every task alone: ``get_task_hlo_texts``."""
+        n = self.part.num_stages
+        text = {id(t): t.compiled.as_text() for t in self._all_ordered_tasks()}
+        fwd = [text[id(self.tasks[("F", s)])] for s in range(n)]
+        if not self.part.has_backward:
+            return fwd
+        bwd = []
+        for s in reversed(range(n)):
+            parts = [t for kind in ("B", "Ba", "Bw") if (t := self.tasks.get((kind, s)))]
+            parts += [r for r in self.reduce_tasks if r.stage == s]
+            bwd.append("\n".join(text[id(t)] for t in parts))
+        own: list[list] = [[] for _ in range(n)]
+        sums: list[list] = [[] for _ in range(n)]
+        for i, t in enumerate(self.apply):
+            own[t.stage].append(text[id(t)])
+            sums[t.stage] += [text[id(c)] for c in self.sums if c.sum.before == i]
+        last = self.apply[-1].stage if self.apply else n - 1
+        sums[last] += [text[id(c)] for c in self.sums if c.sum.before >= len(self.apply)]
+        return fwd + bwd + ["\n".join(a + b) for a, b in zip(own, sums, strict=True)]
 
     def get_total_allocation_size(self) -> int:
         """The largest per-device allocation (arguments + outputs + temporaries) of any task."""
@@ -520,6 +555,21 @@ class PipelineExecutable:
 
     def get_output_placement_specs(self):
         return jax.tree.unflatten(self._out_tree, [None] * self._out_tree.num_leaves)
+
+    def dump_debug_info(self, dir_path: str | os.PathLike) -> list[str]:
+        """Write what is needed to debug this pipeline into ``dir_path``; return the file
+        names: one ``<task>.hlo`` per compiled task (``get_task_hlo_texts``), ``plan.txt``
+        (``explain()``: the pipeline plan, each task's plan and the audit), ``jaxpr.txt``
+        and ``timings.json``."""
+        os.makedirs(dir_path, exist_ok=True)
+        files = {f"{name}.hlo": text for name, text in self.get_task_hlo_texts().items()}
+        files["plan.txt"] = self.explain() + "\n"
+        files["jaxpr.txt"] = str(self.program.closed)
+        files["timings.json"] = json.dumps(self.timings, indent=1)
+        for name, text in files.items():
+            with open(os.path.join(dir_path, name), "w") as f:
+                f.write(text)
+        return sorted(files)
 
     def dump_stage_execution_trace(self, path: str, *args) -> str:
         """Run one step (blocking per action) and write its trace: a ``.png`` timeline, else

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
 from ..sharding.cost import DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE
 
 
@@ -160,37 +162,75 @@ def stage_dp(num_layers: int, num_devices: int, sizes: Sequence[int],
     if boundary is not None:
         return _stage_dp_cuts(num_layers, num_devices, sizes, cost, num_micro_batches,
                               boundary)
-    table = {(i, j, k): cost(i, j, k) for i in range(num_layers)
-             for j in range(i + 1, num_layers + 1) for k in range(len(sizes))}
-    candidates = sorted({t for t in table.values() if t < math.inf})
+    table = np.full((num_layers, num_layers + 1, len(sizes)), math.inf)
+    for i in range(num_layers):
+        for j in range(i + 1, num_layers + 1):
+            for k in range(len(sizes)):
+                table[i, j, k] = cost(i, j, k)
+    return stage_dp_table(table, sizes, num_devices, num_micro_batches)
+
+
+def stage_dp_table(cost: np.ndarray, sizes: Sequence[int], num_devices: int,
+                   num_micro_batches: int, max_following: np.ndarray | None = None
+                   ) -> tuple[float, list[tuple[int, int, int]]]:
+    """``stage_dp`` on a cost array, optionally limiting how many stages may follow each one.
+
+    ``cost[i, j, k]``: time of layers ``[i, j)`` on sub-mesh choice ``k`` of ``sizes[k]``
+    devices (``inf``: not allowed). ``max_following[i, j, k]``: the most stages that may come
+    after that stage (the stages after it keep their micro-batches in flight in its memory;
+    Alpa's ``max_n_succ_stages``); None: no limit. For each candidate maximum stage time
+    ``tmax`` (every distinct finite cost, ascending) the least total time with every stage
+    ``<= tmax`` is found, over the number of stages too; the objective of that cut is
+    ``sum + (num_micro_batches - 1) * max``, and candidates stop once ``num_micro_batches *
+    tmax`` (a lower bound of any cut whose slowest stage is ``tmax``) reaches the best.
+    Returns the objective and the stages ``(i, j, k)`` (``(inf, [])`` when none fits).
+    """
+    cost = np.asarray(cost, dtype=np.float64)
+    num_layers = cost.shape[0]
+    assert cost.shape == (num_layers, num_layers + 1, len(sizes)), cost.shape
+    big_s = num_layers  # at most one stage per layer
+    groups = sorted(set(int(n) for n in sizes if n <= num_devices))
+    members = [np.array([k for k, n in enumerate(sizes) if n == g]) for g in groups]
+    # allowed[i, j, k, s]: the stage may have s stages after it
+    following = np.arange(big_s)
+    allowed = (np.full(cost.shape + (big_s,), True) if max_following is None else
+               np.asarray(max_following)[..., None] >= following)
+    candidates = np.unique(cost[np.isfinite(cost)])
     best: tuple[float, list] = (math.inf, [])
     for tmax in candidates:
-        if (num_micro_batches - 1) * tmax >= best[0]:
+        if num_micro_batches * tmax >= best[0]:
             break
-        # f[i][d]: least total time for layers [i, L) on exactly d devices, stages <= tmax.
-        f = [[math.inf] * (num_devices + 1) for _ in range(num_layers + 1)]
-        arg: dict = {}
-        f[num_layers][0] = 0.0
+        masked = np.where(cost <= tmax, cost, math.inf)[..., None]
+        masked = np.where(allowed, masked, math.inf)  # (i, j, k, following)
+        # per size group: the cheapest choice and which one it is
+        eff = [(masked[:, :, m, :].min(axis=2), m[masked[:, :, m, :].argmin(axis=2)])
+               for m in members]
+        # f[i, d, s]: least total time of layers [i, L) on exactly d devices in s stages
+        f = np.full((num_layers + 1, num_devices + 1, big_s + 1), math.inf)
+        f[num_layers, 0, 0] = 0.0
+        arg = np.zeros((num_layers, num_devices + 1, big_s + 1, 2), dtype=np.int64)
         for i in range(num_layers - 1, -1, -1):
-            for d in range(1, num_devices + 1):
-                for j in range(i + 1, num_layers + 1):
-                    for k, n in enumerate(sizes):
-                        t = table[(i, j, k)]
-                        if n > d or t > tmax or f[j][d - n] == math.inf:
-                            continue
-                        if t + f[j][d - n] < f[i][d]:
-                            f[i][d] = t + f[j][d - n]
-                            arg[(i, d)] = (j, k)
-        total = f[0][num_devices]
-        if total == math.inf:
+            for n, (t, which) in zip(groups, eff, strict=True):
+                # the stage [i, j) on n devices with s - 1 stages after it
+                cand = f[i + 1:, :num_devices + 1 - n, :big_s] + t[i, i + 1:, None, :]
+                j = cand.argmin(axis=0)
+                val = np.take_along_axis(cand, j[None], axis=0)[0]
+                cur = f[i, n:, 1:]
+                better = val < cur
+                f[i, n:, 1:] = np.where(better, val, cur)
+                k = which[i, i + 1:][j, np.arange(big_s)[None, :]]
+                arg[i, n:, 1:, 0] = np.where(better, j + i + 1, arg[i, n:, 1:, 0])
+                arg[i, n:, 1:, 1] = np.where(better, k, arg[i, n:, 1:, 1])
+        s = int(f[0, num_devices].argmin())
+        if not np.isfinite(f[0, num_devices, s]):
             continue
         stages, i, d = [], 0, num_devices
         while i < num_layers:
-            j, k = arg[(i, d)]
+            j, k = (int(x) for x in arg[i, d, s])
             stages.append((i, j, k))
-            i, d = j, d - sizes[k]
-        obj = sum(table[s] for s in stages) + (num_micro_batches - 1) * max(
-            table[s] for s in stages)
+            i, d, s = j, d - int(sizes[k]), s - 1
+        times = [float(cost[st]) for st in stages]
+        obj = sum(times) + (num_micro_batches - 1) * max(times)
         if obj < best[0]:
             best = (obj, stages)
     return best
@@ -282,4 +322,5 @@ def stage_exhaustive(num_layers, num_devices, sizes, cost, num_micro_batches, bo
 
 
 __all__ = ["AutoStageOption", "ManualStageOption", "StageOption", "UniformStageOption",
-           "cut_seconds", "logical_choices", "stage_dp", "stage_exhaustive", "submesh_choices"]
+           "cut_seconds", "logical_choices", "stage_dp", "stage_dp_table", "stage_exhaustive",
+           "submesh_choices"]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat
-from ._walk import Walker
+from ._walk import Walker, any_eqn, sub_jaxprs
 from .markers import pipeline_p
 
 
@@ -166,14 +166,8 @@ RANDOM = frozenset({"random_bits", "random_split", "random_fold_in", "random_wra
 
 def draws_random(eqn) -> bool:
     """Whether an equation (or a jaxpr inside it) draws random numbers."""
-    if eqn.primitive.name in RANDOM:
-        return True
-    for p in eqn.params.values():
-        for sub in p if isinstance(p, tuple | list) else (p,):
-            jaxpr = getattr(sub, "jaxpr", sub)
-            if hasattr(jaxpr, "eqns") and any(draws_random(e) for e in jaxpr.eqns):
-                return True
-    return False
+    return eqn.primitive.name in RANDOM or any(
+        any_eqn(sub, lambda e: e.primitive.name in RANDOM) for sub in sub_jaxprs(eqn))
 
 
 def dependents(eqns, seeds: set) -> set:

@@ -52,6 +52,31 @@ def body_of(eqn) -> tuple[Any, tuple]:
     return (sub.jaxpr, sub.consts) if isinstance(sub, core.ClosedJaxpr) else (sub, ())
 
 
+def sub_jaxprs(eqn) -> list:
+    """Every jaxpr held by ``eqn``'s parameters, open: call bodies, loop bodies and conditions,
+    cond branches, custom_jvp/vjp bodies, shard_map bodies. The one way passes find them."""
+    found = []
+    for param in eqn.params.values():
+        for sub in param if isinstance(param, tuple | list) else (param,):
+            jaxpr = sub.jaxpr if isinstance(sub, core.ClosedJaxpr) else sub
+            if isinstance(jaxpr, core.Jaxpr):
+                found.append(jaxpr)
+    return found
+
+
+def all_eqns(jaxpr):
+    """The equations of ``jaxpr`` and, after each, those inside it, at any depth."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in sub_jaxprs(eqn):
+            yield from all_eqns(sub)
+
+
+def any_eqn(jaxpr, predicate) -> bool:
+    """Whether some equation of ``jaxpr``, at any depth, satisfies ``predicate``."""
+    return any(predicate(eqn) for eqn in all_eqns(jaxpr))
+
+
 class Walker:
     """A walk over a jaxpr; override the hooks.
 
@@ -120,5 +145,5 @@ class Walker:
                     env[var] = out
 
 
-__all__ = ["IDENTITIES", "INLINE_CALLS", "LOOPS", "REMATS", "Walker", "body_of", "eqn_site",
-           "site"]
+__all__ = ["IDENTITIES", "INLINE_CALLS", "LOOPS", "REMATS", "Walker", "all_eqns", "any_eqn",
+           "body_of", "eqn_site", "site", "sub_jaxprs"]

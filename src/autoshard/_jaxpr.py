@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat
+from ._prims import RANDOM, VALUE_PRESERVING
 from ._walk import Walker, any_eqn, sub_jaxprs
 from .markers import pipeline_p
 
@@ -134,9 +135,6 @@ def grad_marker_index(jaxpr) -> int | None:
     return found[0] if found else None
 
 
-# Ops that pass a value through unchanged (up to dtype) when tracing a parameter to its input.
-_TRANSPARENT = {"convert_element_type", "copy", "copy_p", "pipeline_marker", "sharding_constraint",
-                "optimization_barrier"}
 
 
 def differentiated_inputs(jaxpr) -> list:
@@ -151,7 +149,7 @@ def differentiated_inputs(jaxpr) -> list:
             continue
         for v in e.invars:
             while isinstance(v, _compat.Var) and v not in inputs and v in producer and (
-                    producer[v].primitive.name in _TRANSPARENT):
+                    producer[v].primitive.name in VALUE_PRESERVING):
                 src = producer[v]
                 v = src.invars[src.outvars.index(v)] if len(src.invars) == len(
                     src.outvars) else src.invars[0]
@@ -159,9 +157,6 @@ def differentiated_inputs(jaxpr) -> list:
                 found.append(v)
     return found
 
-
-RANDOM = frozenset({"random_bits", "random_split", "random_fold_in", "random_wrap"})
-"""Primitives that draw random numbers (or make the keys they draw from)."""
 
 
 def draws_random(eqn) -> bool:

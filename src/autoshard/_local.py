@@ -44,15 +44,9 @@ from ._local_index import IndexRules
 from ._local_kinds import P, R, is_split, one_split, split
 from ._local_loops import LoopRules
 from ._local_windows import WindowRules, bind_conv
+from ._prims import ELEMENTWISE
 from ._walk import INLINE_CALLS, Walker
 
-ELEMENTWISE = frozenset("""
-add add_any sub mul div max min pow neg exp exp2 log log1p expm1 tanh logistic sin cos tan abs sign
-sqrt rsqrt cbrt integer_pow square select_n convert_element_type eq ne lt le gt ge and or not
-xor erf erf_inv erfc lgamma digamma is_finite floor ceil round nextafter rem atan2 clamp
-stop_gradient copy copy_p real imag conj reduce_precision shift_left shift_right_logical
-shift_right_arithmetic asin acos atan sinh cosh asinh acosh atanh
-""".split())
 # Elementwise ops that are linear in the operands at these positions (the others replicated).
 LINEAR_IN = {"add": (0, 1), "add_any": (0, 1), "sub": (0, 1), "neg": (0,), "mul": (0, 1), "div": (0,),
              "convert_element_type": (0,), "copy": (0,), "copy_p": (0,),

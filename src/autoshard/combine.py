@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from ._compat import Literal, Var, source_line
 from ._jaxpr import dependents, grad_marker_index
+from ._prims import KIND_PRESERVING
 from ._walk import INLINE_CALLS, body_of
 
 MEAN, SUM, SAME, STAT, OTHER = "mean", "sum", "same", "statistic", "other"
@@ -43,10 +44,6 @@ ROWS = "rows"
 """A marked value with one entry per row (aux logits): the micro-batches' values joined in row
 order for the update after the gradient, which then runs on the whole batch (``after_grad``)."""
 
-_PASS = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims", "copy",
-                   "copy_p", "pipeline_marker", "reduce_precision", "broadcast_in_dim",
-                   "transpose", "optimization_barrier", "sharding_constraint"})
-"""Ops that keep what kind of value their operand is."""
 
 
 def resolve(closed, *, batch_invars, num_micro_batches: int, aliases=(), whole_batch=None,
@@ -201,7 +198,7 @@ class _Kinds:
         if row_in:
             d, u = row_in[0]
             return rows(_moved(name, p, d, u.aval.shape, v.aval.shape, out_rank))
-        if name in _PASS or name == "neg":
+        if name in KIND_PRESERVING or name == "neg":
             return ins[0]
         if name in ("div", "mul"):
             a, b = ins
@@ -277,7 +274,7 @@ def _stored_in_state(jaxpr, cut, aliases) -> set[int]:
     aliased_outs = {o for _, o in aliases}
     origin = {o: j for j, o in enumerate(jaxpr.eqns[cut].outvars)}
     for e in jaxpr.eqns[cut + 1:]:
-        if e.primitive.name in _PASS and e.invars and isinstance(e.invars[0], Var) and (
+        if e.primitive.name in KIND_PRESERVING and e.invars and isinstance(e.invars[0], Var) and (
                 e.invars[0] in origin):
             for o in e.outvars:
                 origin[o] = origin[e.invars[0]]

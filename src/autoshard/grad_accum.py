@@ -32,12 +32,11 @@ from . import combine
 from ._compat import Literal, Var, source_line
 from ._jaxpr import Env, dependents, draws_random, grad_marker_index, used_vars
 from ._local import LocalEval, P, R, split
+from ._prims import KEY_USERS, LINEAR
 from ._walk import site
 from .after_grad import row_dim, whole_batch_update
 from .sharding.apply import PlanEvaluator
 from .sharding.plan import spec_axes
-
-KEY_USERS = frozenset({"random_bits", "random_split", "random_fold_in"})
 
 
 @dataclass(frozen=True)
@@ -140,11 +139,6 @@ def build_step(closed, *, batch_invars: Sequence[bool], num_micro_batches: int,
     return step
 
 
-# Ops through which a gradient summed per device stays a sum (its reduction can wait).
-_LINEAR = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "convert_element_type",
-                     "add_any", "add", "copy", "copy_p", "mul", "div", "neg", "sub",
-                     "reduce_precision", "pjit", "jit", "broadcast_in_dim",
-                     "pipeline_marker"})
 
 
 def loop_costs(closed, batch_invars: Sequence[bool], num_micro_batches: int,
@@ -182,7 +176,7 @@ def loop_costs(closed, batch_invars: Sequence[bool], num_micro_batches: int,
             if i is None or i in seen or i not in in_loop:
                 continue
             seen.add(i)
-            if pre[i].primitive.name in _LINEAR:
+            if pre[i].primitive.name in LINEAR:
                 todo += [u for u in pre[i].invars if isinstance(u, Var) and u in per_batch]
             else:
                 sources.append(i)

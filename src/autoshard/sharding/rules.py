@@ -16,6 +16,7 @@ import math
 
 from jax.sharding import PartitionSpec
 
+from .. import _prims
 from .cost import byte_cost
 from .spec import Spec, dim_shards, from_partition_spec, replicated, shards
 from .strategy import (
@@ -25,14 +26,7 @@ from .strategy import (
     replicated_strategy,
 )
 
-UNARY = """neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan
-asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt abs not erf erfc erf_inv lgamma
-digamma imag real conj integer_pow square reduce_precision convert_element_type copy copy_p
-population_count clz bessel_i0e bessel_i1e stop_gradient""".split()
-BINARY = """add sub mul div rem pow max min atan2 nextafter and or xor eq ne lt le gt ge
-shift_left shift_right_logical shift_right_arithmetic add_any select_n clamp complex igamma
-igammac random_gamma_grad polygamma zeta threefry2x32""".split()
-ELEMENTWISE = frozenset(UNARY + BINARY)
+ELEMENTWISE = _prims.ELEMENTWISE
 """Primitives whose output is split exactly like their full-rank operands."""
 
 

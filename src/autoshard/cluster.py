@@ -32,6 +32,17 @@ from .sharding import cost
 GIB = 2**30
 
 
+_PRESETS = {
+    "A100 80GB": dict(peak_flops=312e12, flops_efficiency=0.8, memory_bytes=80 * GIB,
+                      memory_bandwidth=2.0e12, intra_host_bandwidth=300e9,
+                      inter_host_bandwidth=25e9),
+    "H100 80GB": dict(peak_flops=989e12, flops_efficiency=0.7, memory_bytes=80 * GIB,
+                      memory_bandwidth=3.35e12, intra_host_bandwidth=450e9,
+                      inter_host_bandwidth=50e9),
+}
+"""Datasheet figures of the presets (see ``Cluster.a100_80gb``/``h100_80gb``)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     """Hosts of identical devices joined by two levels of links."""
@@ -93,11 +104,7 @@ class Cluster:
         312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e, NVLink 300 GB/s per direction, one 200 Gb/s
         (25 GB/s) NIC per GPU; large bf16 GEMMs sustain about 80% of peak.
         """
-        return cls(num_hosts=num_hosts, devices_per_host=devices_per_host, peak_flops=312e12,
-                   flops_efficiency=0.8, memory_bytes=80 * GIB, memory_bandwidth=2.0e12,
-                   intra_host_bandwidth=300e9, intra_host_latency_s=5e-6,
-                   inter_host_bandwidth=25e9, inter_host_latency_s=10e-6,
-                   name=f"A100 80GB, {num_hosts} x {devices_per_host}")
+        return cls._preset("A100 80GB", num_hosts, devices_per_host)
 
     @classmethod
     def h100_80gb(cls, num_hosts: int = 1, *, devices_per_host: int = 8) -> Cluster:
@@ -106,11 +113,13 @@ class Cluster:
         989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 450 GB/s per direction, one 400 Gb/s
         (50 GB/s) NIC per GPU; large bf16 GEMMs sustain about 70% of peak.
         """
-        return cls(num_hosts=num_hosts, devices_per_host=devices_per_host, peak_flops=989e12,
-                   flops_efficiency=0.7, memory_bytes=80 * GIB, memory_bandwidth=3.35e12,
-                   intra_host_bandwidth=450e9, intra_host_latency_s=5e-6,
-                   inter_host_bandwidth=50e9, inter_host_latency_s=10e-6,
-                   name=f"H100 80GB, {num_hosts} x {devices_per_host}")
+        return cls._preset("H100 80GB", num_hosts, devices_per_host)
+
+    @classmethod
+    def _preset(cls, name: str, num_hosts: int, devices_per_host: int) -> Cluster:
+        return cls(num_hosts=num_hosts, devices_per_host=devices_per_host,
+                   intra_host_latency_s=5e-6, inter_host_latency_s=10e-6,
+                   name=f"{name}, {num_hosts} x {devices_per_host}", **_PRESETS[name])
 
     @classmethod
     def from_devices(cls, devices: Sequence[Any]) -> Cluster:

@@ -126,13 +126,8 @@ def dot_general(ctx: RuleContext, in_avals, out_avals, params):
                 la[axis], ra[axis] = lc[i], rc[i]
                 contract.append(axis)
         specs = _valid_specs(ctx, (lhs, rhs, out), (la, ra, oa))
-        if specs is None:
-            continue
-        ls, rs, os_ = specs
-        used = sum(1 for r in assign.values() if r is not None)
-        pieces = math.prod(ctx.mesh_shape[a] for a, r in assign.items() if r is not None)
-        _contracting(ctx, os_, out, tuple(contract), found, used, (ls, rs),
-                     flop_cost(flops, pieces))
+        if specs is not None:
+            _take(ctx, assign, specs, out, contract, found, flops)
     return _heavy_filter(ctx, found, flops)
 
 
@@ -165,14 +160,18 @@ def conv(ctx: RuleContext, in_avals, out_avals, params):
                 la[axis], ra[axis], oa[axis] = lspec[1], rspec[0], ospec[1]
         specs = _valid_specs(ctx, (lhs, rhs, out), (la, ra, oa))
         grouped = math.prod(ctx.mesh_shape[a] for a, r in assign.items() if r == "group")
-        if specs is None or groups % grouped:
-            continue
-        ls, rs, os_ = specs
-        used = sum(1 for r in assign.values() if r is not None)
-        pieces = math.prod(ctx.mesh_shape[a] for a, r in assign.items() if r is not None)
-        _contracting(ctx, os_, out, tuple(contract), found, used, (ls, rs),
-                     flop_cost(flops, pieces))
+        if specs is not None and groups % grouped == 0:
+            _take(ctx, assign, specs, out, contract, found, flops)
     return _heavy_filter(ctx, found, flops)
+
+
+def _take(ctx: RuleContext, assign: dict, specs, out, contract: list, found: list, flops):
+    """Record the strategy of one valid assignment of mesh axes to a product's roles: its
+    compute split over the axes given a role, its reductions over the contracted ones."""
+    ls, rs, os_ = specs
+    used = sum(1 for r in assign.values() if r is not None)
+    pieces = math.prod(ctx.mesh_shape[a] for a, r in assign.items() if r is not None)
+    _contracting(ctx, os_, out, tuple(contract), found, used, (ls, rs), flop_cost(flops, pieces))
 
 
 def _gather_maps(operand_rank, indices_rank, out_rank, dn, slice_sizes, operand_shape):

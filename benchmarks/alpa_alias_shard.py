@@ -16,7 +16,8 @@ What the views translate (everything else is autoshard's own object):
   tune Alpa's own XLA passes (``allow_mixed_mesh_shape``, ``allow_recompute_heavy_op``,
   ``all_reduce_threshold``, ``force_simple_heuristic``, the ZeRO-3 all-gather threshold) have
   no counterpart and are dropped; ``force_zero_stage_3`` becomes ``prefer_reduce_scatter``
-  with parameters kept sharded (``autoshard.Zero3Parallel``'s plan).
+  with parameters kept sharded (``autoshard.Zero3Parallel``'s plan). ``memory_tradeoff`` is 0:
+  Alpa takes the fastest plan whatever its memory.
 * ``LocalPhysicalDeviceMesh(devices).get_logical_mesh(shape, alpha, beta)``: a logical mesh
   with Alpa's cost parameters. ``ShardParallel(devices=logical_mesh)`` runs on a
   ``jax.sharding.Mesh`` of that shape with ``mesh_alpha``/``mesh_beta`` set, so the objective
@@ -171,7 +172,7 @@ class AutoShardingOption:
             force_data_parallel=self.force_data_parallel,
             force_batch_dim_to_mesh_dim=self.force_batch_dim_to_mesh_dim,
             prefer_reduce_scatter=self.prefer_reduce_scatter or self.force_zero_stage_3,
-            **extra)
+            memory_tradeoff=0.0, **extra)
 
 
 class LogicalDeviceMesh:
@@ -296,28 +297,51 @@ class _Executable:
     def __getattr__(self, name):
         return getattr(self._ex, name)
 
+    @property
+    def grad_sync_channel_ids(self) -> str:
+        """Alpa's string of the channel ids of the all-reduces that synchronise accumulated
+        gradients (``.3.`` for one): here, the all-reduces after the micro-batch loop."""
+        ids = [cid for kind, cid, in_loop in _collective_channels(self._ex.get_hlo_text())
+               if kind == "all-reduce" and not in_loop]
+        return "." + "".join(f"{i}." for i in ids)
+
     def __call__(self, *args):
         return self._ex(*args)
 
 
 class _Parallelized:
+    """Alpa's parallelized function. Alpa ignores ``batch_argnums`` entries past the last
+    argument (its tests pass ``(1,)`` to one-argument functions); so does this view."""
+
     def __init__(self, fun, **kwargs):
-        method = kwargs.get("method")
-        if method is None:
+        if kwargs.get("method") is None:
             kwargs["method"] = ShardParallel()
-        self._f = autoshard.parallelize(fun, **kwargs)
+        self._fun, self._kwargs = fun, kwargs
+        self._by_arity: dict = {}
+        self._last = None
+
+    def _for(self, args):
+        batch = self._kwargs.get("batch_argnums")
+        key = None if batch is None else tuple(i for i in batch if i < len(args))
+        if key not in self._by_arity:
+            kwargs = dict(self._kwargs)
+            if key is not None:
+                kwargs["batch_argnums"] = key
+            self._by_arity[key] = autoshard.parallelize(self._fun, **kwargs)
+        self._last = self._by_arity[key]
+        return self._last
 
     def __call__(self, *args):
-        return self._f(*args)
+        return self._for(args)(*args)
 
     def get_executable(self, *args):
-        return _Executable(self._f.get_executable(*args))
+        return _Executable(self._for(args).get_executable(*args))
 
     def get_last_executable(self):
-        return _Executable(self._f.get_last_executable())
+        return _Executable(self._last.get_last_executable())
 
     def preshard_dynamic_args(self, *args):
-        return self._f.preshard_dynamic_args(*args)
+        return self._for(args).preshard_dynamic_args(*args)
 
 
 def parallelize(fun=None, *, static_argnums="auto", donate_argnums="auto", batch_argnums=None,
@@ -380,6 +404,29 @@ def _sliced_per_device(name: str, body: str) -> bool:
             if re.search(rf"%{re.escape(name)}\b", line) and not line.lstrip().startswith(
                 (f"%{name} ", f"ROOT %{name} "))]
     return len(uses) == 1 and " dynamic-slice(" in uses[0]
+
+
+def _collective_channels(text: str):
+    """(kind, channel id, inside a while loop) of each collective of a compiled module."""
+    comps = hlo_reader.computations(text)
+    looped = set()
+    for body in comps.values():
+        for m in re.finditer(r"\bwhile\(.*?body=%?([\w.\-]+)", body):
+            looped.add(m.group(1))
+    changed = True
+    while changed:  # computations called from a loop body run in the loop too
+        changed = False
+        for name in list(looped):
+            for callee in re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)",
+                                     comps.get(name, "")):
+                if callee not in looped:
+                    looped.add(callee)
+                    changed = True
+    for name, body in comps.items():
+        for m in _COLL.finditer(body):
+            line = body[m.start():body.find("\n", m.start())]
+            cid = re.search(r"channel_id=(\d+)", line)
+            yield m.group("kind"), int(cid.group(1)) if cid else 0, name in looped
 
 
 def map_to_shape(tree):

@@ -103,8 +103,10 @@ class Executable:
     # Inspection --------------------------------------------------------------------------------
     @property
     def auto_sharding_objective(self) -> float | None:
-        """The objective (seconds) the ILP minimised, or None for fixed-plan methods."""
-        return None if self.plan.objective is None else self.plan.objective.total_s
+        """The objective (seconds) the ILP minimised, or None for fixed-plan methods; in
+        Alpa's units when the option gave Alpa's ``mesh_alpha`` and ``mesh_beta``."""
+        o = self.plan.objective
+        return None if o is None else o.total_s if o.alpa_units is None else o.alpa_units
 
     def get_hlo_text(self) -> str:
         """Optimized HLO after SPMD partitioning (per-device shapes and collectives)."""

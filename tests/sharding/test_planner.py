@@ -160,7 +160,8 @@ def test_node_limit_stops_deterministically_even_under_cpu_load():
 
 
 def test_force_options_that_cannot_apply_fail_at_construction():
-    with pytest.raises(ValueError, match=r"force_batch_dim_to_mesh_dim \(1\) names an axis of "
+    # An axis of size 1 is accepted as a no-op (as Alpa does), with a warning.
+    with pytest.warns(UserWarning, match=r"force_batch_dim_to_mesh_dim \(1\) names an axis of "
                                          r"size 1 in logical_mesh_shape \(8, 1\)"):
         AutoShardingOption(logical_mesh_shape=(8, 1), force_batch_dim_to_mesh_dim=1)
     with pytest.raises(ValueError, match=r"force_batch_dim_to_mesh_dim \(2\) names no axis"):

@@ -92,6 +92,15 @@ class CostModel:
     def num_devices(self) -> int:
         return math.prod(self.mesh_shape)
 
+    @property
+    def forbidden_s(self) -> float:
+        """``FORBIDDEN_S`` scaled with the constants: user-given alpha and beta in other units
+        (Alpa's are 1 per collective and 1 per byte) keep a forbidden step as far above a
+        real one as the defaults do."""
+        scale = max(1.0, max(self.alpha, default=0.0) / DEFAULT_ALPHA_S,
+                    max(self.beta, default=0.0) / DEFAULT_BETA_S_PER_BYTE)
+        return FORBIDDEN_S * min(scale, 1e6)
+
     def collective(self, kind: str, axes: tuple[int, ...], num_bytes: float) -> float:
         """Cost of one collective of ``kind`` over ``axes`` (run axis by axis)."""
         total = 0.0
@@ -122,7 +131,7 @@ class CostModel:
         if dd is None or not self.allow_all_to_all:
             cost = self.collective("all-gather", (a,), group_bytes)
             if not self.allow_all_gather:
-                cost += FORBIDDEN_S
+                cost += self.forbidden_s
             return "all-gather", group_bytes, cost
         return "all-to-all", group_bytes, self.collective("all-to-all", (a,), group_bytes)
 
@@ -176,7 +185,7 @@ class CostModel:
                 group = total_bytes / left * self.mesh_shape[a]
                 cost = self.collective("all-gather", (a,), group)
                 if not self.allow_all_gather:
-                    cost += FORBIDDEN_S
+                    cost += self.forbidden_s
                 chain.append(("all-gather", a, group, cost))
                 if dropped:  # else sliced again at once (a move without all-to-all)
                     left //= self.mesh_shape[a]
@@ -189,6 +198,26 @@ class CostModel:
         if src == dst:
             return 0.0
         return sum(step[3] for step in self.reshard_steps(src, dst, shape, itemsize))
+
+
+ALPA_CONSTANT = {"all-reduce": 0.01, "all-gather": 0.1, "reduce-scatter": 0.001,
+                 "all-to-all": 0.001}
+"""The constant Alpa adds to each collective's cost (its tie-breakers between collectives)."""
+
+
+def alpa_collective_cost(kind: str, n: int, num_bytes: float, alpha: float, beta: float
+                         ) -> float:
+    """Cost of one collective in Alpa's units (its ``LogicalDeviceMesh`` formulas).
+
+    ``num_bytes`` is the whole array the group holds (an all-reduce's operand, an all-gather's
+    result, a reduce-scatter's operand, an all-to-all's array); ``n`` the devices of the axis.
+    Alpa prices an all-to-all ``n/2`` times higher than its volume, and adds a small constant
+    per kind (``ALPA_CONSTANT``).
+    """
+    if n <= 1:
+        return alpha + ALPA_CONSTANT[kind]
+    factor = VOLUME[kind](n) * (n / 2.0 if kind == "all-to-all" else 1.0)
+    return alpha + beta * factor * num_bytes + ALPA_CONSTANT[kind]
 
 
 def axis_crosses_hosts(mesh_shape: tuple[int, ...], axis: int,
@@ -285,5 +314,5 @@ def _beats(si, ci, sj, cj, *, tie_wins: bool) -> bool:
     return False
 
 
-__all__ = ["CostModel", "array_bytes", "bytes_per_device", "flop_cost", "byte_cost",
+__all__ = ["CostModel", "alpa_collective_cost", "array_bytes", "bytes_per_device", "flop_cost", "byte_cost",
            "device_speed", "dim_shards", "dominated_meshes", "ClusterCosts"]

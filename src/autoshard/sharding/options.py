@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 
 DEFAULT_MEMORY_TRADEOFF = 0.1
@@ -105,13 +106,22 @@ class AutoShardingOption:
                     f"{self.logical_mesh_shape or '(1-D or 2-D, chosen by the planner)'}. "
                     f"Give an axis index below {rank or 2}, or None.")
             if rank is not None and self.logical_mesh_shape[a] == 1:
-                raise ValueError(
+                _warn_once(
                     f"force_batch_dim_to_mesh_dim ({a}) names an axis of size 1 in "
-                    f"logical_mesh_shape {self.logical_mesh_shape}: splitting the batch over it "
-                    "splits nothing. Name an axis of size > 1, or None.")
+                    f"logical_mesh_shape {self.logical_mesh_shape}: the batch is not split "
+                    "(as in Alpa, a no-op). Name an axis of size > 1 to split it.")
         if self.solver_time_limit_s <= 0:
             raise ValueError(
                 f"solver_time_limit_s ({self.solver_time_limit_s}) must be positive seconds.")
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, UserWarning, stacklevel=4)
 
 
 def for_task_plans(option: AutoShardingOption) -> AutoShardingOption:

@@ -107,6 +107,10 @@ class Objective:
     """(logical mesh shape, why) of every candidate mesh the planner did not solve."""
     flops: float = 0.0
     """Floating-point operations of one step on all devices (matrix products, convolutions)."""
+    alpa_units: float | None = None
+    """The objective in Alpa's units (``sharding.alpa_units``: Alpa's collective formulas and
+    replicated-input penalties, no compute term), set when the option gives ``mesh_alpha``
+    and ``mesh_beta``; ``Executable.auto_sharding_objective`` then reports it."""
 
     @property
     def total_s(self) -> float:

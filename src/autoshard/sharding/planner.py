@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec
 from tqdm.auto import tqdm
 
 from . import solver
+from .alpa_units import alpa_objective
 from .build import COMBINED_KINDS, build_problem, data_parallel_variant, merged_latency
 from .cost import ClusterCosts, CostModel, device_speed, dominated_meshes
 from .graph import Graph, build_graph
@@ -219,12 +220,16 @@ def _finish(best, tried, pruned, option, batch_invars, axis_names, graph) -> Sha
     dp = (best[2].objective_s if option.force_data_parallel or not graph.nodes
           else _data_parallel_objective(prob, batch_invars, option))
     plan = make_plan(prob, sol, names, dp_objective=dp)
+    alpa = None
+    if option.mesh_alpha is not None and option.mesh_beta is not None:
+        alpa = alpa_objective(plan, option.mesh_alpha, option.mesh_beta,
+                              force_data_parallel=option.force_data_parallel)
     objective = dataclasses.replace(
         plan.objective, num_columns=sol.num_ilp_vars, num_rows=sol.info.get("rows", 0),
         num_edge_columns=sol.info.get("edge_vars", 0),
         meshes_tried=tuple((tuple(s), o) for s, o in tried),
         meshes_pruned=tuple((tuple(s), why) for s, why in pruned.items()),
-        flops=program_flops(graph))
+        flops=program_flops(graph), alpa_units=alpa)
     notes = list(plan.notes)
     if len(tried) > 1:
         notes.append("meshes tried: " + ", ".join(f"{s} {o * 1e3:.4f} ms" for s, o in tried))
@@ -237,7 +242,16 @@ def _finish(best, tried, pruned, option, batch_invars, axis_names, graph) -> Sha
 
 
 def _shape_option(option: AutoShardingOption, shape, cluster) -> AutoShardingOption:
-    """The option for one mesh shape: the cluster's link costs unless the option gives some."""
+    """The option for one mesh shape: the cluster's link costs unless the option gives some.
+
+    ``force_batch_dim_to_mesh_dim`` naming the only axis of more than one device is data
+    parallel: every value holding batch rows keeps them split over all devices (Alpa forces
+    the batch dim of every value, not only of the inputs, onto that axis).
+    """
+    a = option.force_batch_dim_to_mesh_dim
+    if a is not None and a < len(shape) and [n > 1 for n in shape].count(True) == 1 \
+            and shape[a] > 1:
+        option = dataclasses.replace(option, force_data_parallel=True)
     if cluster is None or (option.mesh_alpha is not None and option.mesh_beta is not None):
         return option
     alpha, beta = cluster.mesh_costs(shape)

@@ -61,14 +61,17 @@ def _layer_phase(roots: list[int], label: list[int]) -> dict[int, int]:
     Tying even and odd layers separately keeps alternating plans (column split, then row
     split, as Megatron does for a stack of square layers) available to the ILP; tying every
     layer to one variable would force each layer into the same split. The number of repeats is
-    the most common class size; a class with ``k`` members per repeat counts its layers as
+    the class size covering the most nodes; a class with ``k`` members per repeat counts its layers as
     ``index // k``.
     """
     classes: dict[int, list[int]] = {}
     for r in roots:
         classes.setdefault(label[r], []).append(r)
     sizes = Counter(len(m) for m in classes.values() if len(m) > 1)
-    repeats = max(sizes, key=lambda n: (sizes[n], n)) if sizes else 1
+    # The class size covering the most nodes: small classes (a layer's two ends, pairs of
+    # forward and backward ops) are many but cover few nodes; counting classes instead once
+    # took 2 for a 6-layer MLP and tied layers 0-2 and 3-5, which forbids alternating splits.
+    repeats = max(sizes, key=lambda n: (sizes[n] * n, n)) if sizes else 1
     phase = {}
     for members in classes.values():
         per_layer = len(members) // repeats if len(members) % repeats == 0 else 1

@@ -59,3 +59,17 @@ def test_missing_extension_message_names_build_record():
     message = _install.missing_extension()
     assert str(_install.LIBRARY) in message and "install-time build reported" in message
     assert "pip install --no-deps --force-reinstall" in message
+
+
+def test_mpi_tests_skip_cleanly_without_mpi4py(tmp_path):
+    """A plain ``pytest`` on a machine without mpi4py skips the MPI tests (pytest 9 no longer
+    skips a module that raises a plain ImportError unless told to)."""
+    (tmp_path / "no_mpi4py.py").write_text("import sys\nsys.modules['mpi4py'] = None\n")
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    tests = os.path.join(os.path.dirname(__file__), "mpi", "test_validation.py")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no_mpi4py", tests,
+                          "-p", "no:cacheprovider"], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode in (0, 5), out.stdout + out.stderr   # 5: nothing collected
+    assert "error" not in out.stdout.lower(), out.stdout
+    assert "skipped" in out.stdout, out.stdout

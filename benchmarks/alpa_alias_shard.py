@@ -30,7 +30,8 @@ What the views translate (everything else is autoshard's own object):
   HLO reader. On the CPU, XLA lowers a reduce-scatter as an all-reduce whose result is sliced
   per device (``dynamic-slice`` at the partition's offset); such a pair counts as the
   reduce-scatter it is.
-* An executable's ``get_hlo_text()`` is autoshard's one compiled module.
+* An executable's ``get_hlo_text()`` is autoshard's one compiled module, printed with operand
+  shapes inline as Alpa's XLA printed them (the tests match ``gather(f32[64,32]``).
 """
 
 from __future__ import annotations
@@ -297,11 +298,21 @@ class _Executable:
     def __getattr__(self, name):
         return getattr(self._ex, name)
 
+    def get_hlo_text(self) -> str:
+        """The compiled module printed as Alpa's XLA printed it: operand shapes inline
+        (``gather(f32[64,32]{1,0} %x, ...)``); autoshard's ``get_hlo_text`` omits them."""
+        from jaxlib import _hlo
+
+        options = _hlo.HloPrintOptions()
+        options.print_operand_shape = True
+        modules = self._ex.compiled.runtime_executable().hlo_modules()
+        return "\n".join(m.to_string(options) for m in modules)
+
     @property
     def grad_sync_channel_ids(self) -> str:
         """Alpa's string of the channel ids of the all-reduces that synchronise accumulated
         gradients (``.3.`` for one): here, the all-reduces after the micro-batch loop."""
-        ids = [cid for kind, cid, in_loop in _collective_channels(self._ex.get_hlo_text())
+        ids = [cid for kind, cid, in_loop in _collective_channels(self.get_hlo_text())
                if kind == "all-reduce" and not in_loop]
         return "." + "".join(f"{i}." for i in ids)
 

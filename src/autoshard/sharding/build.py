@@ -185,7 +185,12 @@ def _input_masks(prob: Problem, batch_invars, fixed_in_specs=None):
         else:
             if is_batch and option.force_batch_dim_to_mesh_dim is not None:
                 a = option.force_batch_dim_to_mesh_dim
-                keep = {k for k, s in enumerate(specs) if a in s[0]}
+                if a < len(ctx.mesh_shape) and ctx.mesh_shape[a] == 1:
+                    # An axis of one device: the batch dim is split over no other axis (in
+                    # Alpa, the batch dim follows that axis: it is not split).
+                    keep = {k for k, s in enumerate(specs) if not s[0]}
+                else:
+                    keep = {k for k, s in enumerate(specs) if a in s[0]}
                 if keep:
                     allowed &= keep
                 elif a < len(ctx.mesh_shape) and ctx.mesh_shape[a] > 1:

@@ -27,7 +27,9 @@ class AutoShardingOption:
     force_data_parallel: bool = False
     """Split the batch over all devices and replicate everything else."""
     force_batch_dim_to_mesh_dim: int | None = None
-    """Mesh axis the batch dim must be split over; None lets the solver choose."""
+    """Mesh axis the batch dim must be split over; None lets the solver choose. As in Alpa,
+    an axis of one device keeps the batch inputs unsplit (a warning says so), and the only
+    axis of more than one device makes the plan data parallel."""
     prefer_reduce_scatter: bool = False
     """Use reduce-scatter instead of all-reduce where the consumer can take a shard."""
     allow_all_gather: bool = True
@@ -108,8 +110,9 @@ class AutoShardingOption:
             if rank is not None and self.logical_mesh_shape[a] == 1:
                 _warn_once(
                     f"force_batch_dim_to_mesh_dim ({a}) names an axis of size 1 in "
-                    f"logical_mesh_shape {self.logical_mesh_shape}: the batch is not split "
-                    "(as in Alpa, a no-op). Name an axis of size > 1 to split it.")
+                    f"logical_mesh_shape {self.logical_mesh_shape}: the batch inputs are not "
+                    "split over the other axes (as in Alpa). Name an axis of size > 1 to split "
+                    "them.")
         if self.solver_time_limit_s <= 0:
             raise ValueError(
                 f"solver_time_limit_s ({self.solver_time_limit_s}) must be positive seconds.")

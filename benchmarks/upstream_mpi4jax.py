@@ -139,7 +139,7 @@ def run_suite(upstream: pathlib.Path, num_procs: int, work: pathlib.Path,
     env["PYTHONPATH"] = os.pathsep.join([str(reference or alias_dir), str(HERE)])
     env["UPSTREAM_MPI4JAX_OUT"] = str(out)
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-              "upstream_mpi4jax", "--timeout", "120", "."]
+              "upstream_mpi4jax", "--timeout", "300", "."]
     command = pytest if num_procs == 1 else [*MPIRUN, "-np", str(num_procs), *pytest]
     proc = subprocess.run(command, cwd=suite, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S)

@@ -157,6 +157,7 @@ def test_point_to_point_and_send_barrier_return_value(mode, rank, size):
 def test_recv_before_send_keeps_program_order(rank, size):
     """tests/collective_ops/test_send_and_recv.py::test_send_recv_deadlock: rank 0 sends then
     receives, rank 1 receives then sends, in one jit; without program order this deadlocks."""
+    mpi4jax.barrier()  # the default communicator's creation is collective: every rank takes part
     if rank > 1:
         return
 
@@ -170,6 +171,36 @@ def test_recv_before_send_keeps_program_order(rank, size):
         return got
 
     np.testing.assert_array_equal(exchange(jnp.full(10, float(rank))), np.full(10, 1.0 - rank))
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() < 2, reason="needs 2 ranks")
+@pytest.mark.parametrize("loop", ["unrolled", "fori_loop", "scan"])
+def test_ping_pong_without_tokens(loop, rank, size):
+    """The issue's ordering patterns without tokens: 100 rounds of ping-pong between ranks 0 and
+    1 (each adds 1 before passing the ball back), unrolled, in fori_loop and in lax.scan."""
+    mpi4jax.barrier()  # the default communicator's creation is collective: every rank takes part
+    if rank > 1:
+        return
+    rounds = 100
+
+    def one_round(ball):
+        if rank == 0:
+            mpi4jax.send(ball + 1, 1, tag=5)
+            return mpi4jax.recv(ball, 1, tag=6)
+        ball = mpi4jax.recv(ball, 0, tag=5) + 1
+        mpi4jax.send(ball, 0, tag=6)
+        return ball
+
+    def play(ball):
+        if loop == "fori_loop":
+            return jax.lax.fori_loop(0, rounds, lambda _, b: one_round(b), ball)
+        if loop == "scan":
+            return jax.lax.scan(lambda b, _: (one_round(b), None), ball, None, length=rounds)[0]
+        for _ in range(rounds):
+            ball = one_round(ball)
+        return ball
+
+    assert jax.jit(play)(jnp.float32(0)) == 2 * rounds
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -42,6 +42,12 @@ bench: $(STAMP) native
 	$(CPU8) $(PY) benchmarks/programs.py
 	$(MAKE) --no-print-directory bench-mpi
 
+# Issue 25: four model families against expert jax.jit plans, and a decoder layer sweep
+# (about 15 min on 2 shared cores; benchmarks/results/families.{json,md}).
+.PHONY: bench-families
+bench-families: $(STAMP)
+	$(PY) benchmarks/families.py
+
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache src/autoshard/mpi/_ffi.so \
 	  src/autoshard/mpi/_build.txt

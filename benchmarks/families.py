@@ -173,12 +173,13 @@ def compiled_measures(compiled, num_devices: int) -> dict:
             "temp_bytes": int(m.temp_size_in_bytes)}
 
 
-def run_steps(fn, state, batch, steps: int) -> list[float]:
+def run_steps(fn, state, batch, steps: int) -> tuple[list[float], object]:
+    """The losses of ``steps`` steps and the last state."""
     losses = []
     for _ in range(steps):
         state, loss = fn(state, batch)
         losses.append(float(loss))
-    return losses
+    return losses, state
 
 
 def single_losses(case, steps: int) -> list[float]:
@@ -187,7 +188,7 @@ def single_losses(case, steps: int) -> list[float]:
     dev = jax.devices()[0]
     fn = jax.jit(case.step, donate_argnums=0)
     return run_steps(fn, jax.device_put(case.init_state(), dev), jax.device_put(case.batch, dev),
-                     steps)
+                     steps)[0]
 
 
 def measure_expert(case, name, mesh_shape, fsdp, devices, steps) -> dict:
@@ -205,7 +206,7 @@ def measure_expert(case, name, mesh_shape, fsdp, devices, steps) -> dict:
            "lower_s": t1 - t0, "compile_s": t2 - t1,
            **compiled_measures(compiled, len(devices))}
     rec["losses"] = run_steps(compiled, jax.device_put(state, state_sh),
-                              jax.device_put(batch, batch_sh), steps)
+                              jax.device_put(batch, batch_sh), steps)[0]
     return rec
 
 
@@ -225,7 +226,7 @@ def measure_autoshard(case, name, budget, devices, steps, mesh_shape=None) -> di
            "predicted_memory": audit.predicted_memory,
            "audit_compiled_memory": audit.compiled_memory,
            "audit_divergences": list(audit.divergences())}
-    rec["losses"] = run_steps(f, case.init_state(), case.batch, steps)
+    rec["losses"] = run_steps(f, case.init_state(), case.batch, steps)[0]
     return rec
 
 

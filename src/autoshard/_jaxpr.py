@@ -74,11 +74,14 @@ def flatten_args(args: tuple, static_argnums: Sequence[int]) -> FlatArgs:
             _check_static_arg(i, leaves, static_argnums)
         # A Python number next to arrays in one argument (a train state's step counter) is
         # data, not configuration: it becomes a weakly typed scalar array.
-        mixed = i not in static_argnums and any(is_array_leaf(x) for _, x in leaves)
+        mixed = i not in static_argnums and any(
+            is_array_leaf(x) or isinstance(x, jax.core.ShapedArray) for _, x in leaves)
         for path, leaf in leaves:
             name = f"arg{i}{jax.tree_util.keystr(path)}"
             if mixed and _is_number(leaf):
                 leaf = jnp.asarray(leaf)
+            if isinstance(leaf, jax.core.ShapedArray):  # an abstract value, as Alpa takes
+                leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
             if i not in static_argnums and is_array_leaf(leaf):
                 is_dynamic.append(True)
                 dynamic.append(leaf)

@@ -6,12 +6,13 @@ Upstream tests covered:
   Alpa's parameters only, eager and under jit (here also grad and vmap, every mark type).
 * ``test_reduce_scatter.py`` ``test_mlp_grad_acc_friendly``: ``get_hlo_text()`` is Alpa's
   six-entry list for two stages; no collective in the forwards, exactly one (combined)
-  all-reduce per data-parallel stage in its backward entry (the once-per-step reduction),
-  none in the apply entries (our apply updates the replicated parameters; Alpa's all-gathers
-  them after a sharded update), numerics equal to jax.jit.
+  all-reduce per data-parallel stage in its backward entry (the once-per-step reduction);
+  with ``prefer_reduce_scatter`` exactly one all-gather per apply entry (the update runs on
+  shards, ZeRO-2), without it none; numerics equal to jax.jit.
 * ``test_scatter_gather.py`` ``test_2_layer_bert``: ``force_batch_dim_to_mesh_dim=0`` on a
   ``(1, 2)`` sub-mesh is accepted (a warning), an axis that does not exist is an error.
-* ``test_set_input_shard.py`` / Alpa's rng dicts: an empty dict as a batch argument.
+* ``test_set_input_shard.py``: ``jax.core.ShapedArray`` arguments, stage input specs reused;
+  Alpa's rng dicts: an empty dict as a batch argument.
 * ``test_schedules.py`` ``test_schedules``: Alpa's ``GpipeSchedule``/``PipeDreamFlush``
   tables (clock count, placement, in-flight micro-batches) and the exact GPipe table.
 * ``test_dynamic_programming.py``, ``test_old_dp_vs_new_dp.py``: ``training_dp`` and
@@ -26,7 +27,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax.training.train_state import TrainState
 from pipeline_models import assert_trees_close, mlp_batch, mlp_loss, mlp_params, sgd_step
 
 import autoshard
@@ -113,6 +116,40 @@ def test_get_hlo_text_is_alpas_list_with_one_reduction_per_data_parallel_stage()
     assert collectives(tasks["B0"]) == collectives(tasks["B1"]) == []  # partial sums
 
 
+def test_prefer_reduce_scatter_shards_a_data_parallel_stages_update():
+    """``test_mlp_grad_acc_friendly`` in full: with prefer_reduce_scatter the update runs on
+    gradient and momentum shards and the new parameters come back in one all-gather."""
+    tx = optax.sgd(0.1, momentum=0.9)
+    state = TrainState.create(apply_fn=None, params=mlp_params(), tx=tx)
+    batch = mlp_batch()
+
+    def step(state, batch):
+        grads = autoshard.grad(lambda p: mlp_loss(p, *batch))(state.params)
+        return state.apply_gradients(grads=grads)
+
+    method = PipeshardParallel(
+        num_micro_batches=4, layer_option="manual",
+        stage_option=UniformStageOption(num_stages=2),
+        default_auto_sharding_option=autoshard.AutoShardingOption(
+            force_data_parallel=True, prefer_reduce_scatter=True),
+        blocking=True)
+    f = autoshard.parallelize(step, method=method)
+    got, want = state, state
+    for _ in range(3):
+        got, want = f(got, batch), jax.jit(step)(want, batch)
+    assert_trees_close(got.params, want.params)
+    assert_trees_close(got.opt_state, want.opt_state)
+    texts = f.get_last_executable().get_hlo_text()
+    assert [collectives(t) for t in texts] == [
+        [], [], ["all-reduce"], ["all-reduce"], ["all-gather"], ["all-gather"]]
+    # each of a stage's 4 devices keeps a quarter of every momentum buffer
+    for leaf, p in zip(jax.tree.leaves(got.opt_state), jax.tree.leaves(got.params),
+                       strict=False):
+        if leaf.shape == p.shape:
+            assert leaf.sharding.shard_shape(leaf.shape) == (leaf.shape[0] // 4,) + (
+                leaf.shape[1:])
+
+
 def test_inference_get_hlo_text_is_the_forwards():
     method = PipeshardParallel(num_micro_batches=2, layer_option="manual",
                                pipeline_schedule="inference",
@@ -129,6 +166,29 @@ def test_inference_get_hlo_text_is_the_forwards():
     np.testing.assert_allclose(f(params, x), jax.jit(infer)(params, x), rtol=1e-5, atol=1e-5)
     texts = f.get_last_executable().get_hlo_text()
     assert len(texts) == 2 and all("HloModule" in t for t in texts)
+
+
+def test_shaped_array_arguments_and_reused_stage_input_shardings():
+    """``test_set_input_shard.py``: abstract ``jax.core.ShapedArray`` arguments, and the stage
+    input specs of one executable reproduced by another batch size's."""
+    params = jax.eval_shape(mlp_params)
+
+    def infer(p, batch):
+        h = jnp.tanh(jnp.tanh(batch["x"] @ p["w0"]) @ p["w1"])
+        autoshard.mark_pipeline_boundary()
+        return jnp.tanh(h @ p["w2"]) @ p["w3"]
+
+    def method(**kw):
+        return PipeshardParallel(num_micro_batches=1, pipeline_schedule="inference",
+                                 layer_option="manual",
+                                 stage_option=UniformStageOption(num_stages=2), **kw)
+    f = autoshard.parallelize(infer, batch_argnums=(1,), method=method())
+    ex1 = f.get_executable(params, {"x": jax.core.ShapedArray((1, 8), jnp.float32)})
+    assert f.get_executable(params, {"x": jax.ShapeDtypeStruct((1, 8), jnp.float32)}) is ex1
+    g = autoshard.parallelize(infer, batch_argnums=(1,), method=method(
+        stage_input_shardings=ex1.stage_input_shard_specs))
+    ex3 = g.get_executable(params, {"x": jax.core.ShapedArray((8, 8), jnp.float32)})
+    assert ex3.stage_input_shard_specs == ex1.stage_input_shard_specs
 
 
 # force_batch_dim_to_mesh_dim on an axis of size 1 ----------------------------------------------

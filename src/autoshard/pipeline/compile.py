@@ -51,6 +51,7 @@ from ..sharding.plan import spec_axes
 from . import _cross_process
 from .partition import Partition, Task
 from .reduce import acc_dtype, stacked_spec, without_batch_reductions
+from .zero import gather_once
 
 
 def make_submeshes(devices, sizes, logical_shapes, axis_names=None):
@@ -129,12 +130,13 @@ class CompiledTask:
     (input, output) positions of values the task replaces (same spec). ``input_specs``: per
     input the spec it arrives in (None: the plan chooses), e.g. the layout its producer gives
     it; the planner plans the task around them. ``output_pins``: output position -> the spec
-    the result is pinned to (a ``with_sharding_constraint`` the planner keeps).
+    the result is pinned to (a ``with_sharding_constraint`` the planner keeps). ``gathered``:
+    output positions computed on shards and made whole by one all-gather (``zero``).
     """
 
     def __init__(self, task: Task, part: Partition, mesh, *, with_index: bool, option,
                  fallback: Specs, rows=frozenset(), aliases=(), input_specs=None,
-                 output_pins=None, partial_accumulators: bool = False):
+                 output_pins=None, partial_accumulators: bool = False, gathered=()):
         self.task, self.stage, self.mesh = task, task.stage, mesh
         consts = dict(zip(part.jaxpr.constvars, part.consts, strict=True))
         self.invars = [v for v in task.invars if v not in consts]
@@ -161,6 +163,7 @@ class CompiledTask:
                       self.random)
         if pins:
             fn = _pinned(fn, pins, mesh)
+        fn = gather_once(fn, tuple(gathered), mesh)
         n, n_acc = len(self.invars), len(self.accumulated)
         abstract = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.invars]
         abstract += [jax.ShapeDtypeStruct(v.aval.shape, acc_dtype(v.aval.dtype))

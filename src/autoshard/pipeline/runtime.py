@@ -41,6 +41,7 @@ from .simulate import simulate
 from .span import SpanReduce, run_sums
 from .timeline import draw_timeline
 from .transfer import Mover
+from .zero import zero_apply
 
 
 class PipelineExecutable:
@@ -103,7 +104,7 @@ class PipelineExecutable:
         def pinned(v, stage):  # a ManualShardingOption's spec for v on the stage, or None
             return None if self.manual is None else self.manual.input_spec(v, stage)
 
-        def compile_task(t, with_index, aliases=(), given=None, partial=False):
+        def compile_task(t, with_index, aliases=(), given=None, partial=False, zero=None):
             mesh = self.meshes[t.stage]
             consts = set(jaxpr.constvars)
             invars = [v for v in t.invars if v not in consts]
@@ -116,10 +117,12 @@ class PipelineExecutable:
                 p if (p := pinned(v, t.stage)) is not None else
                 wanted(v, mesh) if v in layout else None for v in invars]
             c = CompiledTask(t, part, mesh, with_index=with_index,
-                             option=options[t.stage], fallback=self.specs, rows=rows,
+                             option=None if zero else options[t.stage],
+                             gathered=zero.gathered if zero else (),
+                             fallback=self.specs, rows=rows,
                              aliases=aliases, input_specs=want,
-                             output_pins=None if self.manual is None else
-                             self.manual.output_pins(t), partial_accumulators=partial)
+                             output_pins=zero.pins if zero else None if self.manual is None
+                             else self.manual.output_pins(t), partial_accumulators=partial)
             for v, sh in zip(c.invars + c.outvars, c.in_shardings[:len(c.invars)] +
                              c.out_shardings[:len(c.outvars)], strict=True):
                 if sh not in layout.setdefault(v, [sh]):
@@ -158,8 +161,13 @@ class PipelineExecutable:
             sh = layout[src][0]
             layout[w] = [sh]
             self.joins.append((w, src, self._join_fn(w, src, sh), sh))
-        self.apply = [compile_task(t, False, step_aliases(t, jaxpr, program.aliases))
-                      for t in part.apply]
+        self.apply, split = [], set()
+        for t in part.apply:  # ZeRO-2 where the stage's option asks for it (``zero``)
+            z = None if self.manual is not None else zero_apply(
+                t, part, program, self.meshes[t.stage], options[t.stage], frozenset(split))
+            self.apply.append(compile_task(t, False, step_aliases(t, jaxpr, program.aliases),
+                                           given=z and list(z.input_specs), zero=z))
+            split |= z.split if z else set()
         self.sums = [SpanReduce(cs, part.home, self.meshes, self.rank_meshes)
                      for cs in part.sums]
         self.finalize = []

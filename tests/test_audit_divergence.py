@@ -50,8 +50,8 @@ class ScaledPrediction(autoshard.ShardParallel):
     bytes_by: float = 1.0
     memory_by: float = 1.0
 
-    def compile(self, program):
-        compiled = super().compile(program)
+    def compile(self, program, call):
+        compiled = super().compile(program, call)
         return dataclasses.replace(compiled, plan=scaled(
             compiled.plan, bytes_by=self.bytes_by, memory_by=self.memory_by))
 

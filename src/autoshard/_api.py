@@ -10,15 +10,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 import jax
-from jax.sharding import NamedSharding
 
 from . import _compat, _config
 from ._config import BACKENDS, Backend, required_cluster
 from ._executable import MISS, Executable, abstract_leaf, deleted_error, warn_on_divergence
 from ._jaxpr import FlatArgs, flatten_args
+from ._method_base import Call
 from ._methods import ParallelMethod, ShardParallel
 from ._program import trace_program
-from .distributed.plan_sync import agree_on_plan
 
 _state: dict[str, Any] = {"cluster": None}
 _all_funcs: weakref.WeakSet = weakref.WeakSet()
@@ -125,6 +124,46 @@ def _argnums(value, name: str):
     raise TypeError(f"{name} ({value!r}) must be 'auto', an int or a sequence of ints.")
 
 
+# One argument-normalising path for ``parallelize`` and ``plan`` ------------------------------
+def batch_argnums_of(value) -> tuple[int, ...]:
+    """``batch_argnums`` as a tuple (checked; 'auto' is refused)."""
+    batch = _argnums(value, "batch_argnums")
+    if batch == "auto":
+        raise TypeError("batch_argnums must be a sequence of ints, e.g. (1,); not 'auto'.")
+    return batch
+
+
+def static_positions(static_argnums, args) -> tuple[int, ...]:
+    """The static positions among ``args`` (non-negative), checked against their number."""
+    static = () if static_argnums == "auto" else static_argnums
+    for i in static:
+        if not -len(args) <= i < len(args):
+            raise ValueError(
+                f"static_argnums ({static_argnums}) names argument {i}, but "
+                f"{len(args)} positional arguments were given.")
+    return tuple(i % len(args) for i in static)
+
+
+def batch_positions(batch_argnums: tuple[int, ...], default: bool, args) -> tuple[int, ...]:
+    """The batch positions among ``args``: as in Alpa, a one-argument function has none
+    unless they were given."""
+    if default and len(args) < 2:
+        return ()
+    n = len(args)
+    return tuple(b % n if -n <= b < n else b for b in batch_argnums)
+
+
+def trace_call(fun, args, flat: FlatArgs, *, static: tuple[int, ...],
+               batch: tuple[int, ...], donate, method: ParallelMethod, name: str):
+    """``fun(*args)`` traced for ``method``: (program, the ``Call`` the method gets)."""
+    t0 = time.perf_counter()
+    program, out_tree = trace_program(fun, args, flat, batch_argnums=batch,
+                                      donate_argnums=donate,
+                                      num_micro_batches=method.micro_batches, name=name)
+    return program, Call(flat=flat, out_tree=out_tree, static_argnums=static, name=name,
+                         trace_s=time.perf_counter() - t0)
+
+
 class ParallelizedFunc:
     """The result of ``parallelize``: call it like the original function."""
 
@@ -150,10 +189,7 @@ class ParallelizedFunc:
         self.static_argnums = _argnums(static_argnums, "static_argnums")
         self.donate_argnums = _argnums(donate_argnums, "donate_argnums")
         self._default_batch = batch_argnums is _DEFAULT_BATCH
-        batch = _argnums(batch_argnums, "batch_argnums")
-        if batch == "auto":
-            raise TypeError("batch_argnums must be a sequence of ints, e.g. (1,); not 'auto'.")
-        self.batch_argnums = batch
+        self.batch_argnums = batch_argnums_of(batch_argnums)
         self.max_executables = max_executables
         self._cache: OrderedDict = OrderedDict()
         self._fast: dict = {}  # argument treedef -> the executable used last with it
@@ -187,13 +223,7 @@ class ParallelizedFunc:
         if kwargs:
             raise self._kwargs_error(kwargs)
         _ensure_init()
-        static = () if self.static_argnums == "auto" else self.static_argnums
-        for i in static:
-            if not -len(args) <= i < len(args):
-                raise ValueError(
-                    f"static_argnums ({self.static_argnums}) names argument {i}, but "
-                    f"{len(args)} positional arguments were given.")
-        static = tuple(i % len(args) for i in static)
+        static = static_positions(self.static_argnums, args)
         flat = flatten_args(args, static)
         for x, path in zip(flat.dynamic_leaves, flat.paths, strict=True):
             if _compat.is_tracer(x):
@@ -208,7 +238,11 @@ class ParallelizedFunc:
             if _compat.any_deleted(flat.dynamic_leaves):
                 raise deleted_error(flat.dynamic_leaves, flat.paths, self.__name__)
             self._warn_static_recompiles(flat, key)
-            executable = self._compile(args, flat, self._batch_argnums(args), static)
+            program, call = trace_call(
+                self.fun, args, flat, static=static,
+                batch=batch_positions(self.batch_argnums, self._default_batch, args),
+                donate=self.donate_argnums, method=self.method, name=self.__name__)
+            executable = self.method.compile_executable(program, call)
             if _config.audit_on_first_call():
                 warn_on_divergence(executable, self.__name__)
             self._cache[key] = executable
@@ -241,12 +275,6 @@ class ParallelizedFunc:
             f"{self.__name__} was called with keyword argument(s) {sorted(kwargs)}; "
             "parallelized functions take positional arguments only. Pass them positionally.")
 
-    def _batch_argnums(self, args) -> tuple[int, ...]:
-        if self._default_batch and len(args) < 2:
-            return ()  # as in Alpa: a one-argument function has no batch argument
-        n = len(args)
-        return tuple(b % n if -n <= b < n else b for b in self.batch_argnums)
-
     def _warn_static_recompiles(self, flat: FlatArgs, key: tuple):
         """Warn, naming the argument, when only static values keep changing."""
         treedef, is_dynamic, _, avals = key  # the cache key without the static values
@@ -268,39 +296,6 @@ class ParallelizedFunc:
             f"the static value of {names} changed. Python numbers passed as arguments are "
             "static (static_argnums='auto'); pass jnp.asarray(value) to make it traced data, so "
             "one executable serves every value.", RuntimeWarning, stacklevel=4)
-
-    def _compile(self, args, flat: FlatArgs, batch_argnums, static_argnums) -> Executable:
-        t0 = time.perf_counter()
-        program, out_tree = trace_program(
-            self.fun, args, flat, batch_argnums=batch_argnums,
-            donate_argnums=self.donate_argnums,
-            num_micro_batches=self.method.micro_batches, name=self.__name__)
-        t1 = time.perf_counter()
-        build = getattr(self.method, "build_executable", None)
-        if build is not None:  # methods that run more than one jit (pipelines)
-            return build(program, flat=flat, out_tree=out_tree, static_argnums=static_argnums,
-                         name=self.__name__, trace_s=t1 - t0)
-        compiled = self.method.compile(program)
-        if compiled.plan.objective is None:  # fixed plans: every process checks it traced the
-            agree_on_plan(self.__name__, program, compiled.plan)  # same program as process 0
-        t2 = time.perf_counter()
-        mesh, plan = compiled.mesh, compiled.plan
-        in_shardings = tuple(NamedSharding(mesh, leaf.spec) for leaf in plan.inputs)
-        out_shardings = tuple(NamedSharding(mesh, leaf.spec) for leaf in plan.outputs)
-        donate = tuple(i for i, d in enumerate(program.donated_invars) if d)
-        abstract = [abstract_leaf(a, s) for a, s in zip(program.in_avals, in_shardings,
-                                                        strict=True)]
-        fn = compiled.fn
-        jitted = jax.jit(lambda *a: tuple(fn(*a)), in_shardings=in_shardings,
-                         out_shardings=out_shardings, donate_argnums=donate)
-        lowered = jitted.lower(*abstract)
-        t3 = time.perf_counter()
-        xla = lowered.compile()
-        t4 = time.perf_counter()
-        timings = {"trace_s": t1 - t0, "planning_s": t2 - t1, "lowering_s": t3 - t2,
-                   "compile_s": t4 - t3}
-        return Executable(xla, lowered, plan, mesh, in_shardings, out_shardings, flat, out_tree,
-                          program, static_argnums, timings, name=self.__name__)
 
 
 __all__ = ["init", "shutdown", "parallelize", "ParallelizedFunc", "Executable",

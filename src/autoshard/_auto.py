@@ -9,16 +9,16 @@ from jax.sharding import Mesh
 
 from . import sharding
 from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
-from ._method_base import Compiled
+from ._method_base import Call, Compiled
 from ._program import Program
 from .cluster import Cluster
-from .distributed.plan_sync import agree_on_plan, program_fingerprint
+from .distributed.plan_sync import program_fingerprint
 from .grad_accum import StepHooks, batch_axes, loop_bytes, loop_costs
 from .sharding.options import AutoShardingOption
 from .sharding.plan import PlanFingerprint
 
 
-def compile_auto(method, program: Program) -> Compiled:
+def compile_auto(method, program: Program, call: Call) -> Compiled:
     devices, user_mesh = resolve_devices(method.devices)
     accumulate = program.num_micro_batches > 1
     # The traced step itself is planned (no re-trace). With micro-batches it is one
@@ -26,11 +26,11 @@ def compile_auto(method, program: Program) -> Compiled:
     # gradients once, as in that step.
     closed = program.closed
     if method.plan is not None:  # made earlier (autoshard.plan): checked, not re-planned
-        plan = check_plan(method.plan, program, devices, user_mesh)
+        plan = call.agree(program, check_plan(method.plan, program, devices, user_mesh))
     else:
         # Across processes, process 0 plans and the others receive its plan (after checking
         # that they traced the same program); with one process this just plans.
-        plan = agree_on_plan("ShardParallel", program, lambda: plan_program(
+        plan = call.agree(program, lambda: plan_program(
             method, program, Cluster.from_devices(devices)))
     mesh = (as_auto_mesh(user_mesh) if user_mesh is not None
             else mesh_from_shape(devices, plan.mesh_shape, plan.axis_names))

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 from jax.sharding import PartitionSpec as P
 
+from ._auto import plan_program
 from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
-from ._method_base import Compiled, leaf_plan
+from ._method_base import Call, Compiled, leaf_plan
 from ._program import Program
 from .grad_accum import StepHooks, batch_axes
+from .sharding.options import AutoShardingOption
 from .sharding.plan import ShardingPlan, format_spec, spec_axes
 
 _UNSET = object()
 
 
-def compile_manual(method, program: Program) -> Compiled:
+def compile_manual(method, program: Program, call: Call) -> Compiled:
     option = method.manual_sharding_option
     names = option.mesh_axis_names
     devices, user_mesh = resolve_devices(method.devices)
@@ -51,7 +54,41 @@ def compile_manual(method, program: Program) -> Compiled:
         inputs=tuple(leaf_plan(program, i, s) for i, s in enumerate(in_specs)),
         outputs=tuple(leaf_plan(program, i, s, output=True) for i, s in enumerate(out_specs)))
     hooks = StepHooks(mesh=mesh, batch_axes=batch_axes(program.batch_invars, in_specs))
-    return Compiled(plan=plan, mesh=mesh, fn=program.step(hooks))
+    return Compiled(plan=call.agree(program, plan), mesh=mesh, fn=program.step(hooks))
+
+
+def price_manual(method, program: Program, cluster) -> ShardingPlan:
+    """The manual option's input specs priced on its mesh, the rest placed by the planner."""
+    manual = method.manual_sharding_option
+    names = manual.mesh_axis_names
+    option = method.auto_sharding_option or AutoShardingOption()
+    shape = option.logical_mesh_shape
+    if shape is None and len(names) == 1:
+        shape = (cluster.num_devices,)
+    if shape is None or len(shape) != len(names) or math.prod(shape) != cluster.num_devices:
+        raise ValueError(
+            f"autoshard.plan: manual_sharding_option names the mesh axes {names} but "
+            f"auto_sharding_option.logical_mesh_shape is {shape}; give one size per axis with "
+            f"a product of {cluster.num_devices} (the cluster's devices), e.g. "
+            f"AutoShardingOption(logical_mesh_shape=({cluster.num_hosts}, "
+            f"{cluster.devices_per_host})).")
+    if manual.out_axis_resources is not None:
+        raise ValueError(
+            "autoshard.plan prices a manual plan by its inputs: out_axis_resources "
+            f"({manual.out_axis_resources}) is not priced (donated state follows its input, the "
+            "other outputs are placed by the planner). Drop out_axis_resources to price it.")
+    sizes = dict(zip(names, shape, strict=True))
+    specs = _leaf_specs(manual.in_axis_resources, program.args_shape, "in_axis_resources",
+                        len(program.in_avals))
+    specs = [P() if s is _UNSET else s for s in specs]  # unset: replicated, as when it runs
+    for spec, aval, path in zip(specs, program.in_avals, program.in_paths, strict=True):
+        validate_spec(spec, aval.shape, sizes, where=f"in_axis_resources for {path}")
+    option = dataclasses.replace(option, logical_mesh_shape=tuple(shape))
+    auto = dataclasses.replace(method, manual_sharding_option=None, auto_sharding_option=option)
+    plan = plan_program(auto, program, cluster, axis_names=names, fixed_in_specs=specs)
+    return dataclasses.replace(plan, method="ShardParallel(manual, priced)", notes=(
+        "hand-written plan priced: the inputs keep the manual_sharding_option's specs "
+        "(unset ones replicated); every other value is placed by the planner", *plan.notes))
 
 
 def _mesh_shape(method, names, num_devices):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._auto import compile_auto
-from ._manual import compile_manual
-from ._method_base import Compiled, ParallelMethod
+from ._auto import compile_auto, plan_program
+from ._manual import compile_manual, price_manual
+from ._method_base import Call, Compiled, ParallelMethod
 from ._program import Program
 from ._zero import compile_data_parallel
 from .sharding.options import AutoShardingOption
@@ -95,10 +95,20 @@ class ShardParallel(ParallelMethod):
                 "submesh_axis_names or pipeline_intermediate_axes (those are for "
                 "PipeshardParallel's sub-meshes); got " f"{man!r}.")
 
-    def compile(self, program: Program) -> Compiled:
+    def compile(self, program: Program, call: Call) -> Compiled:
         if self.manual_sharding_option is not None:
-            return compile_manual(self, program)
-        return compile_auto(self, program)
+            return compile_manual(self, program, call)
+        return compile_auto(self, program, call)
+
+    def plan_for(self, program: Program, cluster) -> ShardingPlan:
+        if self.plan is not None:
+            raise ValueError(
+                "autoshard.plan: the method already carries a plan (ShardParallel(plan=...)); "
+                "its estimate is plan.explain(). Pass ShardParallel() to plan again, or "
+                "ShardParallel(manual_sharding_option=...) to price hand-written specs.")
+        if self.manual_sharding_option is not None:
+            return price_manual(self, program, cluster)
+        return plan_program(self, program, cluster)
 
 
 # Data parallel and ZeRO ------------------------------------------------------------------------
@@ -116,8 +126,8 @@ class DataParallel(ParallelMethod):
     def __post_init__(self):
         self._validate_common()
 
-    def compile(self, program: Program) -> Compiled:
-        return compile_data_parallel(self, program, zero_stage=self.stage)
+    def compile(self, program: Program, call: Call) -> Compiled:
+        return compile_data_parallel(self, program, call, zero_stage=self.stage)
 
 
 @dataclass(frozen=True, eq=False)

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from ._jaxpr import dependents
 from ._local import LocalEval, R, is_split, split
 from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
-from ._method_base import Compiled, batch_spec, leaf_plan
+from ._method_base import Call, Compiled, batch_spec, leaf_plan
 from ._program import Program
 from .grad_accum import StepHooks
 from .sharding.plan import ShardingPlan
@@ -29,7 +29,7 @@ def shard_dim_spec(shape, axes: tuple[str, ...], num_devices: int) -> tuple[P, s
     return P(), f"replicated: no dim of {dims} divisible by {num_devices}"
 
 
-def compile_data_parallel(method, program: Program, *, zero_stage: int) -> Compiled:
+def compile_data_parallel(method, program: Program, call: Call, *, zero_stage: int) -> Compiled:
     devices, user_mesh = resolve_devices(method.devices)
     mesh = as_auto_mesh(user_mesh) if user_mesh is not None else mesh_from_shape(
         devices, (len(devices),), ("data",))
@@ -80,7 +80,7 @@ def compile_data_parallel(method, program: Program, *, zero_stage: int) -> Compi
         inputs=tuple(leaf_plan(program, i, s, in_notes[i]) for i, s in enumerate(in_specs)),
         outputs=tuple(leaf_plan(program, i, s, output=True) for i, s in enumerate(out_specs)),
         notes=tuple(notes))
-    return Compiled(plan=plan, mesh=mesh, fn=program.step(hooks))
+    return Compiled(plan=call.agree(program, plan), mesh=mesh, fn=program.step(hooks))
 
 
 def _gather_params(program: Program, mesh):

@@ -259,14 +259,14 @@ def planned_once(name: str, closed, mesh, option, plan):
     return result
 
 
-def agree_on_stages(name: str, program, plan) -> None:
+def agree_on_stages(name: str, program, plan, agree) -> None:
     """Check that this process traced the same step as process 0 and cut it into the same
-    stages; raises ``PlanMismatchError`` naming both processes otherwise."""
-    if not multi_process():
-        return
-    _check_transport(name, plan)
+    stages (``agree``: ``Call.agree``); raises ``PlanMismatchError`` naming both processes
+    otherwise."""
+    if multi_process():
+        _check_transport(name, plan)
     mine = _stages(plan)
-    first = plan_sync.agree_on_plan(name, program, lambda: mine)
+    first = agree(program, lambda: mine)
     if first != mine:
         field = next(f for f in mine if mine[f] != first[f])
         raise plan_sync.PlanMismatchError(
@@ -294,17 +294,16 @@ def _check_transport(name: str, plan) -> None:
         )
 
 
-def agree(executable) -> None:
+def agree(executable, agree_on) -> None:
     """Check that this process laid out every task of ``executable`` as process 0 did (the
-    input and output layouts, which decide every transfer); raises ``PlanMismatchError`` naming
-    both processes otherwise: they would wait on each other's transfers for ever."""
-    if not multi_process():
-        return
+    input and output layouts, which decide every transfer; ``agree_on``: ``Call.agree``);
+    raises ``PlanMismatchError`` naming both processes otherwise: they would wait on each
+    other's transfers for ever."""
     mine = {
         t.task.name: ([str(s.spec) for s in t.in_shardings], [str(s.spec) for s in t.out_shardings])
         for t in executable._ordered_tasks()
     }
-    first = plan_sync.agree_on_plan(executable.name, executable.program, lambda: mine)
+    first = agree_on(executable.program, lambda: mine)
     if first == mine:
         return
     task = next(t for t in mine if mine[t] != first.get(t))

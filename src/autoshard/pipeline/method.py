@@ -12,6 +12,7 @@ from .build import method_devices, plan_partition
 from .compile import make_submeshes, stage_auto_option
 from .layers import AutoLayerOption, ManualLayerOption
 from .manual import submesh_axis_names
+from .price import price_pipeline
 from .runtime import PipelineExecutable
 from .schedules import SCHEDULES
 from .stages import AutoStageOption, ManualStageOption, UniformStageOption
@@ -80,11 +81,15 @@ class PipeshardParallel(ParallelMethod):
         object.__setattr__(self, "layer_option", layer)
         object.__setattr__(self, "stage_option", stage)
 
-    def compile(self, program):
-        raise NotImplementedError("PipeshardParallel builds its own executable "
-                                  "(build_executable).")
+    def plan_for(self, program, cluster):
+        if self.manual_sharding_option is not None:
+            raise ValueError(
+                "autoshard.plan does not price PipeshardParallel's manual_sharding_option yet "
+                "(its specs would be ignored). Price the pipeline without it, or run it and "
+                "read executable.explain().")
+        return price_pipeline(self, program, cluster)
 
-    def build_executable(self, program, *, flat, out_tree, static_argnums, name, trace_s):
+    def compile_executable(self, program, call):
         t0 = time.perf_counter()
         devices = method_devices(self)
         part, plan, sizes, dicts = plan_partition(program, self, devices)
@@ -99,13 +104,13 @@ class PipeshardParallel(ParallelMethod):
                    for s in range(part.num_stages)]
         t1 = time.perf_counter()
         return PipelineExecutable(
-            part=part, plan=plan, program=program, flat=flat, out_tree=out_tree,
-            static_argnums=static_argnums, devices=devices, sizes=sizes,
-            blocking=self.blocking, name=name, options=options,
+            part=part, plan=plan, program=program, flat=call.flat, out_tree=call.out_tree,
+            static_argnums=call.static_argnums, devices=devices, sizes=sizes,
+            blocking=self.blocking, name=call.name, agree=call.agree, options=options,
             virtual=part.num_stages // num_ranks,
             stage_input_shardings=self.stage_input_shardings,
             manual_sharding_option=self.manual_sharding_option,
-            timings={"trace_s": trace_s, "planning_s": t1 - t0})
+            timings={"trace_s": call.trace_s, "planning_s": t1 - t0})
 
 
 __all__ = ["PipeshardParallel"]

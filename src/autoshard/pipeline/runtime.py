@@ -48,11 +48,13 @@ class PipelineExecutable:
     """A compiled pipeline: per-stage jits on disjoint sub-meshes and the action list."""
 
     def __init__(self, *, part, plan, program, flat, out_tree, static_argnums, devices, sizes,
-                 blocking: bool, name: str, timings: dict, options=None, virtual: int = 1,
-                 stage_input_shardings=None, manual_sharding_option=None):
+                 blocking: bool, name: str, timings: dict, agree, options=None,
+                 virtual: int = 1, stage_input_shardings=None, manual_sharding_option=None):
         t0 = time.perf_counter()
         self.part, self.program, self.name = part, program, name
-        _cross_process.agree_on_stages(name, program, plan)  # several processes: as process 0
+        # ``agree``: how processes agree on plans (``Call.agree``), once on the stages cut here
+        # and once on the tasks' layouts below.
+        _cross_process.agree_on_stages(name, program, plan, agree)  # as process 0
         self.static_argnums, self.blocking = static_argnums, blocking
         self._flat, self._out_tree = flat.abstract(), out_tree
         statics = not all(flat.is_dynamic)
@@ -209,7 +211,7 @@ class PipelineExecutable:
         self.plan = dataclasses.replace(plan, notes=plan.notes + tuple(notes))
         self.timings = dict(timings, compile_s=time.perf_counter() - t0)
         self.trace: list = []
-        _cross_process.agree(self)  # with several processes: the same pipeline as process 0
+        _cross_process.agree(self, agree)  # with several processes: the same tasks as process 0
 
     @property
     def task_plans(self) -> dict:

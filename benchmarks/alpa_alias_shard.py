@@ -270,8 +270,8 @@ class ShardParallel(autoshard.ParallelMethod):
                 mesh_alpha=devices.mesh_alpha, mesh_beta=devices.mesh_beta),
             manual_sharding_option=ms)
 
-    def compile(self, program):
-        return self.to_autoshard().compile(program)
+    def compile_executable(self, program, call):
+        return self.to_autoshard().compile_executable(program, call)
 
 
 class Zero2Parallel(ShardParallel):
@@ -410,11 +410,38 @@ def _collectives(text: str):
             yield m.group("kind"), m.group("shape"), m.group("name"), body
 
 
-def _sliced_per_device(name: str, body: str) -> bool:
-    uses = [line for line in body.splitlines()
-            if re.search(rf"%{re.escape(name)}\b", line) and not line.lstrip().startswith(
+def _uses(name: str, body: str) -> list[str]:
+    return [line for line in body.splitlines()
+            if re.search(rf"%{re.escape(name)}(?![\w.\-])", line)
+                and not line.lstrip().startswith(
                 (f"%{name} ", f"ROOT %{name} "))]
-    return len(uses) == 1 and " dynamic-slice(" in uses[0]
+
+
+def _slices_per_device(line: str) -> bool:
+    """A dynamic-slice at the partition's offset (alone or fused)."""
+    return "dynamic-slice" in line and "partition-id" in line or " dynamic-slice(" in line
+
+
+def _sliced_per_device(name: str, body: str) -> bool:
+    """Whether each device keeps only its slice of the all-reduce ``name`` (XLA:CPU's
+    reduce-scatter): its one use slices it, or, for a combined (tuple) all-reduce, each
+    non-scalar element's one use does."""
+    uses = _uses(name, body)
+    if len(uses) == 1 and _slices_per_device(uses[0]):
+        return True
+    elements = [u for u in uses if " get-tuple-element(" in u]
+    if not elements or len(elements) != len(uses):
+        return False
+    sliced = 0
+    for line in elements:
+        m = re.match(r"\s*%([\w.\-]+) = (\S+)", line)
+        if _SCALAR.match(m.group(2)):
+            continue
+        inner = _uses(m.group(1), body)
+        if len(inner) != 1 or not _slices_per_device(inner[0]):
+            return False
+        sliced += 1
+    return sliced > 0
 
 
 def _collective_channels(text: str):

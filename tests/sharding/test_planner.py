@@ -196,14 +196,20 @@ def test_argument_errors():
 
 
 def test_collective_options_change_the_plan():
-    args = _mlp_args(batch=64, hidden=128)
-    rs = _plan(args, logical_mesh_shape=(8,), prefer_reduce_scatter=True)
-    ar = _plan(args, logical_mesh_shape=(8,))
-    # Preferred, not merely allowed: contracting splits scatter even where an all-reduce
-    # would be a little cheaper (one collective instead of two).
+    # Data parallel (many rows, narrow layers): the gradients are reduced.
+    dp_args = _mlp_args(batch=1024, hidden=32)
+    rs = _plan(dp_args, logical_mesh_shape=(8,), prefer_reduce_scatter=True)
+    ar = _plan(dp_args, logical_mesh_shape=(8,))
+    # Preferred, not merely allowed: gradients scatter even where an all-reduce would be a
+    # little cheaper (one collective instead of two).
     assert "reduce-scatter" in {c.kind for c in rs.collectives}
     assert "reduce-scatter" not in {c.kind for c in ar.collectives}
     assert not [c for c in rs.collectives if c.kind == "all-reduce" and c.num_bytes > 4]
+    # Model parallel (few rows): an activation feeding the next layer keeps its all-reduce,
+    # as in Alpa (one collective instead of a reduce-scatter and an all-gather).
+    args = _mlp_args(batch=64, hidden=128)
+    mp = _plan(args, logical_mesh_shape=(8,), prefer_reduce_scatter=True)
+    assert {(c.kind, c.num_bytes) for c in mp.collectives} == {("all-reduce", 64 * 128 * 4)}
     no_moves = _plan(args, logical_mesh_shape=(8,), allow_all_gather=False,
                      allow_all_to_all=False)
     assert not [c for c in no_moves.collectives if c.kind in ("all-gather", "all-to-all")]

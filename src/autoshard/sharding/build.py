@@ -34,6 +34,8 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
     prob = Problem(graph, ctx, [], list(range(len(graph.nodes))))
     for node in graph.nodes:
         prob.strategies.append(node_strategies(prob, node))
+    if option.prefer_reduce_scatter:
+        _prefer_reduce_scatter(prob)
     _combine_tail_reductions(prob)
     for a, b in graph.ties:
         prob.union(a, b)
@@ -72,11 +74,7 @@ def _combine_tail_reductions(prob: Problem) -> None:
     save a few small reductions, which XLA would have merged anyway.
     """
     g, cost = prob.graph, prob.ctx.cost
-    consumers = g.consumers()
-    feeds_chain = [False] * len(g.nodes)
-    for node in reversed(g.nodes):
-        feeds_chain[node.id] = any(g.nodes[c].kind in CHAIN_KINDS or feeds_chain[c]
-                                   for c, _ in consumers[node.id] if c > node.id)
+    feeds_chain = _feeds_chain(g)
     replaced: dict[int, list] = {}  # one new list per shared list: repeated layers share it
     for node in g.nodes:
         if feeds_chain[node.id] or node.kind in LOOP_KINDS:
@@ -90,6 +88,42 @@ def _combine_tail_reductions(prob: Problem) -> None:
             new = replaced[id(strategies)] = [dataclasses.replace(s, comm_s=s.comm_s - sum(
                 cost.latency(axes) for k, axes, _ in s.collectives if k in COMBINED_KINDS))
                 for s in strategies]
+        prob.strategies[node.id] = new
+    prob.keepalive.extend(replaced.values())
+
+
+def _feeds_chain(g: Graph) -> list[bool]:
+    """Per node: whether its result feeds a heavy op or a loop boundary (``CHAIN_KINDS``)."""
+    consumers = g.consumers()
+    feeds_chain = [False] * len(g.nodes)
+    for node in reversed(g.nodes):
+        feeds_chain[node.id] = any(g.nodes[c].kind in CHAIN_KINDS or feeds_chain[c]
+                                   for c, _ in consumers[node.id] if c > node.id)
+    return feeds_chain
+
+
+def _prefer_reduce_scatter(prob: Problem) -> None:
+    """``prefer_reduce_scatter``: a reduction whose result feeds no heavy op (a gradient, read
+    by the update only) is reduce-scattered, its all-reduce priced as forbidden; one that
+    feeds later heavy ops (an activation) keeps the all-reduce beside the reduce-scatter and
+    the cost decides (Alpa's plans all-reduce activations: one collective instead of two).
+    The lists keep their length, so followers' strategy indices still match."""
+    g = prob.graph
+    feeds_chain = _feeds_chain(g)
+    forbidden = prob.ctx.cost.forbidden_s
+    replaced: dict[int, list] = {}
+    for node in g.nodes:
+        strategies = prob.strategies[node.id]
+        scattered = {s.in_specs for s in strategies
+                     if any(k == "reduce-scatter" for k, _, _ in s.collectives)}
+        if feeds_chain[node.id] or not scattered:
+            continue
+        new = replaced.get(id(strategies))
+        if new is None:
+            new = replaced[id(strategies)] = [
+                dataclasses.replace(s, comm_s=s.comm_s + forbidden)
+                if s.in_specs in scattered and any(k == "all-reduce" for k, _, _ in s.collectives)
+                else s for s in strategies]
         prob.strategies[node.id] = new
     prob.keepalive.extend(replaced.values())
 

@@ -75,8 +75,10 @@ def _contracting(ctx, out_spec: Spec, out_aval, axes, found, used, ins, compute)
     """Append the strategies of a contracting split over ``axes``: all-reduce, or reduce-scatter.
 
     With ``prefer_reduce_scatter`` a split whose result can be scattered over its axis offers
-    only reduce-scatters (as Alpa): the consumer (the optimizer update) then runs on shards and
-    the updated values are all-gathered where they are needed whole (ZeRO-2-like).
+    reduce-scatters beside the all-reduce; ``build`` keeps the all-reduce only where the
+    result feeds later heavy ops (an activation, as in Alpa), so a gradient is reduce-scattered:
+    the optimizer update then runs on shards and the updated values are all-gathered where
+    they are needed whole (ZeRO-2-like).
     """
     group_bytes = nbytes(out_aval) / shards(out_spec, ctx.mesh_shape)
     scattered = []
@@ -91,9 +93,7 @@ def _contracting(ctx, out_spec: Spec, out_aval, axes, found, used, ins, compute)
                 result_bytes = int(group_bytes) // ctx.mesh_shape[a]  # what one device keeps
                 scattered.append((used, Strategy((spec,), ins, cost, compute,
                                                  (("reduce-scatter", (a,), result_bytes),))))
-    if scattered:
-        found.extend(scattered)
-        return
+    found.extend(scattered)
     comm, coll = ctx.all_reduce(axes, group_bytes)
     found.append((used, Strategy((out_spec,), ins, comm, compute, coll)))
 

@@ -111,12 +111,15 @@ def test_mlp_data_parallel_objective_in_alpa_units(shape, axis):
     assert 0 < default.auto_sharding_objective < 1e-2
 
 
-@pytest.mark.parametrize("shape", [(4, 1), (1, 4)])
-def test_mlp_model_parallel_alternates_columns_and_rows(shape):
-    """Covers test_mlp.py::test_n_layer_mlp_model_parallel: 5 activation all-reduces for 6
+@pytest.mark.parametrize("shape,prefer", [((4, 1), False), ((1, 4), False), ((4, 1), True)])
+def test_mlp_model_parallel_alternates_columns_and_rows(shape, prefer):
+    """Covers test_mlp.py::test_n_layer_mlp_model_parallel (and, with prefer_reduce_scatter,
+    test_n_layer_mlp_model_parallel_reduce_scatter / test_bert.py's model-parallel
+    reduce-scatter case: activations keep their all-reduce): 5 activation all-reduces for 6
     layers (Megatron: kernels column, row, column, ...), objective 5 x all_reduce_cost."""
     step, state, batch = mlp_step(6, 32, 256)
-    _, ex = compile_step(step, state, batch, mesh(shape), option())
+    _, ex = compile_step(step, state, batch, mesh(shape),
+                         option(prefer_reduce_scatter=prefer))
     assert ex.auto_sharding_objective == pytest.approx(5 * all_reduce_cost(32 * 256 * 4, 4),
                                                        rel=1e-2)
     assert kinds(ex) == ["all-reduce"] * 5

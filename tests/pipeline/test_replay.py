@@ -73,3 +73,21 @@ def test_a_long_schedule_replays_from_one_dependency_table():
     sim = simulate(schedule)
     assert len(sim.start) == 65536
     assert sim.end[Action("B", 0, 1023)] == max(sim.end.values())
+
+
+def test_schedule_traits_answer_what_modules_asked_of_names():
+    """Modules ask a schedule's traits, never its name (issue 23)."""
+    from autoshard.pipeline.schedules import SCHEDULES, TRAITS, get_schedule, traits
+
+    assert set(TRAITS) == set(SCHEDULES)
+    for name in SCHEDULES:
+        virtual = 2 if traits(name).virtual else 1
+        s = get_schedule(name, num_stages=2, num_micro_batches=4, virtual=virtual)
+        assert s.traits == traits(name)
+        assert s.has_backward == traits(name).trains
+        assert any(a.kind == "Ba" for r in s.ranks for a in r) == traits(name).splits_backward
+        assert (s.virtual > 1) == traits(name).virtual
+    with pytest.raises(ValueError, match=r"pipeline_schedule \('1F1B'\) must be one of"):
+        traits("1F1B")
+    with pytest.raises(ValueError, match=r"virtual \(2\) applies to 'interleaved_1f1b' only"):
+        get_schedule("gpipe", num_stages=2, num_micro_batches=4, virtual=2)

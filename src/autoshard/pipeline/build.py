@@ -24,6 +24,7 @@ from .partition import (
     split_pre_post,
 )
 from .profile import StageProfiler, cache_file_of
+from .schedules import traits
 from .stages import (
     AutoStageOption,
     ManualStageOption,
@@ -237,7 +238,7 @@ def cut_program(program, method) -> Cut:
         after = whole_batch_update(closed, whole, program.batch_invars, k)
         closed = after.closed
     pre, marker, post = split_pre_post(closed.jaxpr)
-    inference = method.pipeline_schedule == "inference"
+    inference = not traits(method.pipeline_schedule).trains
     fwd_end = forward_end(pre, inference)
     layer_of, num_layers = choose_layers(pre, fwd_end, method.layer_option)
     return Cut(closed=closed, pre=pre, marker=marker, post=post, inference=inference,
@@ -375,7 +376,7 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
 
 def _virtual(method) -> int:
     """Model stages per sub-mesh: ``virtual_stages`` for interleaved_1f1b, else 1."""
-    if method.pipeline_schedule != "interleaved_1f1b":
+    if not traits(method.pipeline_schedule).virtual:
         return 1
     if not isinstance(method.stage_option, UniformStageOption):
         raise ValueError(

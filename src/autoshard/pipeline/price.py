@@ -68,7 +68,7 @@ from .placement import (
     submesh_shapes,
 )
 from .reduce import reduce_seconds, without_batch_reductions
-from .schedules import get_schedule
+from .schedules import get_schedule, traits
 from .simulate import simulate
 from .stages import AutoStageOption, stage_dp
 
@@ -81,7 +81,7 @@ def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
     pricer = _Pricer(method, program, cut, cluster)
     notes = []
     option = method.stage_option
-    if method.pipeline_schedule == "interleaved_1f1b":
+    if traits(method.pipeline_schedule).virtual:
         raise ValueError(
             "autoshard.plan prices pipeline_schedule 'gpipe', '1f1b', 'zero_bubble' or "
             "'inference'; 'interleaved_1f1b' is not priced yet. Price '1f1b' (the same stages "
@@ -101,7 +101,7 @@ def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
     work = balance.stage_flops(part)
     balance.warn_idle_stages(work, method.layer_option, [
         stage_layers(stage_of_layer, s) for s in range(num_stages)])
-    split = method.pipeline_schedule == "zero_bubble"
+    split = traits(method.pipeline_schedule).splits_backward
     stage_plans = pricer.plan_tasks(part, placement, fixed_shapes, split)
     sends = _sends(part, stage_plans, placement, cluster, split)
     costs = {}

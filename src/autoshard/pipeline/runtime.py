@@ -36,7 +36,7 @@ from .compile import CompiledTask, Specs, acc_dtype, finalize_fn, make_submeshes
 from .layouts import carried_spec, step_aliases
 from .manual import ManualSpecs
 from .reduce import ReduceTask, reduce_prediction
-from .schedules import get_schedule
+from .schedules import get_schedule, traits
 from .simulate import simulate
 from .span import SpanReduce, run_sums
 from .timeline import draw_timeline
@@ -84,8 +84,8 @@ class PipelineExecutable:
                 f"stage_input_shardings has {len(stage_input_shardings)} entries but the "
                 f"pipeline has {part.num_stages} stages; pass executable.stage_input_shard_specs "
                 "of the same step and options.")
-        split = plan.schedule == "zero_bubble"
-        interleaved = plan.schedule == "interleaved_1f1b"
+        split = traits(plan.schedule).splits_backward
+        interleaved = traits(plan.schedule).virtual
         self.schedule = get_schedule(plan.schedule,
                                      num_stages=num_ranks if interleaved else part.num_stages,
                                      num_micro_batches=k, virtual=virtual if interleaved else 1)

@@ -30,6 +30,35 @@ SCHEDULES = ("gpipe", "1f1b", "inference", "interleaved_1f1b", "zero_bubble")
 
 
 @dataclass(frozen=True, kw_only=True)
+class ScheduleTraits:
+    """What the rest of the pipeline needs to know of a schedule, so that no module tests a
+    schedule by its name."""
+
+    trains: bool
+    """Runs backward tasks (every schedule but ``inference``)."""
+    splits_backward: bool
+    """Runs each backward as an input-gradient part ``Ba`` and a weight-gradient part ``Bw``."""
+    virtual: bool
+    """Places several model stages (chunks) on each sub-mesh."""
+
+
+TRAITS = {
+    "gpipe": ScheduleTraits(trains=True, splits_backward=False, virtual=False),
+    "1f1b": ScheduleTraits(trains=True, splits_backward=False, virtual=False),
+    "inference": ScheduleTraits(trains=False, splits_backward=False, virtual=False),
+    "interleaved_1f1b": ScheduleTraits(trains=True, splits_backward=False, virtual=True),
+    "zero_bubble": ScheduleTraits(trains=True, splits_backward=True, virtual=False),
+}
+
+
+def traits(name: str) -> ScheduleTraits:
+    """The traits of schedule ``name`` (checked)."""
+    if name not in TRAITS:
+        raise ValueError(f"pipeline_schedule ({name!r}) must be one of {SCHEDULES}.")
+    return TRAITS[name]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Schedule:
     """Per rank, the ordered actions; plain data that a simulator or a runtime replays."""
 
@@ -61,6 +90,10 @@ class Schedule:
     def has_backward(self) -> bool:
         return any(a.kind != "F" for r in self.ranks for a in r)
 
+    @property
+    def traits(self) -> ScheduleTraits:
+        return traits(self.name)
+
     def render(self, costs=None) -> str:
         """The schedule as a text table: one row per rank, one column per time step."""
         return simulate(self, costs).render()
@@ -69,13 +102,12 @@ class Schedule:
 def get_schedule(name: str, *, num_stages: int, num_micro_batches: int,
                  virtual: int = 1) -> Schedule:
     """The schedule ``name`` for ``num_stages`` ranks (times ``virtual`` chunks for interleaved)."""
-    if name not in SCHEDULES:
-        raise ValueError(f"pipeline_schedule ({name!r}) must be one of {SCHEDULES}.")
+    virtual_chunks = traits(name).virtual
     for what, n in (("num_stages", num_stages), ("num_micro_batches", num_micro_batches),
                     ("virtual", virtual)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{what} ({n!r}) must be a positive int.")
-    if name != "interleaved_1f1b" and virtual != 1:
+    if not virtual_chunks and virtual != 1:
         raise ValueError(f"virtual ({virtual}) applies to 'interleaved_1f1b' only; use "
                          "virtual=1 or pipeline_schedule='interleaved_1f1b'.")
     make = {"gpipe": gpipe, "1f1b": one_f_one_b, "inference": inference,

@@ -1,11 +1,16 @@
-"""Tables of JAX primitives by what they do, read by every pass: the planner's rules, the
-per-device evaluator, gradient accumulation, the aux analysis and the pipeline's layer split.
+"""Tables of JAX primitives by what they do, and FLOP counts, read by every pass: the planner's
+rules, the per-device evaluator, gradient accumulation, the aux analysis and the pipeline's
+layer split.
 
 A pass that needs a set of primitives takes it from here (or builds it from these), so that
 two passes never disagree on what, say, an elementwise op is.
 """
 
 from __future__ import annotations
+
+import math
+
+from ._walk import sub_jaxprs
 
 UNARY = frozenset("""
 neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan asin acos
@@ -43,5 +48,36 @@ RANDOM = frozenset({"random_bits", "random_split", "random_fold_in", "random_wra
 KEY_USERS = frozenset({"random_bits", "random_split", "random_fold_in"})
 """Read a key's bits (each micro-batch folds its index into the keys they read)."""
 
+
+
+# FLOPs ------------------------------------------------------------------------------------------
+def dot_flops(lhs_shape, out_shape, params) -> float:
+    """FLOPs of one dot_general: two per multiply-add."""
+    (lc, _), _ = params["dimension_numbers"]
+    return 2.0 * math.prod(out_shape) * math.prod(lhs_shape[d] for d in lc)
+
+
+def conv_flops(lhs_shape, rhs_shape, out_shape, params) -> float:
+    """FLOPs of one conv_general_dilated: two per multiply-add."""
+    dn = params["dimension_numbers"]
+    kernel = math.prod(rhs_shape[d] for d in dn.rhs_spec[2:])
+    groups = params.get("feature_group_count", 1)
+    return 2.0 * math.prod(out_shape) * (lhs_shape[dn.lhs_spec[1]] // groups) * kernel
+
+
+def eqn_flops(eqn) -> float:
+    """A rough FLOP count of one equation: a product's (``dot_flops``, ``conv_flops``), one per
+    output element otherwise, or the sum over the equations inside it where that is more."""
+    out_shapes = [getattr(v.aval, "shape", ()) for v in eqn.outvars]
+    name = eqn.primitive.name
+    if name == "dot_general":
+        return dot_flops(eqn.invars[0].aval.shape, out_shapes[0], eqn.params)
+    if name == "conv_general_dilated":
+        return conv_flops(eqn.invars[0].aval.shape, eqn.invars[1].aval.shape, out_shapes[0],
+                          eqn.params)
+    inner = sum(eqn_flops(e) for sub in sub_jaxprs(eqn) for e in sub.eqns)
+    return float(max(sum(math.prod(s) for s in out_shapes), inner))
+
+
 __all__ = ["ADDS", "BINARY", "ELEMENTWISE", "KEY_USERS", "KIND_PRESERVING", "LAYOUT", "LINEAR",
-           "RANDOM", "UNARY", "VALUE_PRESERVING"]
+           "RANDOM", "UNARY", "VALUE_PRESERVING", "conv_flops", "dot_flops", "eqn_flops"]

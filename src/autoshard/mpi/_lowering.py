@@ -36,6 +36,7 @@ from __future__ import annotations
 from jax.interpreters import mlir
 
 from .._compat import mpi_internals
+from .._walk import sub_jaxprs
 from . import _check, _sharding
 from ._chain import PROCESS_AXIS, chain_type, current_token
 from ._native import target_name
@@ -247,7 +248,7 @@ def _from_first_device(value):
 def _holds_mpi(jaxpr) -> bool:
     return any(
         eqn.primitive in _primitives
-        or any(_holds_mpi(sub) for sub in _core.jaxprs_in_params(eqn.params))
+        or any(_holds_mpi(sub) for sub in sub_jaxprs(eqn))
         for eqn in jaxpr.eqns
     )
 
@@ -257,7 +258,7 @@ def _keep_holders(rule):
     rule = rule or _pe._default_dce_rule  # noqa: SLF001
 
     def dce_rule(used_outputs, eqn):
-        if not any(used_outputs) and any(_holds_mpi(j) for j in _core.jaxprs_in_params(eqn.params)):
+        if not any(used_outputs) and any(_holds_mpi(j) for j in sub_jaxprs(eqn)):
             return [True] * len(eqn.invars), eqn
         return rule(used_outputs, eqn)
 

@@ -1,7 +1,7 @@
 """How evenly the stages share a step's work: FLOPs per stage, reported and checked.
 
 A stage's work is the FLOPs of its forward and backward tasks for one micro-batch
-(``layers.eqn_flops``; the apply tasks run once per step and are left out). A plan's
+(``_prims.eqn_flops``; the apply tasks run once per step and are left out). A plan's
 ``explain()`` shows each stage's share and the imbalance (the largest stage over the mean: the
 pipeline runs at the pace of its slowest stage). A stage with under ``1 / (4 * num_stages)``
 of the work leaves its devices idle most of the step: planning warns, naming the stage, its
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import warnings
 
-from .layers import AutoLayerOption, eqn_flops
+from .._prims import eqn_flops
+from .layers import AutoLayerOption
 
 
 def stage_flops(part) -> tuple[float, ...]:

@@ -426,7 +426,7 @@ def cut_seconds_both(num_bytes: float, a: int, b: int, backward: bool) -> float:
 
 
 def _layer_costs(pre, layer_of, num_layers):
-    from .layers import eqn_flops
+    from .._prims import eqn_flops
 
     flops, mem = [0.0] * num_layers, [0.0] * num_layers
     for i, layer in layer_of.items():

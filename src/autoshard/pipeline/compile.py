@@ -43,6 +43,7 @@ from .. import _compat
 from .._compat import Literal, Var
 from .._jaxpr import Env
 from .._local import LocalEval, R, split
+from .._walk import all_eqns
 from ..grad_accum import fold_keys, reductions_of
 from ..sharding import apply_plan, plan_auto
 from ..sharding.cost import CostModel
@@ -398,16 +399,7 @@ _COLLECTIVES = ("psum", "all_gather", "all_to_all", "ppermute", "reduce_scatter"
 
 def _collectives_in(jaxpr) -> set[str]:
     """Names of the collective primitives in ``jaxpr``, at any depth."""
-    found = set()
-    for e in jaxpr.eqns:
-        if e.primitive.name.startswith(_COLLECTIVES):
-            found.add(e.primitive.name)
-        for p in e.params.values():
-            for sub in p if isinstance(p, tuple | list) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found |= _collectives_in(inner)
-    return found
+    return {e.primitive.name for e in all_eqns(jaxpr) if e.primitive.name.startswith(_COLLECTIVES)}
 
 
 def _local_task(eqns, invars, outvars, acc, consts, random, rows, axes, size, mesh,

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .._compat import Var
+from .._prims import eqn_flops
+from .._walk import any_eqn, sub_jaxprs
 from ..markers import pipeline_p
 
 
@@ -65,21 +67,15 @@ class AutoLayerOption:
 
 def check_no_nested_markers(jaxpr) -> None:
     """Boundary markers must be at the top level of the step, not inside a loop or cond."""
+    def boundary(x):
+        return x.primitive is pipeline_p and x.params["mark_type"] == "boundary"
     for e in jaxpr.eqns:
-        for p in e.params.values():
-            for sub in p if isinstance(p, tuple | list) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if not hasattr(inner, "eqns"):
-                    continue
-                for x in inner.eqns:
-                    if x.primitive is pipeline_p and x.params["mark_type"] == "boundary":
-                        raise ValueError(
-                            f"mark_pipeline_boundary() was called inside the body of "
-                            f"{e.primitive.name} (e.g. lax.scan); a pipeline layer cannot start "
-                            "in the middle of a loop or branch. Move the marker out of the "
-                            "loop body (unroll the loop over layers), or use "
-                            "layer_option=AutoLayerOption(layer_num=...).")
-                check_no_nested_markers(inner)
+        if any(any_eqn(sub, boundary) for sub in sub_jaxprs(e)):
+            raise ValueError(
+                f"mark_pipeline_boundary() was called inside the body of {e.primitive.name} "
+                "(e.g. lax.scan); a pipeline layer cannot start in the middle of a loop or "
+                "branch. Move the marker out of the loop body (unroll the loop over layers), "
+                "or use layer_option=AutoLayerOption(layer_num=...).")
 
 
 def manual_layers(pre, fwd_end: int) -> tuple[dict, int]:
@@ -94,21 +90,6 @@ def manual_layers(pre, fwd_end: int) -> tuple[dict, int]:
         out[i] = layer
         count += 1
     return out, layer + (1 if count or layer == 0 else 0)
-
-
-def eqn_flops(e) -> float:
-    """A rough FLOP count: 2*M*N*K for dot_general, one per output element otherwise."""
-    out = sum(math.prod(getattr(v.aval, "shape", ())) for v in e.outvars)
-    if e.primitive.name == "dot_general":
-        (lhs_c, _), _ = e.params["dimension_numbers"]
-        shape = e.invars[0].aval.shape
-        return 2.0 * out * math.prod(shape[d] for d in lhs_c)
-    if e.primitive.name == "conv_general_dilated":
-        rhs = e.invars[1].aval.shape
-        return 2.0 * out * math.prod(rhs) / max(rhs[0], 1)
-    inner = [getattr(p, "jaxpr", p) for p in e.params.values()]
-    sub = sum(eqn_flops(x) for j in inner if hasattr(j, "eqns") for x in j.eqns)
-    return float(max(out, sub))
 
 
 def _nbytes(v) -> int:
@@ -219,4 +200,4 @@ def _cut_bytes(pre, idx) -> list[int]:
 
 
 __all__ = ["AutoLayerOption", "ManualLayerOption", "auto_layers", "check_no_nested_markers",
-           "eqn_flops", "least_max_layer", "manual_layers"]
+           "least_max_layer", "manual_layers"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 
+from .._prims import conv_flops, dot_flops
 from .cost import byte_cost, flop_cost
 from .spec import Spec, from_assignment, is_valid, shards
 from .strategy import RuleContext, Strategy, nbytes, register
@@ -42,20 +43,6 @@ def _heavy_filter(ctx: RuleContext, found: list[tuple[int, Strategy]], flops: fl
     if full and not ctx.allow_recompute_heavy_op and flops > ctx.light_flops:
         return full
     return [s for _, s in found]
-
-
-def dot_flops(lhs_shape, out_shape, params) -> float:
-    """FLOPs of one dot_general: two per multiply-add."""
-    (lc, _), _ = params["dimension_numbers"]
-    return 2.0 * math.prod(out_shape) * math.prod(lhs_shape[d] for d in lc)
-
-
-def conv_flops(lhs_shape, rhs_shape, out_shape, params) -> float:
-    """FLOPs of one conv_general_dilated: two per multiply-add."""
-    dn = params["dimension_numbers"]
-    kernel = math.prod(rhs_shape[d] for d in dn.rhs_spec[2:])
-    groups = params.get("feature_group_count", 1)
-    return 2.0 * math.prod(out_shape) * (lhs_shape[dn.lhs_spec[1]] // groups) * kernel
 
 
 def heaviest_flops(nodes, values) -> float:

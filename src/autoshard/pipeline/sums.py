@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._compat import Var
+from .._prims import ADDS
 
-ADDS = ("add", "add_any")
 SMALL = 16
 """Elements of a value cheap enough to compute on every stage that reads it (scalars)."""
 

@@ -1,5 +1,7 @@
 """autoshard: run JAX programs on many devices without writing shardings."""
 
+from typing import TYPE_CHECKING
+
 from . import markers as markers
 from ._api import Executable as Executable
 from ._api import ParallelizedFunc as ParallelizedFunc
@@ -27,16 +29,37 @@ from .distributed import launch as launch
 from .markers import mark_gradient as mark_gradient
 from .markers import mark_parameters as mark_parameters
 from .markers import mark_pipeline_boundary as mark_pipeline_boundary
-from .pipeline import AutoLayerOption as AutoLayerOption
-from .pipeline import AutoStageOption as AutoStageOption
-from .pipeline import ManualLayerOption as ManualLayerOption
-from .pipeline import ManualStageOption as ManualStageOption
-from .pipeline import PipeshardParallel as PipeshardParallel
-from .pipeline import UniformStageOption as UniformStageOption
 from .sharding.options import AutoShardingOption as AutoShardingOption
 from .sharding.plan import ShardingPlan as ShardingPlan
 
 __version__ = "0.1.0"
+
+# The pipeline (layers, stages, schedules, its runtime) loads on first use of one of its names,
+# so that ``import autoshard`` costs little beyond ``import jax``.
+_PIPELINE = ("AutoLayerOption", "AutoStageOption", "ManualLayerOption", "ManualStageOption",
+             "PipeshardParallel", "UniformStageOption")
+
+if TYPE_CHECKING:
+    from .pipeline import AutoLayerOption as AutoLayerOption
+    from .pipeline import AutoStageOption as AutoStageOption
+    from .pipeline import ManualLayerOption as ManualLayerOption
+    from .pipeline import ManualStageOption as ManualStageOption
+    from .pipeline import PipeshardParallel as PipeshardParallel
+    from .pipeline import UniformStageOption as UniformStageOption
+
+
+def __getattr__(name: str):
+    if name in _PIPELINE:
+        from . import pipeline
+
+        value = getattr(pipeline, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'autoshard' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PIPELINE))
 
 __all__ = [
     "AutoLayerOption",

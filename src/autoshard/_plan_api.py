@@ -21,6 +21,7 @@ given specs, the planner places every other value at its cheapest given them, an
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from ._api import (
     _DEFAULT_BATCH,
@@ -35,8 +36,10 @@ from ._mesh import resolve_devices
 from ._method_base import ParallelMethod
 from ._methods import ShardParallel
 from .cluster import Cluster
-from .pipeline.price import PipelineEstimate
 from .sharding.plan import ShardingPlan
+
+if TYPE_CHECKING:
+    from .pipeline.price import PipelineEstimate
 
 
 def plan(fun: Callable, *args, method: ParallelMethod | None = None,

@@ -170,8 +170,9 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                 sol = (solve_ilp(ilp, cutoff_s=None if best is None else best[2].objective_s)
                        if ilp is not None else Solution(choice={}, status="optimal",
                                                         objective_s=0.0, solve_s=0.0))
-            except ValueError as err:
+            except (ValueError, RuntimeError) as err:  # no plan on this mesh: the next one
                 errors.append((prob, err))
+                pruned[shape] = "no plan: " + str(err).split(";")[0]
                 continue
             if sol.bound_s is not None:  # the ILP showed no plan of this mesh can win
                 pruned[shape] = (f"ILP bound {sol.bound_s * 1e3:.4f} ms >= best "

@@ -13,7 +13,7 @@ import math
 from ..cluster import Cluster
 from ..sharding.options import AutoShardingOption
 from .build import manual_stages
-from .stages import AutoStageOption, ManualStageOption, UniformStageOption
+from .stages import AutoStageOption, ManualStageOption, UniformStageOption, divisors
 
 
 def axis_names(shape) -> tuple[str, ...]:
@@ -59,6 +59,8 @@ def submesh_shapes(option: AutoStageOption, cluster: Cluster) -> list[tuple[int,
                     f"manually_specified_submeshes entry {(h, d)} does not fit {cluster.name}: "
                     f"give (1, d) with d <= {dph} or (h, {dph}) with h <= {hosts}.")
         return shapes
+    if option.submesh_physical_shape_space == "divisors":
+        return [(1, d) for d in divisors(dph)] + [(h, dph) for h in divisors(hosts)[1:]]
     shapes = [(1, 2 ** e) for e in range(int(math.log2(dph)) + 1)]
     shapes += [(2 ** e, dph) for e in range(1, int(math.log2(hosts)) + 1)]
     if option.submesh_physical_shape_space == "small_power_of_two":

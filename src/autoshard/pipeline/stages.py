@@ -78,9 +78,12 @@ class ManualStageOption:
 class AutoStageOption:
     """Search over layer ranges and sub-meshes (Alpa's stage dynamic program)."""
 
-    submesh_physical_shape_space: Literal["power_of_two", "small_power_of_two", "manual"] = (
-        "power_of_two")
-    """Sub-mesh sizes tried: powers of two up to a host, up to 4, or ``manually_specified``."""
+    submesh_physical_shape_space: Literal["power_of_two", "small_power_of_two", "divisors",
+                                          "manual"] = "power_of_two"
+    """Sub-mesh sizes tried: powers of two (devices within a host, then whole hosts; Alpa's),
+    those up to 4 devices, ``divisors`` (device counts that divide a host, then host counts
+    that divide the cluster: 6 or 24 of 384 hosts, as Megatron-LM's stages), or
+    ``manually_specified_submeshes``."""
     manually_specified_submeshes: Sequence[tuple[int, int]] | None = None
     """The (hosts, devices per host) shapes tried when the space is ``manual``."""
     submesh_logical_shape_space: Literal["single_node_model_parallel", "same_as_physical",
@@ -101,6 +104,11 @@ class AutoStageOption:
     """File of measured stage times to reuse and extend (overrides ``profile_cache_dir``)."""
 
     def __post_init__(self):
+        spaces = ("power_of_two", "small_power_of_two", "divisors", "manual")
+        if self.submesh_physical_shape_space not in spaces:
+            raise ValueError(
+                f"AutoStageOption.submesh_physical_shape_space "
+                f"({self.submesh_physical_shape_space!r}) must be one of {spaces}.")
         if self.submesh_physical_shape_space == "manual" and not (
                 self.manually_specified_submeshes):
             raise ValueError(
@@ -115,9 +123,16 @@ def submesh_choices(option: AutoStageOption, num_devices: int) -> list[tuple[int
     """(hosts, devices per host) shapes the search tries on one host of ``num_devices``."""
     if option.submesh_physical_shape_space == "manual":
         return [tuple(s) for s in option.manually_specified_submeshes]
+    if option.submesh_physical_shape_space == "divisors":
+        return [(1, d) for d in divisors(num_devices)]
     top = num_devices if option.submesh_physical_shape_space == "power_of_two" else min(
         4, num_devices)
     return [(1, 2 ** k) for k in range(int(math.log2(top)) + 1) if 2 ** k <= top]
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def logical_choices(option: AutoStageOption, n: int) -> list[tuple[int, int]]:
@@ -323,4 +338,4 @@ def stage_exhaustive(num_layers, num_devices, sizes, cost, num_micro_batches, bo
 
 __all__ = ["AutoStageOption", "ManualStageOption", "StageOption", "UniformStageOption",
            "cut_seconds", "logical_choices", "stage_dp", "stage_dp_table", "stage_exhaustive",
-           "submesh_choices"]
+           "divisors", "submesh_choices"]

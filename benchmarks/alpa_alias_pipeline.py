@@ -226,7 +226,10 @@ def _old_jax_names():
 def install(upstream_root: str) -> types.ModuleType:
     """Install the ``alpa`` alias; ``upstream_root`` holds Alpa's ``alpa/testing.py`` and
     ``alpa/model/``. Returns the ``alpa`` module."""
-    from autoshard.pipeline import alpa_compat
+    try:  # absent before autoshard had Alpa's schedule and DP views (baseline runs)
+        from autoshard.pipeline import alpa_compat
+    except ImportError:
+        alpa_compat = types.SimpleNamespace()
     from autoshard.pipeline.stages import StageOption
 
     _old_jax_names()
@@ -264,16 +267,16 @@ def install(upstream_root: str) -> types.ModuleType:
             AutoLayerOption=autoshard.AutoLayerOption,
             ManualLayerOption=autoshard.ManualLayerOption,
             manual_layer_construction=manual_layer_construction)
+    def compat(*names):  # the views autoshard has (all of them since issue 22)
+        return {k: getattr(alpa_compat, k) for k in names if hasattr(alpa_compat, k)}
     _module("alpa.pipeline_parallel.stage_construction",
             AutoStageOption=autoshard.AutoStageOption,
             ManualStageOption=autoshard.ManualStageOption,
             UniformStageOption=autoshard.UniformStageOption, StageOption=StageOption,
-            training_dp=alpa_compat.training_dp, training_dp_2=alpa_compat.training_dp_2,
-            get_submesh_choices=alpa_compat.get_submesh_choices)
+            **compat("training_dp", "training_dp_2", "get_submesh_choices"))
     _module("alpa.pipeline_parallel.schedules",
-            gen_linear_pipeline_dependency=alpa_compat.gen_linear_pipeline_dependency,
-            GpipeSchedule=alpa_compat.GpipeSchedule, PipeDreamFlush=alpa_compat.PipeDreamFlush,
-            InferenceSchedule=alpa_compat.InferenceSchedule)
+            **compat("gen_linear_pipeline_dependency", "GpipeSchedule", "PipeDreamFlush",
+                     "InferenceSchedule"))
     _module("alpa.model")
     _load("alpa.model.model_util", f"{upstream_root}/alpa/model/model_util.py")
     _load("alpa.model.bert_model", f"{upstream_root}/alpa/model/bert_model.py")

@@ -131,6 +131,8 @@ def main():
     ap.add_argument("--only", help="one test file name, e.g. test_schedules.py")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--before", help="a results JSON of an earlier run (e.g. at the commit "
+                    "before issue 22) to show beside this one")
     args = ap.parse_args()
     if args.child:
         try:
@@ -164,14 +166,18 @@ def main():
         print(f"  ({f}: {time.perf_counter() - t0:.0f} s)", flush=True)
         results.extend(got)
     if not args.only:
-        write_report(results)
+        before = json.loads(Path(args.before).read_text()) if args.before else None
+        write_report(results, before)
 
 
-def write_report(results: list[dict]):
+def write_report(results: list[dict], before: list[dict] | None = None):
     runnable = [r for r in results if r["status"] != "not run"]
     passed = [r for r in runnable if r["status"] == "pass"]
     failed = [r for r in runnable if r["status"] == "fail"]
     skipped = [r for r in runnable if r["status"] == "skip"]
+    (HERE / "results" / "upstream_alpa_pipeline.json").write_text(
+        json.dumps(results, indent=1) + "\n")
+    was = {r["id"]: r["status"] for r in before or []}
     lines = [
         "# Alpa `tests/pipeline_parallel` through the `alpa` alias",
         "",
@@ -184,13 +190,18 @@ def write_report(results: list[dict]):
         f"{len(skipped)} skipped); {len(results) - len(runnable)} tests are not runnable here "
         "(reasons below).",
         "",
-        "| upstream test | result | detail |",
-        "|---|---|---|",
     ]
+    if before is not None:
+        passed_before = sum(1 for r in runnable if was.get(r["id"]) == "pass")
+        lines += [f"Before (the `--before` run): {passed_before} of these {len(runnable)} "
+                  "passed.", ""]
+    lines += ["| upstream test | result | " + ("before | " if before is not None else "")
+              + "detail |", "|---|---|" + ("---|" if before is not None else "") + "---|"]
     for r in results:
         detail = r.get("detail", "").replace("|", "\\|").replace("\n", " ")
         secs = f" ({r['seconds']} s)" if "seconds" in r else ""
-        lines.append(f"| `{r['id']}` | {r['status']}{secs} | {detail} |")
+        old = f" {was.get(r['id'], 'fail')} |" if before is not None else ""
+        lines.append(f"| `{r['id']}` | {r['status']}{secs} |{old} {detail} |")
     out = HERE / "results" / "upstream_alpa_pipeline.md"
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}: {len(passed)} of {len(runnable)} runnable pass")

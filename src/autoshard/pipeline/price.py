@@ -414,15 +414,22 @@ class _Pricer:
         return stage_of_layer, placement
 
     def plan_stage_on(self, part, s, sub, overrides) -> _StagePlans:
-        """Times of stage ``s``'s F and B planned on ``sub`` (for the stage search)."""
+        """Times of stage ``s``'s F and B planned on ``sub``, and the peak memory of every
+        task of the stage, its apply (optimizer) tasks included (for the stage search)."""
         times, peak = {}, 0
         f = self.plan_task(part, part.forward[s], sub, None, overrides)
         times["F"], peak = f.objective.total_s, f.objective.peak_bytes_per_device or 0
+        names = tuple(f.axis_names)
         if part.has_backward:
             b = self.plan_task(part, part.backward[s], sub, f.mesh_shape, overrides,
-                               axis_names=tuple(f.axis_names))
+                               axis_names=names)
             times["B"] = b.objective.total_s
             peak = max(peak, b.objective.peak_bytes_per_device or 0)
+        for t in part.apply:
+            if t.stage == s:
+                a = self.plan_task(part, t, sub, f.mesh_shape, overrides, axis_names=names,
+                                   aliases=step_aliases(t, part.jaxpr, self.program.aliases))
+                peak = max(peak, a.objective.peak_bytes_per_device or 0)
         return _StagePlans(times=times, plans=[], mesh_shape=f.mesh_shape, peak_bytes=peak,
                            residual_bytes=0, out_bytes={}, producer_kind={})
 

@@ -4,11 +4,11 @@ With ``AutoShardingOption(force_data_parallel=True, prefer_reduce_scatter=True)`
 "grad_acc_friendly" setting) a stage keeps its gradients and its optimizer states split on dim
 0 over its sub-mesh: the stage's once-per-step reduction leaves each device its shard of every
 gradient (a reduce-scatter; XLA:CPU all-reduces, then slices), the update runs on the shards,
-and the new parameters come back whole in one all-gather: every device's shards of all of them
-in one buffer per dtype (XLA:CPU does not combine all-gathers itself). Against the replicated update the
-gradients move the same bytes (reduce-scatter + all-gather = all-reduce) and each device keeps
-``1 / devices`` of the optimizer state. Values whose dim 0 the devices do not divide stay
-replicated.
+and the new parameters come back whole in one all-gather: every device's shards of all of
+them in one buffer per dtype (XLA:CPU does not combine all-gathers itself). Against the
+replicated update the gradients move the same bytes (reduce-scatter + all-gather =
+all-reduce) and each device keeps ``1 / devices`` of the optimizer state. Values whose dim 0
+the devices do not divide stay replicated.
 """
 
 from __future__ import annotations
@@ -74,13 +74,14 @@ def zero_apply(task, part, program, mesh, option, split_before=frozenset()
             sharded.add(v)
     from_shards = dependents(task.eqns, sharded)
     states = {jaxpr.outvars[o] for i, o in program.aliases if jaxpr.invars[i] in sharded}
-    later = [t for t in part.apply[part.apply.index(task) + 1:]]
+    at = next(k for k, t in enumerate(part.apply) if t is task)
+    later = {id(t) for t in part.apply[at + 1:] if t.stage == task.stage}
     step_outputs = set(jaxpr.outvars)
 
     def stays_split(w) -> bool:  # read only by later apply tasks of this stage
         readers = [t for t in part.apply + part.forward + part.backward if w in t.invars]
         return (bool(readers) and w not in step_outputs
-                and all(t in later and t.stage == task.stage for t in readers))
+                and all(id(t) in later for t in readers))
     split_out = frozenset(w for w in task.outvars if w in from_shards and splits(w) and (
         w in states or stays_split(w)))
     gathered = tuple(k for k, w in enumerate(task.outvars)

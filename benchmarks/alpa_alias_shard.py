@@ -29,7 +29,8 @@ What the views translate (everything else is autoshard's own object):
 * ``count_communication_primitives``: the collectives of an HLO text, read with autoshard's
   HLO reader. On the CPU, XLA lowers a reduce-scatter as an all-reduce whose result is sliced
   per device (``dynamic-slice`` at the partition's offset); such a pair counts as the
-  reduce-scatter it is.
+  reduce-scatter it is, and a combined all-reduce holding such sliced results beside whole
+  ones counts as one reduce-scatter and one all-reduce (what a GPU build's combiners keep).
 * An executable's ``get_hlo_text()`` is autoshard's one compiled module, printed with operand
   shapes inline as Alpa's XLA printed them (the tests match ``gather(f32[64,32]``).
 """
@@ -391,8 +392,11 @@ def count_communication_primitives(hlo_ir: str, ignore_scalar_all_reduce: bool =
     for kind, shape, name, body in _collectives(hlo_ir):
         if ignore_scalar_all_reduce and kind == "all-reduce" and _SCALAR.match(shape):
             continue
-        if kind == "all-reduce" and _sliced_per_device(name, body):
-            kind = "reduce-scatter"
+        if kind == "all-reduce":
+            sliced, whole = _sliced_per_device(name, body)
+            counts["reduce-scatter"] += sliced
+            counts["all-reduce"] += whole
+            continue
         counts[kind] += 1
     total = sum(counts.values())
     return (total, counts["all-reduce"], counts["all-gather"], counts["reduce-scatter"],
@@ -418,30 +422,38 @@ def _uses(name: str, body: str) -> list[str]:
 
 
 def _slices_per_device(line: str) -> bool:
-    """A dynamic-slice at the partition's offset (alone or fused)."""
-    return "dynamic-slice" in line and "partition-id" in line or " dynamic-slice(" in line
+    """A dynamic-slice at the partition's offset, alone or fused (a fusion that reads the
+    partition id: the offset of this device's slice)."""
+    return "%partition-id" in line or " dynamic-slice(" in line
 
 
-def _sliced_per_device(name: str, body: str) -> bool:
-    """Whether each device keeps only its slice of the all-reduce ``name`` (XLA:CPU's
-    reduce-scatter): its one use slices it, or, for a combined (tuple) all-reduce, each
-    non-scalar element's one use does."""
+def _sliced_per_device(name: str, body: str) -> tuple[int, int]:
+    """(reduce-scatters, all-reduces) the all-reduce ``name`` stands for on XLA:CPU.
+
+    (1, 0) when each device keeps only its slice of the result (XLA:CPU's reduce-scatter);
+    for a combined (tuple) all-reduce, (1, 0), (0, 1) or (1, 1) after whether its non-scalar
+    elements are sliced, kept whole, or both (XLA:CPU merges the all-reduces it lowered
+    reduce-scatters to with plain ones; a GPU build keeps one of each kind).
+    """
     uses = _uses(name, body)
     if len(uses) == 1 and _slices_per_device(uses[0]):
-        return True
+        return 1, 0
     elements = [u for u in uses if " get-tuple-element(" in u]
     if not elements or len(elements) != len(uses):
-        return False
-    sliced = 0
+        return 0, 1
+    sliced = whole = 0
     for line in elements:
         m = re.match(r"\s*%([\w.\-]+) = (\S+)", line)
         if _SCALAR.match(m.group(2)):
             continue
         inner = _uses(m.group(1), body)
-        if len(inner) != 1 or not _slices_per_device(inner[0]):
-            return False
-        sliced += 1
-    return sliced > 0
+        if len(inner) == 1 and _slices_per_device(inner[0]):
+            sliced += 1
+        else:
+            whole += 1
+    if not sliced:
+        return 0, 1
+    return 1, int(whole > 0)
 
 
 def _collective_channels(text: str):

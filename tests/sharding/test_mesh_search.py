@@ -3,6 +3,7 @@ unsolved mesh is skipped and reported in explain(), not the end of the search.""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 from _models import mlp, mse, sgd_step
@@ -48,3 +49,41 @@ def test_no_mesh_with_a_plan_is_still_an_error(monkeypatch):
     monkeypatch.setattr(planner, "solve_ilp", never)
     with pytest.raises(RuntimeError, match="HiGHS found no plan"):
         plan()
+
+
+def test_several_hosts_add_3d_meshes_to_the_search():
+    """Issue 26, item 2: on hosts that do not factor into two good axes (240 hosts), 3-D
+    meshes (hosts split two ways, one axis inside a host) are searched too; one host keeps
+    its 1-D and 2-D candidates."""
+    from autoshard.sharding import AutoShardingOption
+    from autoshard.sharding.planner import mesh_candidates
+
+    opt = AutoShardingOption()
+    assert mesh_candidates(8, opt) == mesh_candidates(8, opt, devices_per_host=8) == [
+        (8,), (2, 4), (4, 2)]
+    got = mesh_candidates(48, opt, devices_per_host=8)
+    assert [s for s in got if len(s) == 3] == [(2, 3, 8), (3, 2, 8)]
+    assert mesh_candidates(48, opt, rank=3, devices_per_host=8) == [(2, 3, 8), (3, 2, 8)]
+    assert (15, 16, 8) in mesh_candidates(1920, opt, devices_per_host=8)
+    assert mesh_candidates(48, AutoShardingOption(force_data_parallel=True),
+                           devices_per_host=8) == [(48,)]
+
+
+def test_a_described_multi_host_cluster_searches_3d_meshes():
+    import autoshard
+
+    shapes = (jax.ShapeDtypeStruct((64, 256), jnp.float32),
+              jax.ShapeDtypeStruct((256, 64), jnp.float32))
+    data = (jax.ShapeDtypeStruct((48, 64), jnp.float32),
+            jax.ShapeDtypeStruct((48, 64), jnp.float32))
+
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p[0]) @ p[1] - y) ** 2)
+
+    def step(p, batch):
+        g = autoshard.grad(loss)(p, *batch)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+    plan = autoshard.plan(step, shapes, data, cluster=autoshard.Cluster.a100_80gb(6))
+    seen = [s for s, _ in plan.objective.meshes_tried] + [
+        s for s, _ in plan.objective.meshes_pruned]
+    assert {(2, 3, 8), (3, 2, 8)} <= set(seen), seen

@@ -43,8 +43,14 @@ SLICE_PINNED_KINDS = {"dot_general", "conv_general_dilated"}
 
 
 def mesh_candidates(num_devices: int, option: AutoShardingOption,
-                    rank: int | None = None) -> list[tuple[int, ...]]:
-    """1-D, then every 2-D factorization (both orders), unless the option fixes the shape."""
+                    rank: int | None = None,
+                    devices_per_host: int | None = None) -> list[tuple[int, ...]]:
+    """1-D, then every 2-D factorization (both orders), unless the option fixes the shape.
+
+    On several hosts (``devices_per_host`` dividing ``num_devices``) also the 3-D meshes
+    ``(a, hosts / a, devices_per_host)``: the hosts split two ways (e.g. data x a second
+    model axis across nodes) and one axis inside each host, as Megatron-LM lays out its
+    tensor x data parallelism where the hosts do not factor into two good 2-D axes."""
     if option.logical_mesh_shape is not None:
         shape = option.logical_mesh_shape
         if int(np.prod(shape)) != num_devices:
@@ -58,6 +64,10 @@ def mesh_candidates(num_devices: int, option: AutoShardingOption,
     if rank in (None, 2):
         found += [(a, num_devices // a) for a in range(2, num_devices)
                   if num_devices % a == 0]
+    if rank in (None, 3) and devices_per_host and 1 < devices_per_host < num_devices and (
+            num_devices % devices_per_host == 0):
+        hosts = num_devices // devices_per_host
+        found += [(a, hosts // a, devices_per_host) for a in range(2, hosts) if hosts % a == 0]
     return found or [(1,) * (rank - 1) + (num_devices,)]
 
 
@@ -124,7 +134,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     else:
         speed = contextlib.nullcontext()
     rank = len(axis_names) if axis_names is not None else None
-    shapes = mesh_candidates(num_devices, option, rank)
+    shapes = mesh_candidates(num_devices, option, rank, devices_per_host)
     options = [_shape_option(option, shape, cluster) for shape in shapes]
     graph = build_graph(closed_jaxpr, list(in_paths), list(out_paths), top_mults)
     pruned = _prune(graph, shapes, options, devices_per_host)

@@ -139,9 +139,10 @@ def test_prefer_reduce_scatter_shards_a_data_parallel_stages_update():
         got, want = f(got, batch), jax.jit(step)(want, batch)
     assert_trees_close(got.params, want.params)
     assert_trees_close(got.opt_state, want.opt_state)
-    texts = f.get_last_executable().get_hlo_text()
-    assert [collectives(t) for t in texts] == [
+    ex = f.get_last_executable()
+    assert [collectives(t) for t in ex.get_hlo_text()] == [
         [], [], ["all-reduce"], ["all-reduce"], ["all-gather"], ["all-gather"]]
+    assert "apply0.0: ZeRO-2 update" in ex.explain()
     # each of a stage's 4 devices keeps a quarter of every momentum buffer
     for leaf, p in zip(jax.tree.leaves(got.opt_state), jax.tree.leaves(got.params),
                        strict=False):

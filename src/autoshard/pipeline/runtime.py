@@ -169,7 +169,12 @@ class PipelineExecutable:
                 t, part, program, self.meshes[t.stage], options[t.stage], frozenset(split))
             self.apply.append(compile_task(t, False, step_aliases(t, jaxpr, program.aliases),
                                            given=z and list(z.input_specs), zero=z))
-            split |= z.split if z else set()
+            if z:
+                split |= z.split
+                self.apply[-1].note = (
+                    f"{t.name}: ZeRO-2 update (prefer_reduce_scatter with force_data_parallel): "
+                    f"{sum(p != P() for p in z.input_specs)} input(s) split over the sub-mesh, "
+                    f"{len(z.gathered)} output(s) gathered in one all-gather")
         self.sums = [SpanReduce(cs, part.home, self.meshes, self.rank_meshes)
                      for cs in part.sums]
         self.finalize = []

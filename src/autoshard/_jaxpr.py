@@ -146,7 +146,7 @@ def differentiated_inputs(jaxpr) -> list:
     A parameter may pass through casts (a bf16 copy of float32 weights) on its way there.
     """
     producer = {o: e for e in jaxpr.eqns for o in e.outvars}
-    inputs, found = set(jaxpr.invars), []
+    inputs, found, seen = set(jaxpr.invars), [], set()
     for e in jaxpr.eqns:
         if e.primitive is not pipeline_p or e.params["mark_type"] != "params":
             continue
@@ -156,7 +156,8 @@ def differentiated_inputs(jaxpr) -> list:
                 src = producer[v]
                 v = src.invars[src.outvars.index(v)] if len(src.invars) == len(
                     src.outvars) else src.invars[0]
-            if isinstance(v, _compat.Var) and v in inputs and v not in found:
+            if isinstance(v, _compat.Var) and v in inputs and v not in seen:
+                seen.add(v)
                 found.append(v)
     return found
 

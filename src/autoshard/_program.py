@@ -214,7 +214,8 @@ def _signature(tree):
 
 def _param_invars(jaxpr) -> tuple[bool, ...]:
     """Inputs that autoshard.grad differentiates (its parameter marker), found by structure."""
-    return tuple(v in set(differentiated_inputs(jaxpr)) for v in jaxpr.invars)
+    found = set(differentiated_inputs(jaxpr))  # once: a set built per input was quadratic
+    return tuple(v in found for v in jaxpr.invars)
 
 
 def _args_shape(flat: FlatArgs, in_avals):

@@ -70,6 +70,9 @@ KNOWN = {
         "(one extra 8 KB all-reduce)",
     "test_bert.AutoShardingAttentionTest.test_bert_mlm_data_parallel_reduce_scatter":
         "gap: the tied embedding's two gradient contributions are reduced separately",
+    "test_bert.AutoShardingAttentionTest.test_bert_layer_model_parallel_remat":
+        "the objective is Alpa's (11 all-reduces planned, the recomputed forward included); "
+        "XLA:CPU compiles 9: it reuses two recomputed all-reduces (fewer bytes than asserted)",
     "test_conv.AutoShardingConvTest.test_n_layer_conv_model_parallel":
         "gap: 3 all-reduces as Alpa, plus 2 all-gathers of ReLU masks in the backward pass",
 }
@@ -159,12 +162,28 @@ def write(rows, path: str) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def read(path: str) -> list[tuple[str, str, str, float]]:
+    """The rows of a results file written by ``write`` (to rewrite it with today's notes)."""
+    rows = []
+    for line in open(path):
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            rows.append((cells[0].strip("`"), cells[1], cells[2].replace("\\|", "|"),
+                         float(cells[-1])))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--upstream", default="/work/upstream/alpa_shard")
     ap.add_argument("-k", default=None, help="run only tests whose id contains this")
     ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--rewrite", default=None,
+                    help="rewrite this results file's table with the current notes, run nothing")
     args = ap.parse_args()
+    if args.rewrite:
+        write(read(args.rewrite), args.out)
+        return
     try:
         rows = run(args.upstream, args.k)
     except Exception:

@@ -60,10 +60,14 @@ def test_every_python_block_is_tested_here():
     in_process = [h for h, how, _ in blocks() if not how]
     assert in_process == ["Quickstart", "Pipeline parallelism (`PipeshardParallel`)",
                           "Planning for a cluster you do not have", "Custom partitioning rules",
-                          "Micro-batches: what accumulated steps return"]
+                          "Micro-batches: what accumulated steps return",
+                          "JAX `custom_partitioning`",
+                          "Alpa: pipeline parallelism (`tests/pipeline_parallel`)"] + [
+        h for h in in_process if h.startswith("Alpa: shard parallel")]
     marked = [(h, how) for h, how, _ in blocks() if how]
     assert marked == [("MPI (`autoshard.mpi`, mpi4jax's token-returning API)", "mpirun -np 2"),
-                      ("Running on several hosts", "mpirun -np 2, 4 devices per process")]
+                      ("Running on several hosts", "mpirun -np 2, 4 devices per process"),
+                      ("mpi4jax", "mpirun -np 2")]
     assert all(MARKER.match(how) for _, how in marked)
     text = README.read_text()
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in text[
@@ -134,6 +138,45 @@ def test_custom_partitioning_block_keeps_rows_split_and_matches_jit(tmp_path, mo
     ffts = re.findall(r"= (c64\[[\d,]+\])\S* fft\(", hlo)
     assert ffts == ["c64[8,16]", "c64[8,16]"], ffts   # forward and backward, 8 rows per device
     assert "all-gather" not in hlo and hlo.count(" all-reduce(") == 1  # the gradient only
+
+
+# -- the Compatibility section ---------------------------------------------------------------------
+def test_custom_partitioning_compat_block_runs_as_with_jax(tmp_path, monkeypatch):
+    """The block moved over from jax.experimental.custom_partitioning: rows stay split, the
+    static argument's default applies, and a wrong lower_fn raises JAX's wording."""
+    monkeypatch.chdir(tmp_path)
+    code = block("JAX `custom_partitioning`")
+    scope = run(code, "JAX custom_partitioning")
+    y, x = scope["y"], scope["x"]
+    np.testing.assert_allclose(y, 2.0 * np.asarray(x))
+    assert {s.data.shape for s in y.addressable_shards} == {(2, 4)}
+    # the same block on JAX's own class computes the same (only the import differs)
+    theirs = run(code.replace("from autoshard import custom_partitioning",
+                              "from jax.experimental.custom_partitioning import "
+                              "custom_partitioning").split("def wrong_partition")[0], "JAX's")
+    np.testing.assert_allclose(theirs["y"], y)
+
+
+def test_alpa_pipeline_compat_block_gives_alpas_schedule_and_stage_dp(capsys):
+    scope = run(block("Alpa: pipeline parallelism"), "Alpa pipeline")
+    s, stages = scope["s"], scope["stages"]
+    assert s.num_clock == 7 and len(s.schedules) == s.num_clock
+    covered = [i for (start, end), _, _ in stages for i in range(start, end)]
+    assert covered == list(range(4))                      # the stages cover the 4 layers
+    assert all(0 <= m < len(scope["submeshes"]) for _, m, _ in stages)  # submesh indices
+    assert np.isfinite(scope["objective"]) and scope["objective"] > 0
+    assert "Clock 0 : (0, 0)" in capsys.readouterr().out  # Alpa's clock table, printed
+
+
+def test_mpi4jax_compat_block_runs_under_mpirun(tmp_path):
+    if not (Path(autoshard.__file__).parent / "mpi" / "_ffi.so").exists():
+        pytest.skip("needs the native MPI extension (`make native` builds it)")
+    how, code = _marked("mpi4jax")
+    (tmp_path / "halo.py").write_text(code)
+    printed = _mpirun(how, tmp_path / "halo.py", tmp_path)
+    # every rank holds arange(4) + 10 * rank: the sum over 2 ranks is 2 * arange(4) + 10
+    assert sorted(re.findall(r"rank (\d): \[([^\]]*)\]", printed)) == [
+        ("0", "10. 12. 14. 16."), ("1", "10. 12. 14. 16.")], printed
 
 
 # -- what the snippets print ----------------------------------------------------------------------

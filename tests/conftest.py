@@ -22,3 +22,12 @@ def _fresh_cache():
 
 def pytest_report_header(config):
     return f"jax {jax.__version__}, devices: {jax.device_count()} x {jax.devices()[0].platform}"
+
+
+@pytest.fixture(params=["shardy", "gspmd"])
+def partitioner(request):
+    """Runs a test under both of XLA's SPMD partitioners (custom_partitioning tests)."""
+    before = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
+    yield request.param
+    jax.config.update("jax_use_shardy_partitioner", before)

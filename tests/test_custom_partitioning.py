@@ -22,14 +22,6 @@ def hlo(jitted, *args) -> str:
     return jitted.lower(*args).compile().as_text()
 
 
-@pytest.fixture(params=["shardy", "gspmd"])
-def partitioner(request):
-    before = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
-    yield request.param
-    jax.config.update("jax_use_shardy_partitioner", before)
-
-
 def mesh_1d():
     return Mesh(np.array(jax.devices()), ("x",))
 

@@ -23,14 +23,6 @@ from autoshard._cp_errors import reraise_callback_error
 CLASSES = {"autoshard": autoshard.custom_partitioning, "jax": jax_cp.custom_partitioning}
 
 
-@pytest.fixture(params=["shardy", "gspmd"])
-def partitioner(request):
-    before = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
-    yield request.param
-    jax.config.update("jax_use_shardy_partitioner", before)
-
-
 def mesh_2d(names=("x", "y")) -> Mesh:
     return Mesh(np.array(jax.devices()).reshape(4, 2), names)
 

@@ -169,14 +169,9 @@ def test_alpa_pipeline_compat_block_gives_alpas_schedule_and_stage_dp(capsys):
 
 
 def test_mpi4jax_compat_block_runs_under_mpirun(tmp_path):
-    if not (Path(autoshard.__file__).parent / "mpi" / "_ffi.so").exists():
-        pytest.skip("needs the native MPI extension (`make native` builds it)")
-    how, code = _marked("mpi4jax")
-    (tmp_path / "halo.py").write_text(code)
-    printed = _mpirun(how, tmp_path / "halo.py", tmp_path)
     # every rank holds arange(4) + 10 * rank: the sum over 2 ranks is 2 * arange(4) + 10
-    assert sorted(re.findall(r"rank (\d): \[([^\]]*)\]", printed)) == [
-        ("0", "10. 12. 14. 16."), ("1", "10. 12. 14. 16.")], printed
+    assert _rank_values("mpi4jax", tmp_path) == [("0", "10. 12. 14. 16."),
+                                                 ("1", "10. 12. 14. 16.")]
 
 
 # -- what the snippets print ----------------------------------------------------------------------
@@ -236,15 +231,19 @@ def _marked(heading: str) -> tuple[str, str]:
     return how, code
 
 
-def test_mpi_block_runs_under_mpirun(tmp_path):
+def _rank_values(heading: str, tmp_path) -> list[tuple[str, str]]:
+    """The block under ``heading`` run under mpirun: the sorted ``rank r: [values]`` lines."""
     if not (Path(autoshard.__file__).parent / "mpi" / "_ffi.so").exists():
         pytest.skip("needs the native MPI extension (`make native` builds it)")
-    how, code = _marked("MPI (")
+    how, code = _marked(heading)
     (tmp_path / "snippet.py").write_text(code)
     printed = _mpirun(how, tmp_path / "snippet.py", tmp_path)
+    return sorted(re.findall(r"rank (\d): \[([^\]]*)\]", printed))
+
+
+def test_mpi_block_runs_under_mpirun(tmp_path):
     # ranks hold arange(4) + rank: the sum over 2 ranks is 2 * arange(4) + 1
-    assert sorted(re.findall(r"rank (\d): \[([^\]]*)\]", printed)) == [
-        ("0", "1. 3. 5. 7."), ("1", "1. 3. 5. 7.")], printed
+    assert _rank_values("MPI (", tmp_path) == [("0", "1. 3. 5. 7."), ("1", "1. 3. 5. 7.")]
 
 
 def test_multi_process_block_starts_fresh_then_resumes_from_its_checkpoint(tmp_path):

@@ -60,6 +60,19 @@ NOT_RUNNABLE = {
 }
 
 
+_LAYOUT = ("asserts the parameter and root shapes of the compiled backward and apply tasks: "
+           "Alpa's backward takes the accumulated gradients first, in their parameters' "
+           "layouts, and all-reduces them in the last micro-batch; ours takes them last, as "
+           "partial sums with a leading per-device-group dim (f32[1,12,14] for f32[12,14]) "
+           "reduced once per step by the stage's reduce task, and its planner may lay a "
+           "gradient out unlike its parameter (tests/pipeline/test_manual_sharding.py checks "
+           "such steps against jax.jit)")
+KNOWN_FAILURES = {
+    "test_manual_sharding.py::PipeshardManualShardingTest::test_set_input_output": _LAYOUT,
+    "test_manual_sharding.py::PipeshardManualShardingTest::test_set_intermediate": _LAYOUT,
+}
+
+
 def _reason(test_id: str) -> str | None:
     file = test_id.split("::")[0]
     return NOT_RUNNABLE.get(test_id) or NOT_RUNNABLE.get(file)
@@ -133,6 +146,8 @@ def main():
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--before", help="a results JSON of an earlier run (e.g. at the commit "
                     "before issue 22) to show beside this one")
+    ap.add_argument("--before-label", default="the --before run",
+                    help="what the earlier run was, for the report")
     args = ap.parse_args()
     if args.child:
         try:
@@ -167,10 +182,11 @@ def main():
         results.extend(got)
     if not args.only:
         before = json.loads(Path(args.before).read_text()) if args.before else None
-        write_report(results, before)
+        write_report(results, before, args.before_label)
 
 
-def write_report(results: list[dict], before: list[dict] | None = None):
+def write_report(results: list[dict], before: list[dict] | None = None,
+                 before_label: str = "the --before run"):
     runnable = [r for r in results if r["status"] != "not run"]
     passed = [r for r in runnable if r["status"] == "pass"]
     failed = [r for r in runnable if r["status"] == "fail"]
@@ -193,12 +209,15 @@ def write_report(results: list[dict], before: list[dict] | None = None):
     ]
     if before is not None:
         passed_before = sum(1 for r in runnable if was.get(r["id"]) == "pass")
-        lines += [f"Before (the `--before` run): {passed_before} of these {len(runnable)} "
-                  "passed.", ""]
+        lines += [f"Before ({before_label}): {passed_before} of these {len(runnable)} passed.",
+                  ""]
     lines += ["| upstream test | result | " + ("before | " if before is not None else "")
               + "detail |", "|---|---|" + ("---|" if before is not None else "") + "---|"]
     for r in results:
-        detail = r.get("detail", "").replace("|", "\\|").replace("\n", " ")
+        detail = r.get("detail", "")
+        if r["status"] == "fail" and r["id"] in KNOWN_FAILURES:
+            detail += f" ({KNOWN_FAILURES[r['id']]})"
+        detail = detail.replace("|", "\\|").replace("\n", " ")
         secs = f" ({r['seconds']} s)" if "seconds" in r else ""
         old = f" {was.get(r['id'], 'fail')} |" if before is not None else ""
         lines.append(f"| `{r['id']}` | {r['status']}{secs} |{old} {detail} |")

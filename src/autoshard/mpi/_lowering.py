@@ -33,9 +33,12 @@ primitives, and ordering is established while lowering to StableHLO instead:
 
 from __future__ import annotations
 
-from jax.interpreters import mlir
+from functools import partial
 
-from .._compat import mpi_internals
+from jax.interpreters import ad, mlir
+from jax.interpreters import batching as jax_batching
+
+from .._compat import apply_primitive, mpi_internals
 from .._walk import sub_jaxprs
 from . import _check, _sharding
 from ._chain import PROCESS_AXIS, chain_type, current_token
@@ -285,11 +288,16 @@ def keep_mpi_holders() -> None:
             _pe.dce_rules[primitive] = _keep_holders(rule)
 
 
-def register(primitive, lowering, *, calls_mpi=lambda params: True) -> None:
-    """Registers the CPU lowering and the keep-alive DCE rule of an MPI primitive.
+def register(primitive, lowering, *, abstract_eval, batching, jvp=None, transpose=None,
+             calls_mpi=lambda params: True) -> None:
+    """Registers everything of an MPI primitive, once, in the same order in every file: the
+    eager run (jitted), the abstract evaluation, the CPU lowering with the keep-alive DCE rule,
+    the batching rule and, where the operation has them, its JVP and transpose.
 
     ``calls_mpi(params)`` is False for equations whose lowering makes no MPI call.
     """
+    primitive.def_impl(partial(apply_primitive, primitive))
+    primitive.def_abstract_eval(abstract_eval)
     # Not cacheable: a cached lowering is emitted into a scratch function, out of the block
     # whose token chain it must join.
     mlir.register_lowering(
@@ -298,6 +306,11 @@ def register(primitive, lowering, *, calls_mpi=lambda params: True) -> None:
     )
     _pe.dce_rules[primitive] = _keep_dce_rule
     _primitives.add(primitive)
+    jax_batching.primitive_batchers[primitive] = batching
+    if jvp is not None:
+        ad.primitive_jvps[primitive] = jvp
+    if transpose is not None:
+        ad.primitive_transposes[primitive] = transpose
 
 
 __all__ = ["emit", "keep_mpi_holders", "register"]

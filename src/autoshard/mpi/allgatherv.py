@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import batching
 
-from .._compat import apply_primitive
 from . import _check, _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
@@ -57,7 +54,5 @@ def _batching_rule(args, dims, **params):
     return mpi_allgatherv_p.bind(jnp.moveaxis(x, d, 1), **params), 1
 
 
-mpi_allgatherv_p.def_impl(partial(apply_primitive, mpi_allgatherv_p))
-mpi_allgatherv_p.def_abstract_eval(_abstract_eval)
-_lowering.register(mpi_allgatherv_p, _lowering_rule)
-batching.primitive_batchers[mpi_allgatherv_p] = _batching_rule
+_lowering.register(mpi_allgatherv_p, _lowering_rule, abstract_eval=_abstract_eval,
+                   batching=_batching_rule)

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax.numpy as jnp
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching
+from jax.interpreters import ad
 
-from .._compat import apply_primitive
 from . import _check, _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
@@ -66,9 +63,6 @@ def _transpose_rule(ct, x, *, op, comm, transpose):
     return [mpi_allreduce_p.bind(ct, op=op, comm=comm, transpose=not transpose)]
 
 
-mpi_allreduce_p.def_impl(partial(apply_primitive, mpi_allreduce_p))
-mpi_allreduce_p.def_abstract_eval(_abstract_eval)
-_lowering.register(mpi_allreduce_p, _lowering_rule, calls_mpi=lambda params: not params["transpose"])
-batching.primitive_batchers[mpi_allreduce_p] = _batching_rule
-ad.primitive_jvps[mpi_allreduce_p] = _jvp_rule
-ad.primitive_transposes[mpi_allreduce_p] = _transpose_rule
+_lowering.register(mpi_allreduce_p, _lowering_rule, abstract_eval=_abstract_eval,
+                   batching=_batching_rule, jvp=_jvp_rule, transpose=_transpose_rule,
+                   calls_mpi=lambda params: not params["transpose"])

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import batching
 
-from .._compat import apply_primitive
 from . import _check, _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
@@ -81,7 +77,5 @@ def _batching_rule(args, dims, **params):
     return mpi_alltoallv_p.bind(jnp.moveaxis(x, d, 2), send_counts, recv_counts, **params), 2
 
 
-mpi_alltoallv_p.def_impl(partial(apply_primitive, mpi_alltoallv_p))
-mpi_alltoallv_p.def_abstract_eval(_abstract_eval)
-_lowering.register(mpi_alltoallv_p, _lowering_rule)
-batching.primitive_batchers[mpi_alltoallv_p] = _batching_rule
+_lowering.register(mpi_alltoallv_p, _lowering_rule, abstract_eval=_abstract_eval,
+                   batching=_batching_rule)

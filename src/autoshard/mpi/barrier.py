@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 from jax.extend.core import Primitive
-from jax.interpreters import batching
 
-from .._compat import apply_primitive
 from . import _lowering
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
@@ -37,7 +33,5 @@ def _batching_rule(args, dims, **params):
     return mpi_barrier_p.bind(**params), []
 
 
-mpi_barrier_p.def_impl(partial(apply_primitive, mpi_barrier_p))
-mpi_barrier_p.def_abstract_eval(_abstract_eval)
-_lowering.register(mpi_barrier_p, _lowering_rule)
-batching.primitive_batchers[mpi_barrier_p] = _batching_rule
+_lowering.register(mpi_barrier_p, _lowering_rule, abstract_eval=_abstract_eval,
+                   batching=_batching_rule)

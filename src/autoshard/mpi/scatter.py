@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax.numpy as jnp
 from jax.extend.core import Primitive
-from jax.interpreters import batching
 
-from .._compat import apply_primitive
 from . import _check, _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._token import Token, check_token
@@ -55,7 +51,5 @@ def _batching_rule(args, dims, **params):
     return mpi_scatter_p.bind(x, **params), 0
 
 
-mpi_scatter_p.def_impl(partial(apply_primitive, mpi_scatter_p))
-mpi_scatter_p.def_abstract_eval(_abstract_eval)
-_lowering.register(mpi_scatter_p, _lowering_rule)
-batching.primitive_batchers[mpi_scatter_p] = _batching_rule
+_lowering.register(mpi_scatter_p, _lowering_rule, abstract_eval=_abstract_eval,
+                   batching=_batching_rule)

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax.numpy as jnp
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching
+from jax.interpreters import ad
 
-from .._compat import apply_primitive
 from . import _check, _lowering, _sharding, _validation
 from ._comm import comm_id, resolve
 from ._native import MPI
@@ -92,9 +89,5 @@ def _transpose_rule(ct, sendbuf, recvbuf, *, source, dest, sendtag, recvtag, com
     return [ct_send if ad.is_undefined_primal(sendbuf) else None, ct_recv]
 
 
-mpi_sendrecv_p.def_impl(partial(apply_primitive, mpi_sendrecv_p))
-mpi_sendrecv_p.def_abstract_eval(_abstract_eval)
-_lowering.register(mpi_sendrecv_p, _lowering_rule)
-batching.primitive_batchers[mpi_sendrecv_p] = _batching_rule
-ad.primitive_jvps[mpi_sendrecv_p] = _jvp_rule
-ad.primitive_transposes[mpi_sendrecv_p] = _transpose_rule
+_lowering.register(mpi_sendrecv_p, _lowering_rule, abstract_eval=_abstract_eval,
+                   batching=_batching_rule, jvp=_jvp_rule, transpose=_transpose_rule)

@@ -87,6 +87,21 @@ class Partition:
     joined: dict = field(default_factory=dict)
     """Variables the apply tasks read as the micro-batches' values of another variable joined
     in row order -> that variable (``after_grad``)."""
+    batch_inputs: frozenset = frozenset()
+    """The step's batch inputs (their dim 0 is the batch)."""
+
+    @property
+    def mb_rows(self) -> int | None:
+        """Rows of one micro-batch: dim 0 of the batch inputs as traced (None: no batch)."""
+        return next((v.aval.shape[0] for v in self.batch_inputs if v.aval.shape), None)
+
+    def holds_rows(self, v) -> bool:
+        """Whether ``v`` holds one micro-batch's rows on dim 0: a batch input, or a value
+        computed once per micro-batch from one, whose dim 0 is the micro-batch's rows. The
+        one test the runtime, pricing and profiling share."""
+        shape = getattr(getattr(v, "aval", None), "shape", ())
+        return (bool(shape) and shape[0] == self.mb_rows and v in self.batch_dependent
+                and (v in self.batch_inputs or v in self.per_micro_batch))
 
     @property
     def join_sources(self) -> set:
@@ -330,6 +345,7 @@ def build_partition(
         marker=marker,
         per_micro_batch=per_mb,
         batch_dependent=batch_dep,
+        batch_inputs=frozenset(batch_vars),
         home=home,
         sums=sums,
         whole_inputs=whole_inputs,

@@ -175,9 +175,6 @@ class _Pricer:
             raise TypeError(f"default_auto_sharding_option ({base!r}) must be an "
                             "AutoShardingOption or None.")
         self.base = for_task_plans(dataclasses.replace(base, show_progress=False))
-        self.batch_vars = {v for v, b in zip(self.closed.jaxpr.invars, program.batch_invars,
-                                             strict=True) if b}
-        self.mb_rows = next((v.aval.shape[0] for v in self.batch_vars if v.aval.shape), None)
         self.cache: dict = {}
         self.notes: list[str] = []
 
@@ -195,10 +192,7 @@ class _Pricer:
         abstract += [jax.ShapeDtypeStruct(v.aval.shape, acc_dtype(v.aval.dtype)) for v in acc]
         closed = jax.make_jaxpr(fn)(*abstract)
         n = len(invars)
-        rows = [v in self.batch_vars or v in part.per_micro_batch for v in invars]
-        batch = [r and v in part.batch_dependent and bool(getattr(v.aval, "shape", ()))
-                 and v.aval.shape[0] == self.mb_rows for r, v in zip(rows, invars, strict=True)]
-        batch += [False] * len(acc)
+        batch = [part.holds_rows(v) for v in invars] + [False] * len(acc)
         aliases = list(aliases) + [(n + i, len(outvars) + i) for i in range(len(acc))]
         option = dataclasses.replace(self.base, **overrides)
         if shape is not None:
@@ -275,8 +269,8 @@ class _Pricer:
                 alpha, beta = subs[s].mesh_costs(tuple(plan.mesh_shape))
                 costs = CostModel(tuple(plan.mesh_shape), alpha, beta)
                 plan = without_batch_reductions(
-                    plan, axes, costs, [i for i, v in enumerate(invars) if self._is_rows(part, v)],
-                    [i for i, v in enumerate(outs) if self._is_rows(part, v)])
+                    plan, axes, costs, [i for i, v in enumerate(invars) if part.holds_rows(v)],
+                    [i for i, v in enumerate(outs) if part.holds_rows(v)])
                 sizes = dict(zip(plan.axis_names, plan.mesh_shape, strict=True))
                 shards = [(leaf.bytes_per_device({a: 1 if a in axes else m
                                                   for a, m in sizes.items()}), axes)
@@ -330,11 +324,6 @@ class _Pricer:
             run(t, "apply", aliases=step_aliases(t, part.jaxpr, self.program.aliases))
         return out
 
-    def _is_rows(self, part, v) -> bool:
-        """Whether ``v`` holds a micro-batch's rows on dim 0 (as the runtime decides)."""
-        return (v in part.batch_dependent and (v in self.batch_vars or v in part.per_micro_batch)
-                and bool(getattr(v.aval, "shape", ())) and v.aval.shape[0] == self.mb_rows)
-
     def _partial_axes(self, part, t, invars, plan, fixed) -> tuple[str, ...]:
         """The batch axes a backward task's gradients stay partial over at run time (as
         ``compile.CompiledTask`` decides): those splitting dim 0 of the micro-batch rows as
@@ -343,7 +332,7 @@ class _Pricer:
             return ()
         found, takes = set(), set()
         for v, f, spec in zip(invars, fixed, plan.in_specs, strict=False):
-            if not self._is_rows(part, v):
+            if not part.holds_rows(v):
                 continue
             if f is None:
                 return ()

@@ -73,11 +73,8 @@ class PipelineExecutable:
         jaxpr = part.jaxpr
         self.batch_vars = {v for v, b in zip(jaxpr.invars, program.batch_invars, strict=True)
                            if b}
-        mb_rows = next((v.aval.shape[0] for v in self.batch_vars if v.aval.shape), None)
-        self.specs = Specs(part, self.meshes, mb_rows)
-        rows = frozenset(v for v in self.specs.spec if mb_rows is not None and (
-            v in self.batch_vars or v in part.per_micro_batch) and v in part.batch_dependent
-            and getattr(v.aval, "shape", ()) and v.aval.shape[0] == mb_rows)
+        self.specs = Specs(part, self.meshes, part.mb_rows)
+        rows = frozenset(v for v in self.specs.spec if part.holds_rows(v))
         options = options or [None] * part.num_stages
         if stage_input_shardings is not None and len(stage_input_shardings) != part.num_stages:
             raise ValueError(
@@ -396,7 +393,7 @@ class PipelineExecutable:
         # Forward values with the micro-batch's rows are joined back; everything else (a
         # scalar loss, gradients returned without a marker) is the mean over micro-batches.
         forward = any(v in t.outvars for t in self.part.forward)
-        rows = forward and bool(v.aval.shape) and v.aval.shape[0] == self._mb_rows()
+        rows = forward and bool(v.aval.shape) and v.aval.shape[0] == self.part.mb_rows
         if rows:
             stacked = jnp.stack(pieces, axis=1)
             return stacked.reshape((-1,) + stacked.shape[2:])
@@ -409,9 +406,6 @@ class PipelineExecutable:
         if where is None:
             return x
         return self.move(x, NamedSharding(self.meshes[where[0]], where[1]))
-
-    def _mb_rows(self):
-        return next((v.aval.shape[0] for v in self.batch_vars if v.aval.shape), None)
 
     def _all_tasks(self):
         return list(self.tasks.values()) + self.apply

@@ -249,3 +249,21 @@ def test_gradient_accumulation_reduce_scatter():
     for a, b in zip(jax.tree.leaves(actual.params), jax.tree.leaves(expected.params),
                     strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_data_parallel_reduce_scatter_objective_is_the_all_reduce_plans():
+    """Covers the objective of test_mlp.py::test_n_layer_mlp_data_parallel_reduce_scatter
+    (Alpa's Zero2Parallel): Alpa's ILP prices each gradient's reduce-scatter as the all-reduce
+    it replaces and the all-gather after the update as free, so the objective is the
+    data-parallel one; the Adam moments of the kernels are sharded (a quarter per device)."""
+    step, state, batch = mlp_step(6, 256, 32)
+    _, ex = compile_step(step, state, batch, mesh((4, 1)), option(prefer_reduce_scatter=True))
+    assert {c.kind for c in ex.plan.collectives} >= {"reduce-scatter", "all-gather"}
+    params = jax.tree.leaves(state.params)
+    n_opt = len(jax.tree.leaves(state.opt_state))
+    expected = sum(all_reduce_cost(p.size * 4, 4) for p in params) + PENALTY * (len(params) + n_opt)
+    assert ex.auto_sharding_objective == pytest.approx(expected, rel=1e-2)
+    moments = [leaf for leaf in ex.plan.inputs if ("mu" in leaf.path or "nu" in leaf.path)
+               and "kernel" in leaf.path]
+    assert len(moments) == 12 and all(
+        leaf.bytes_per_device(ex.plan.mesh_sizes) == 32 * 32 for leaf in moments)

@@ -9,6 +9,8 @@ that number with what they expect (their tests do); ``AutoShardingOption(mesh_al
 mesh_beta=...)`` makes ``Executable.auto_sharding_objective`` this number for autoshard's plan,
 so a plan equal to Alpa's reports Alpa's objective.
 
+A reduce-scatter costs the all-reduce it replaces and the all-gather of the same array after
+it costs nothing: Alpa's ILP prices the all-reduce and rewrites it into the pair after solving.
 A collective over several mesh axes costs the sum of its per-axis costs (as Alpa prices a
 reduction over both axes of a 2-D mesh). With ``force_data_parallel`` Alpa flattens the mesh to
 one axis of every device, its latency the largest and its inverse bandwidth the smallest of
@@ -48,13 +50,29 @@ def alpa_objective(plan: ShardingPlan, mesh_alpha, mesh_beta, *,
             return tuple(axes)
 
     total = 0.0
+    scattered: dict[tuple, float] = {}  # (axes, whole bytes, dtype) -> reduce-scatters left
     for c in plan.collectives:
-        axes = [a for a in axes_of(c.axes) if sizes[a] > 1]
-        group = math.prod(sizes[a] for a in axes)
-        # Alpa prices the array the group holds: a reduce-scatter's operand, not its shard.
-        num_bytes = c.num_bytes * group if c.kind == "reduce-scatter" else c.num_bytes
-        total += c.count * sum(alpa_collective_cost(c.kind, sizes[a], num_bytes, alpha[a],
+        axes = tuple(a for a in axes_of(c.axes) if sizes[a] > 1)
+        num_bytes, kind = c.num_bytes, c.kind
+        if kind == "reduce-scatter":
+            # Alpa's ILP prices the all-reduce a reduce-scatter replaces (its rewrite into a
+            # reduce-scatter and an all-gather runs after the ILP), on the whole array.
+            num_bytes *= math.prod(sizes[a] for a in axes)
+            kind = "all-reduce"
+            key = (axes, num_bytes, c.dtype)
+            scattered[key] = scattered.get(key, 0) + c.count
+        total += c.count * sum(alpa_collective_cost(kind, sizes[a], num_bytes, alpha[a],
                                                     beta[a]) for a in axes)
+    for c in plan.collectives:  # the all-gathers of that rewrite are free in Alpa's objective
+        if c.kind != "all-gather":
+            continue
+        axes = tuple(a for a in axes_of(c.axes) if sizes[a] > 1)
+        key = (axes, c.num_bytes, c.dtype)
+        free = min(c.count, scattered.get(key, 0))
+        if free:
+            scattered[key] -= free
+            total -= free * sum(alpa_collective_cost("all-gather", sizes[a], c.num_bytes,
+                                                     alpha[a], beta[a]) for a in axes)
     live = [a for a in names if sizes[a] > 1]
     # Alpa's logical meshes are 2-D: (size, alpha, beta) of dims 0 and 1 (a 1-D mesh's
     # missing dim has one device).

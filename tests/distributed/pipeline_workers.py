@@ -153,19 +153,19 @@ def _sums(ex) -> list:
 @contextlib.contextmanager
 def _counting_planner_calls():
     """The planner's calls for the pipeline's tasks while the block runs (one entry each)."""
-    from autoshard.pipeline import compile as pipeline_compile
+    from autoshard.pipeline import tasks as pipeline_tasks
 
-    calls, plan_auto = [], pipeline_compile.plan_auto
+    calls, plan_auto = [], pipeline_tasks.plan_auto
 
     def counted(*args, **kwargs):
         calls.append(1)
         return plan_auto(*args, **kwargs)
 
-    pipeline_compile.plan_auto = counted
+    pipeline_tasks.plan_auto = counted
     try:
         yield calls
     finally:
-        pipeline_compile.plan_auto = plan_auto
+        pipeline_tasks.plan_auto = plan_auto
 
 
 def pipeline_without_transfer_address():

@@ -234,15 +234,15 @@ def test_pipeline_audit_weights_tasks_by_runs_and_explains(two_stages_2x2):
 
 
 def test_audit_lists_a_task_without_a_plan(monkeypatch):
-    from autoshard.pipeline import compile as pipeline_compile
+    from autoshard.pipeline import tasks as pipeline_tasks
 
-    real = pipeline_compile.plan_auto
+    real = pipeline_tasks.plan_auto
 
     def fail_apply(closed, **kw):
         if kw["in_paths"] and kw["in_paths"][0].startswith("apply1.0."):
             raise RuntimeError("no plan for this test")
         return real(closed, **kw)
-    monkeypatch.setattr(pipeline_compile, "plan_auto", fail_apply)
+    monkeypatch.setattr(pipeline_tasks, "plan_auto", fail_apply)
     method = PipeshardParallel(num_micro_batches=2, layer_option="manual", blocking=True,
                                stage_option=UniformStageOption(num_stages=2))
     with pytest.warns(UserWarning, match="apply1.0: planner failed"):

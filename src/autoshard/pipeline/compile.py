@@ -45,13 +45,14 @@ from .._jaxpr import Env
 from .._local import LocalEval, R, split
 from .._walk import all_eqns
 from ..grad_accum import fold_keys, reductions_of
-from ..sharding import apply_plan, plan_auto
+from ..sharding import apply_plan
 from ..sharding.cost import CostModel
 from ..sharding.options import AutoShardingOption, for_task_plans
 from ..sharding.plan import spec_axes
 from . import _cross_process
 from .partition import Partition, Task
 from .reduce import acc_dtype, stacked_spec, without_batch_reductions
+from .tasks import mesh_cluster, plan_task
 from .zero import gather_once
 
 
@@ -305,24 +306,14 @@ class CompiledTask:
 
     def _plan(self, closed, mesh, option, batch, aliases, fixed):
         """The task's plan with its inputs pinned to ``fixed`` (the layouts its producers give
-        them), so the planner prices any reshard of an input; unpinned if no plan takes them."""
-        name, n_args = self.task.name, len(closed.in_avals)
-
-        def plan(fixed_in_specs):
-            return plan_auto(
-                closed, num_devices=mesh.devices.size, option=option,
-                in_paths=[f"{name}.in{i}" for i in range(n_args)],
-                out_paths=[f"{name}.out{i}" for i in range(len(closed.out_avals))],
-                batch_invars=batch, aliases=aliases, axis_names=tuple(mesh.axis_names),
-                fixed_in_specs=fixed_in_specs)
-        if fixed is None or all(s is None for s in fixed):
-            return plan(None)
-        try:
-            return plan(fixed)
-        except ValueError as err:
-            self.note = (f"{name}: planned without its producers' layouts ({err}); its inputs "
-                         "are resharded inside the task")
-            return plan(None)
+        them), so the planner prices any reshard of an input (``tasks.plan_task``)."""
+        notes: list[str] = []
+        plan = plan_task(closed, self.task.name, num_devices=mesh.devices.size, option=option,
+                         batch=batch, aliases=aliases, fixed=fixed, cluster=mesh_cluster(mesh),
+                         axis_names=tuple(mesh.axis_names), notes=notes)
+        if notes:
+            self.note = notes[0]
+        return plan
 
 
 _FIXES = ("Use more stages (UniformStageOption(num_stages=...) or ManualStageOption), more "

@@ -46,7 +46,6 @@ from dataclasses import dataclass
 import jax
 
 from ..cluster import GIB, Cluster
-from ..sharding import plan_auto
 from ..sharding.cost import CostModel
 from ..sharding.options import AutoShardingOption, for_task_plans
 from ..sharding.plan import ShardingPlan, spec_axes
@@ -71,6 +70,7 @@ from .reduce import reduce_seconds, without_batch_reductions
 from .schedules import get_schedule, traits
 from .simulate import simulate
 from .stages import AutoStageOption, stage_dp
+from .tasks import plan_task
 
 
 def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
@@ -203,23 +203,9 @@ class _Pricer:
         if key in self.cache:
             return self.cache[key]
 
-        def run(fixed_in_specs):
-            return plan_auto(
-                closed, num_devices=sub.num_devices, option=option,
-                in_paths=[f"{task.name}.in{i}" for i in range(len(abstract))],
-                out_paths=[f"{task.name}.out{i}" for i in range(len(closed.out_avals))],
-                batch_invars=batch, aliases=aliases, cluster=sub, axis_names=axis_names,
-                fixed_in_specs=fixed_in_specs)
-        if fixed_in is None or all(s is None for s in fixed_in):
-            plan = run(None)
-        else:
-            try:
-                plan = run(fixed_in)
-            except ValueError as err:
-                if "memory_budget_per_device" in str(err):
-                    raise
-                self.notes.append(f"{task.name}: planned without F's layouts ({err})")
-                plan = run(None)
+        plan = plan_task(closed, task.name, num_devices=sub.num_devices, option=option,
+                         batch=batch, aliases=aliases, fixed=fixed_in, cluster=sub,
+                         axis_names=axis_names, notes=self.notes)
         self.cache[key] = plan
         return plan
 

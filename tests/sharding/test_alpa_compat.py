@@ -267,3 +267,41 @@ def test_data_parallel_reduce_scatter_objective_is_the_all_reduce_plans():
                and "kernel" in leaf.path]
     assert len(moments) == 12 and all(
         leaf.bytes_per_device(ex.plan.mesh_sizes) == 32 * 32 for leaf in moments)
+
+
+class DepthwiseNet(nn.Module):
+    channel: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(8 * self.channel, (3, 3), use_bias=False)(x)
+        x = nn.Conv(8 * self.channel, (3, 3), feature_group_count=8 * self.channel,
+                    use_bias=False)(x)
+        x = nn.Conv(self.channel, (3, 3), use_bias=False)(x)
+        return nn.relu(x)
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (1, 4)])
+def test_depthwise_conv_model_parallel(shape):
+    """Covers test_conv.py::test_n_layer_depthwise_conv_model_parallel: the channels split
+    through the depthwise conv, whose kernel gradient (a conv with batch groups) keeps its
+    groups whole per device; one all-reduce in the whole step; equal to jax.jit."""
+    model = DepthwiseNet(channel=64)
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 8, 64))
+    state = TrainState.create(apply_fn=model.apply, tx=optax.sgd(0.1),
+                              params=model.init(jax.random.PRNGKey(0), x))
+
+    def step(state, batch):
+        def loss(p):
+            return jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
+        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+    batch = {"x": x, "y": jnp.ones((4, 8, 8, 64))}
+    f, ex = compile_step(step, state, batch, mesh(shape), option())
+    assert [c.kind for c in hlo.collectives(ex.get_hlo_text()) if c.num_bytes > 4] == [
+        "all-reduce"]
+    expected = jax.jit(step)(state, batch)
+    actual = f(state, batch)
+    for a, b in zip(jax.tree.leaves(actual.params), jax.tree.leaves(expected.params),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

@@ -131,6 +131,10 @@ def conv(ctx: RuleContext, in_avals, out_avals, params):
         roles += ["out_feature", "in_feature"]
     elif groups > 1 and batch_groups == 1:
         roles += ["group"]  # grouped/depthwise: whole groups of in and out features per device
+    elif groups == 1:
+        # batch groups (the kernel gradient of a grouped conv): whole groups of lhs batch rows
+        # and of out features per device, or a split of the contracted lhs features
+        roles += ["batch_group", "in_feature"]
     flops = conv_flops(lhs.shape, rhs.shape, out.shape, params)
     found = []
     for assign in _enumerate_roles(ctx, roles):
@@ -145,9 +149,12 @@ def conv(ctx: RuleContext, in_avals, out_avals, params):
                 contract.append(axis)
             elif role == "group":
                 la[axis], ra[axis], oa[axis] = lspec[1], rspec[0], ospec[1]
+            elif role == "batch_group":
+                la[axis], ra[axis], oa[axis] = lspec[0], rspec[0], ospec[1]
         specs = _valid_specs(ctx, (lhs, rhs, out), (la, ra, oa))
-        grouped = math.prod(ctx.mesh_shape[a] for a, r in assign.items() if r == "group")
-        if specs is not None and groups % grouped == 0:
+        grouped = math.prod(ctx.mesh_shape[a] for a, r in assign.items()
+                            if r in ("group", "batch_group"))
+        if specs is not None and groups * batch_groups % grouped == 0:
             _take(ctx, assign, specs, out, contract, found, flops)
     return _heavy_filter(ctx, found, flops)
 

@@ -87,3 +87,28 @@ def test_a_described_multi_host_cluster_searches_3d_meshes():
     seen = [s for s, _ in plan.objective.meshes_tried] + [
         s for s, _ in plan.objective.meshes_pruned]
     assert {(2, 3, 8), (3, 2, 8)} <= set(seen), seen
+
+
+def test_a_model_too_large_for_its_devices_says_what_would_fit():
+    """Issue 24, bad input: the error names the smallest estimate, the largest arrays, and
+    which of more devices, a pipeline, more micro-batches or remat would fit."""
+    from autoshard.sharding import AutoShardingOption
+
+    weights = (jnp.ones((512, 1024)), jnp.ones((1024, 512)))   # 4 MiB of parameters
+    args = (weights, jnp.ones((16, 512)), jnp.ones((16, 512)))
+    with pytest.raises(ValueError) as state:
+        plan_fn(STEP, args, batch=[0, 0, 1, 1], aliases=[(0, 0), (1, 1)],
+                option=AutoShardingOption(memory_budget_per_device=2**18))
+    text = str(state.value)
+    assert "No plan fits memory_budget_per_device (262,144 B)" in text
+    assert "The largest arrays:" in text and "2,097,152 B" in text
+    assert "alone need" in text and "devices or more" in text and "pipeline of at least" in text
+
+    # state that fits, activations that do not: micro-batches and remat are named
+    wide = ((jnp.ones((64, 2048)), jnp.ones((2048, 64))), jnp.ones((512, 64)),
+            jnp.ones((512, 64)))   # 1 MiB of weights, a 4 MiB hidden activation
+    with pytest.raises(ValueError) as acts:
+        plan_fn(STEP, wide, batch=[0, 0, 1, 1], aliases=[(0, 0), (1, 1)],
+                option=AutoShardingOption(memory_budget_per_device=2**18))
+    text = str(acts.value)
+    assert "The inputs fit" in text and "num_micro_batches" in text and "remat" in text, text

@@ -348,8 +348,27 @@ def _state_too_large(pruned, budget, graph) -> ValueError:
     return ValueError(
         f"No plan fits memory_budget_per_device ({budget:,} B): the smallest estimate found is "
         f"{smallest[0]:,} B per device (mesh {smallest[1]}, a lower bound: the inputs alone, "
-        f"each split its finest). The largest arrays: {_largest_inputs(graph)}. Raise the budget, use more devices, or "
-        "shrink the model or batch (gradient accumulation: num_micro_batches).")
+        f"each split its finest). The largest arrays: {_largest_inputs(graph)}. "
+        + _what_would_fit(graph, smallest[1], smallest[0], budget))
+
+
+def _what_would_fit(graph: Graph, mesh_shape, smallest: int, budget: int) -> str:
+    """Which of more devices, a pipeline, more micro-batches or remat would fit ``budget``,
+    from the inputs' lower bound on the mesh of the ``smallest`` estimate found."""
+    n = math.prod(mesh_shape)
+    state = state_bytes_lower_bound(graph, tuple(mesh_shape))
+    if state > budget:  # the state alone does not fit: only more devices hold it
+        devices = math.ceil(n * state / budget)
+        stages = math.ceil(state / budget)
+        return (f"The inputs (parameters, optimizer state, batch) alone need {state:,} B per "
+                f"device on these {n} devices: use about {devices} devices or more, or a "
+                f"pipeline of at least {stages} stages (PipeshardParallel: each stage holds "
+                "only its layers' state); more micro-batches or remat do not shrink the state.")
+    return (f"The inputs fit ({state:,} B per device at best) but the values computed from "
+            f"them do not ({smallest:,} B in all): more micro-batches (num_micro_batches) "
+            "shrink the activations of a step, remat recomputes them in the backward pass "
+            "(jax.checkpoint, or ManualLayerOption(remat_layer=True) in a pipeline), and more "
+            "devices or a pipeline split them further.")
 
 
 def _largest_inputs(graph: Graph) -> str:
@@ -377,10 +396,12 @@ def _no_plan_error(errors, option, graph) -> Exception:
     largest = _largest_inputs(graph)
     found = (f"the smallest estimate found is {smallest[0]:,} B per device (mesh {smallest[1]}, "
              "planned without the budget)" if smallest else "no plan was found even without it")
+    advice = (_what_would_fit(graph, smallest[1], smallest[0], budget) if smallest else
+              "Raise the budget, use more devices, or shrink the model or batch (gradient "
+              "accumulation: num_micro_batches).")
     return ValueError(
         f"No plan fits memory_budget_per_device ({budget:,} B): {found}. The largest arrays: "
-        f"{largest}. Raise the budget, use more devices, or shrink the model or batch "
-        "(gradient accumulation: num_micro_batches).")
+        f"{largest}. " + advice)
 
 
 def _axis_names(axis_names, shape) -> tuple[str, ...]:

@@ -156,7 +156,7 @@ def test_model_that_fits_no_split_names_the_estimate_and_largest_arrays():
     tiny = Cluster(num_hosts=1, devices_per_host=8, peak_flops=1e14, memory_bytes=1000)
     with pytest.raises(ValueError, match=r"No plan fits memory_budget_per_device \(1,000 B\).*"
                                          r"smallest estimate found is [\d,]+ B per device.*largest arrays: "
-                                         r"arg0\['w[12]'\].*use more devices"):
+                                         r"arg0\['w[12]'\].*use about \d+ devices or more.*pipeline"):
         autoshard.plan(train_step, *shapes(), cluster=tiny,
                        method=ShardParallel(auto_sharding_option=QUIET))
 

@@ -62,8 +62,8 @@ def test_every_python_block_is_tested_here():
                           "Planning for a cluster you do not have", "Custom partitioning rules",
                           "Micro-batches: what accumulated steps return",
                           "JAX `custom_partitioning`",
-                          "Alpa: pipeline parallelism (`tests/pipeline_parallel`)"] + [
-        h for h in in_process if h.startswith("Alpa: shard parallel")]
+                          "Alpa: pipeline parallelism (`tests/pipeline_parallel`)",
+                          "Alpa: shard parallel (`ShardParallel`, `AutoShardingOption`)"]
     marked = [(h, how) for h, how, _ in blocks() if how]
     assert marked == [("MPI (`autoshard.mpi`, mpi4jax's token-returning API)", "mpirun -np 2"),
                       ("Running on several hosts", "mpirun -np 2, 4 devices per process"),
@@ -166,6 +166,19 @@ def test_alpa_pipeline_compat_block_gives_alpas_schedule_and_stage_dp(capsys):
     assert all(0 <= m < len(scope["submeshes"]) for _, m, _ in stages)  # submesh indices
     assert np.isfinite(scope["objective"]) and scope["objective"] > 0
     assert "Clock 0 : (0, 0)" in capsys.readouterr().out  # Alpa's clock table, printed
+
+
+def test_alpa_shard_compat_block_reports_alpas_objective():
+    """With Alpa's cost parameters the objective is in Alpa's units (the block checks the
+    number); without them the same plan reports autoshard's own estimate in seconds."""
+    scope = run(block("Alpa: shard parallel"), "Alpa shard parallel")
+    ex = scope["ex"]
+    assert ex.auto_sharding_objective == pytest.approx(scope["expected"])
+    seconds = autoshard.parallelize(scope["step"], method=autoshard.ShardParallel(
+        devices=scope["mesh"], auto_sharding_option=autoshard.AutoShardingOption(
+            force_data_parallel=True, memory_tradeoff=0.0))).get_executable(
+        scope["w"], scope["x"]).auto_sharding_objective
+    assert 0 < seconds < 1e-2 < scope["expected"]      # seconds, not Alpa's units
 
 
 def test_mpi4jax_compat_block_runs_under_mpirun(tmp_path):

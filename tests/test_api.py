@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import autoshard
 from autoshard import _api
-from autoshard._jaxpr import flatten_args as _flatten
+from autoshard.ir._jaxpr import flatten_args as _flatten
 from models import MLP, copy_tree, make_state, train_step
 
 

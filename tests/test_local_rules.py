@@ -303,7 +303,7 @@ def test_batch_norm_statistics_take_one_reduction_each_way(monkeypatch, bundle):
     """The mean and the mean of squares of a BatchNorm are summed over the devices in one
     all-reduce (and the backward's pair in one): 4 reductions per micro-batch for two norms,
     not 6 (XLA combines only the backward's pairs by itself). Same numbers as jax.jit's micro-batch loop either way."""
-    monkeypatch.setattr(autoshard._local.LocalEval, "bundle_sums", bundle)
+    monkeypatch.setattr(autoshard.ir._local.LocalEval, "bundle_sums", bundle)
     k, batch = 2, N * 2 * 2
     model = TwoNorms()
     x, y = normal(7, (batch, 6)), jnp.arange(batch) % 4

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import autoshard
-from autoshard import _method_base
+from autoshard.methods import _base
 
 
 def step(w, x):
@@ -61,12 +61,12 @@ def test_plan_reaches_methods_through_plan_for():
 ], ids=["data", "zero3", "auto", "manual", "pipeline"])
 def test_every_method_agrees_on_its_plans_through_call_agree(monkeypatch, method):
     seen = []
-    real = _method_base.agree_on_plan
+    real = _base.agree_on_plan
 
     def spy(name, program, plan):
         seen.append(name)
         return real(name, program, plan)
-    monkeypatch.setattr(_method_base, "agree_on_plan", spy)
+    monkeypatch.setattr(_base, "agree_on_plan", spy)
     f = autoshard.parallelize(step, method=method)
     w, _ = f(W, X)
     np.testing.assert_allclose(w, jax.jit(step)(W, X)[0], rtol=1e-5)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from autoshard._prims import eqn_flops
+from autoshard.ir._prims import eqn_flops
 
 
 def conv_eqn(lhs_shape, rhs_shape, dims):

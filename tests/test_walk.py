@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from autoshard._jaxpr import draws_random
-from autoshard._walk import all_eqns, any_eqn, sub_jaxprs
+from autoshard.ir._jaxpr import draws_random
+from autoshard.ir._walk import all_eqns, any_eqn, sub_jaxprs
 
 
 def nested(x, key):

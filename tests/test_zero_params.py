@@ -10,9 +10,9 @@ import pytest
 
 import autoshard
 import hlo
-from autoshard._jaxpr import flatten_args
 from autoshard._program import trace_program
-from autoshard._zero import read_with_the_batch
+from autoshard.ir._jaxpr import flatten_args
+from autoshard.methods._data import read_with_the_batch
 from models import assert_trees_close, copy_tree, make_case, make_state
 
 N = 8  # devices (conftest)

@@ -11,12 +11,6 @@ from ._api import parallelize as parallelize
 from ._api import shutdown as shutdown
 from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
-from ._methods import DataParallel as DataParallel
-from ._methods import ManualShardingOption as ManualShardingOption
-from ._methods import ParallelMethod as ParallelMethod
-from ._methods import ShardParallel as ShardParallel
-from ._methods import Zero2Parallel as Zero2Parallel
-from ._methods import Zero3Parallel as Zero3Parallel
 from ._plan_api import plan as plan
 from ._program import register_state_type as register_state_type
 from .checkpoint import restore_checkpoint as restore_checkpoint
@@ -29,6 +23,12 @@ from .distributed import launch as launch
 from .markers import mark_gradient as mark_gradient
 from .markers import mark_parameters as mark_parameters
 from .markers import mark_pipeline_boundary as mark_pipeline_boundary
+from .methods._methods import DataParallel as DataParallel
+from .methods._methods import ManualShardingOption as ManualShardingOption
+from .methods._methods import ParallelMethod as ParallelMethod
+from .methods._methods import ShardParallel as ShardParallel
+from .methods._methods import Zero2Parallel as Zero2Parallel
+from .methods._methods import Zero3Parallel as Zero3Parallel
 from .sharding.options import AutoShardingOption as AutoShardingOption
 from .sharding.plan import ShardingPlan as ShardingPlan
 

@@ -11,13 +11,14 @@ from typing import Any, overload
 
 import jax
 
-from . import _compat, _config
+from . import _config
 from ._config import BACKENDS, Backend, required_cluster
 from ._executable import MISS, Executable, abstract_leaf, deleted_error, warn_on_divergence
-from ._jaxpr import FlatArgs, flatten_args
-from ._method_base import Call
-from ._methods import ParallelMethod, ShardParallel
 from ._program import trace_program
+from .ir import _compat
+from .ir._jaxpr import FlatArgs, flatten_args
+from .methods._base import Call
+from .methods._methods import ParallelMethod, ShardParallel
 
 _state: dict[str, Any] = {"cluster": None}
 _all_funcs: weakref.WeakSet = weakref.WeakSet()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import functools
 
-from ._compat import add_compile_error_handler
+from .ir._compat import add_compile_error_handler
 
 _RAISED: collections.deque[BaseException] = collections.deque(maxlen=8)
 _REGISTERED = False

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._compat import cp_rule_types
+from .ir._compat import cp_rule_types
 
 Dim = tuple[str, ...]
 """The factors of one dim: one for a whole-dim factor, several (major first) for a compound."""

@@ -11,9 +11,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compat
-from ._jaxpr import FlatArgs, flatten_args
 from ._program import Program
+from .ir import _compat
+from .ir._jaxpr import FlatArgs, flatten_args
 from .sharding.plan import ShardingPlan
 
 MISS = object()

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from .markers import Reduction, mark_gradient, mark_parameters, pipeline_marker
+from .ir._markers import Reduction, mark_gradient, mark_parameters, pipeline_marker
 
 
 def _marked(transform, fun, argnums, has_aux, holomorphic, allow_int, reductions) -> Callable:

@@ -31,11 +31,11 @@ from ._api import (
     static_positions,
     trace_call,
 )
-from ._jaxpr import flatten_args
-from ._mesh import resolve_devices
-from ._method_base import ParallelMethod
-from ._methods import ShardParallel
 from .cluster import Cluster
+from .ir._jaxpr import flatten_args
+from .methods._base import ParallelMethod
+from .methods._mesh import resolve_devices
+from .methods._methods import ShardParallel
 from .sharding.plan import ShardingPlan
 
 if TYPE_CHECKING:

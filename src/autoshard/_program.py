@@ -10,8 +10,8 @@ from typing import Any
 import jax
 
 from . import combine
-from ._jaxpr import FlatArgs, differentiated_inputs, output_paths
 from .grad_accum import StepHooks, build_step
+from .ir._jaxpr import FlatArgs, differentiated_inputs, output_paths
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,7 +54,7 @@ class Program:
 
     @functools.cached_property
     def has_grad_marker(self) -> bool:
-        from ._jaxpr import grad_marker_index
+        from .ir._jaxpr import grad_marker_index
         return grad_marker_index(self.closed.jaxpr) is not None
 
     def whole_batch_closed(self):

@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _compat
-from ._compat import Literal, Var
-from ._jaxpr import dependents, draws_random, grad_marker_index, used_vars
+from .ir import _compat
+from .ir._compat import Literal, Var
+from .ir._jaxpr import dependents, draws_random, grad_marker_index, used_vars
 
 
 @dataclass(frozen=True, eq=False)

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from jax.sharding import Sharding
 
-from . import _compat
+from .ir import _compat
 
 _STEP = re.compile(r"^\d+$")
 _TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")

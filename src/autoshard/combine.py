@@ -34,10 +34,10 @@ import math
 
 import jax.numpy as jnp
 
-from ._compat import Literal, Var, source_line
-from ._jaxpr import dependents, grad_marker_index
-from ._prims import KIND_PRESERVING
-from ._walk import INLINE_CALLS, body_of
+from .ir._compat import Literal, Var, source_line
+from .ir._jaxpr import dependents, grad_marker_index
+from .ir._prims import KIND_PRESERVING
+from .ir._walk import INLINE_CALLS, body_of
 
 MEAN, SUM, SAME, STAT, OTHER = "mean", "sum", "same", "statistic", "other"
 ROWS = "rows"

@@ -55,7 +55,6 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from ._compat import cp_rule_types, is_tracer, uses_shardy
 from ._cp_errors import raised_in_xla, register_handler, surfaced
 from ._cp_rules import (
     FactorRule,
@@ -66,6 +65,7 @@ from ._cp_rules import (
     resolve,
     to_sdy,
 )
+from .ir._compat import cp_rule_types, is_tracer, uses_shardy
 
 
 @dataclass(frozen=True, kw_only=True)

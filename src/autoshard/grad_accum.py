@@ -29,12 +29,12 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from . import combine
-from ._compat import Literal, Var, source_line
-from ._jaxpr import Env, dependents, draws_random, grad_marker_index, used_vars
-from ._local import LocalEval, P, R, split
-from ._prims import KEY_USERS, LINEAR
-from ._walk import site
 from .after_grad import row_dim, whole_batch_update
+from .ir._compat import Literal, Var, source_line
+from .ir._jaxpr import Env, dependents, draws_random, grad_marker_index, used_vars
+from .ir._local import LocalEval, P, R, split
+from .ir._prims import KEY_USERS, LINEAR
+from .ir._walk import site
 from .sharding.apply import PlanEvaluator
 from .sharding.plan import spec_axes
 

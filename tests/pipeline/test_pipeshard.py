@@ -15,7 +15,7 @@ from flax.training.train_state import TrainState
 from pipeline_models import GPT, assert_trees_close, mlp_batch, mlp_loss, mlp_params, sgd_step
 
 import autoshard
-from autoshard import _compat
+from autoshard.ir import _compat
 from autoshard.pipeline import (
     AutoLayerOption,
     ManualLayerOption,

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from pipeline_models import assert_trees_close, mlp_batch, mlp_loss, mlp_params, sgd_step
 
 import autoshard
-from autoshard import _compat
+from autoshard.ir import _compat
 from autoshard.pipeline import ManualStageOption, PipeshardParallel, UniformStageOption
 
 

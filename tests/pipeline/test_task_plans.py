@@ -159,7 +159,7 @@ def test_backward_and_next_stage_take_the_layouts_their_producers_give(two_stage
 
 
 def test_carried_spec_finds_the_same_shards_on_a_sub_mesh_of_another_shape():
-    from autoshard import _compat
+    from autoshard.ir import _compat
     from autoshard.pipeline.layouts import carried_spec
 
     devs = np.array(jax.devices()[:4], dtype=object)

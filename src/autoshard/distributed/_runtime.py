@@ -15,7 +15,8 @@ import time
 
 import jax
 
-from .. import _compat, _config
+from .. import _config
+from ..ir import _compat
 from ._process import free_port
 
 RUNTIME_KWARGS = ("coordinator_address", "num_processes", "process_id", "local_device_ids",

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from .. import _compat
+from ..ir import _compat
 
 _TIMEOUT_MS = 300_000
 _counter = {"next": 0}

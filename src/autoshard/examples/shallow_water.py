@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from autoshard import mpi
+from .. import mpi
 
 GRAVITY = 9.81  # m / s^2
 DEPTH = 100.0  # mean depth H, m

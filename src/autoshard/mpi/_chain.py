@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 from jax.extend.mlir.dialects import sdy
 
-from .._compat import lowering_event_listener, mpi_internals, set_lowering_event_listener
+from ..ir._compat import lowering_event_listener, mpi_internals, set_lowering_event_listener
 
 _jax = mpi_internals()
 _core, _mlir, ir, hlo = _jax.core, _jax.mlir, _jax.ir, _jax.hlo

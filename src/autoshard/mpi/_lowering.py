@@ -38,8 +38,8 @@ from functools import partial
 from jax.interpreters import ad, mlir
 from jax.interpreters import batching as jax_batching
 
-from .._compat import apply_primitive, mpi_internals
-from .._walk import sub_jaxprs
+from ..ir._compat import apply_primitive, mpi_internals
+from ..ir._walk import sub_jaxprs
 from . import _check, _sharding
 from ._chain import PROCESS_AXIS, chain_type, current_token
 from ._native import target_name

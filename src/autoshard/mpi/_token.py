@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax
 
-from .._compat import is_jax_token
+from ..ir._compat import is_jax_token
 
 
 class Token:

@@ -41,9 +41,9 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import _compat
 from ..distributed import plan_sync
 from ..distributed._runtime import TRANSFER_FLAG
+from ..ir import _compat
 
 
 def multi_process() -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 
-from .._prims import eqn_flops
+from ..ir._prims import eqn_flops
 from .layers import AutoLayerOption
 
 

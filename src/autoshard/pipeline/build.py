@@ -6,10 +6,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .._compat import Var
-from .._mesh import resolve_devices
 from ..after_grad import AfterGrad, whole_batch_update
-from ..markers import pipeline_p
+from ..ir._compat import Var
+from ..ir._markers import pipeline_p
+from ..methods._mesh import resolve_devices
 from ..sharding.cost import FLOP_COST_S
 from . import balance
 from .compile import stage_auto_option
@@ -426,7 +426,7 @@ def cut_seconds_both(num_bytes: float, a: int, b: int, backward: bool) -> float:
 
 
 def _layer_costs(pre, layer_of, num_layers):
-    from .._prims import eqn_flops
+    from ..ir._prims import eqn_flops
 
     flops, mem = [0.0] * num_layers, [0.0] * num_layers
     for i, layer in layer_of.items():

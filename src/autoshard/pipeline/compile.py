@@ -39,12 +39,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import _compat
-from .._compat import Literal, Var
-from .._jaxpr import Env
-from .._local import LocalEval, R, split
-from .._walk import all_eqns
 from ..grad_accum import fold_keys, reductions_of
+from ..ir import _compat
+from ..ir._compat import Literal, Var
+from ..ir._jaxpr import Env
+from ..ir._local import LocalEval, R, split
+from ..ir._walk import all_eqns
 from ..sharding import apply_plan
 from ..sharding.cost import CostModel
 from ..sharding.options import AutoShardingOption, for_task_plans

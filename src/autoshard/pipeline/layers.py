@@ -17,10 +17,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from .._compat import Var
-from .._prims import eqn_flops
-from .._walk import any_eqn, sub_jaxprs
-from ..markers import pipeline_p
+from ..ir._compat import Var
+from ..ir._markers import pipeline_p
+from ..ir._prims import eqn_flops
+from ..ir._walk import any_eqn, sub_jaxprs
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import _compat
+from ..ir import _compat
 from ..sharding.spec import candidate_specs, to_partition_spec
 
 

@@ -6,8 +6,8 @@ levels only, so the runtime can run the apply tasks in (level, stage) order.
 
 from __future__ import annotations
 
-from .._compat import Var
-from .._jaxpr import draws_random
+from ..ir._compat import Var
+from ..ir._jaxpr import draws_random
 from .sums import SMALL
 
 

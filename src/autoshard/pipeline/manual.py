@@ -28,9 +28,9 @@ import math
 
 from jax.sharding import PartitionSpec as P
 
-from .._compat import Var
-from .._manual import _UNSET, _leaf_specs, validate_spec
-from .._methods import ManualShardingOption
+from ..ir._compat import Var
+from ..methods._manual import _UNSET, _leaf_specs, validate_spec
+from ..methods._methods import ManualShardingOption
 from ..sharding.plan import format_spec
 
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .._methods import ManualShardingOption, ParallelMethod
+from ..methods._methods import ManualShardingOption, ParallelMethod
 from .build import method_devices, plan_partition
 from .compile import make_submeshes, stage_auto_option
 from .layers import AutoLayerOption, ManualLayerOption

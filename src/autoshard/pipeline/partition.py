@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import jax.numpy as jnp
 
-from .._compat import Literal, Var
-from .._jaxpr import dependents, draws_random, grad_marker_index, used_vars
 from ..combine import ROWS
 from ..grad_accum import reductions_of
-from ..markers import pipeline_p
+from ..ir._compat import Literal, Var
+from ..ir._jaxpr import dependents, draws_random, grad_marker_index, used_vars
+from ..ir._markers import pipeline_p
 from .levels import assign_apply
 from .sums import cross_stage_sums, split_tied_gradients
 

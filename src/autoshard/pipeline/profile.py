@@ -30,8 +30,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from .. import _compat
-from .._jaxpr import Env
+from ..ir import _compat
+from ..ir._jaxpr import Env
 from ..sharding import apply_plan, plan_auto
 from .partition import _task, assign_backward, free_eqns
 

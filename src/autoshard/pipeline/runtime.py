@@ -25,11 +25,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import _compat
-from .._compat import Literal, Var
 from .._executable import MISS, deleted_error, select_dynamic
-from .._jaxpr import flatten_args
 from ..after_grad import row_dim
+from ..ir import _compat
+from ..ir._compat import Literal, Var
+from ..ir._jaxpr import flatten_args
 from . import _cross_process
 from .audit import PipelineAudit, Transfer, task_audit
 from .compile import CompiledTask, Specs, acc_dtype, finalize_fn, make_submeshes

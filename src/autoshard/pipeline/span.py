@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._compat import Var
+from ..ir._compat import Var
 from ._cross_process import job_mesh, placeholder
 
 AXIS = "x"

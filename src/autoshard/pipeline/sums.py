@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .._compat import Var
-from .._prims import ADDS
+from ..ir._compat import Var
+from ..ir._prims import ADDS
 
 SMALL = 16
 """Elements of a value cheap enough to compute on every stage that reads it (scalars)."""

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import _compat
+from ..ir import _compat
 from ._cross_process import copy_replicated, crosses, process_local, settle
 
 

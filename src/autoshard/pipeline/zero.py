@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._jaxpr import dependents
+from ..ir._jaxpr import dependents
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,8 +25,8 @@ from jax import lax
 from jax.extend import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._compat import bind_eqn
-from .._walk import REMATS, Walker, eqn_site, site
+from ..ir._compat import bind_eqn
+from ..ir._walk import REMATS, Walker, eqn_site, site
 from .plan import ShardingPlan
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core
 
-from .._walk import IDENTITIES, INLINE_CALLS, Walker, eqn_site, site
+from ..ir._walk import IDENTITIES, INLINE_CALLS, Walker, eqn_site, site
 
 WHILE_TRIPS = 1
 """Iterations assumed for a while loop (unknown statically)."""

@@ -152,7 +152,7 @@ class ShardingPlan:
     outputs: tuple[LeafPlan, ...]
     """One entry per flattened output leaf."""
     intermediates: tuple[tuple[str, PartitionSpec], ...] = ()
-    """(site, spec) for every constrained intermediate. A site (``autoshard._walk.site``) is
+    """(site, spec) for every constrained intermediate. A site (``autoshard.ir._walk.site``) is
     the path of the equation that makes the value and its output position, e.g. ``"12/3:0"``:
     the same on every trace of the same program."""
     operand_specs: tuple[tuple[str, int, PartitionSpec], ...] = ()

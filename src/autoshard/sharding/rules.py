@@ -16,7 +16,7 @@ import math
 
 from jax.sharding import PartitionSpec
 
-from .. import _prims
+from ..ir import _prims
 from .cost import byte_cost
 from .spec import Spec, dim_shards, from_partition_spec, replicated, shards
 from .strategy import (

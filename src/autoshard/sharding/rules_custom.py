@@ -18,9 +18,9 @@ import warnings
 import jax
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
-from .._compat import cp_rule_types
 from .._cp_rules import FactorRule, from_sdy, probe_rule, resolve
 from ..custom_partitioning import BoundOp
+from ..ir._compat import cp_rule_types
 from .cost import byte_cost
 from .spec import from_partition_spec, is_valid, shards, to_partition_spec
 from .strategy import RuleContext, Strategy, nbytes, register

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from .._prims import conv_flops, dot_flops
+from ..ir._prims import conv_flops, dot_flops
 from .cost import byte_cost, flop_cost
 from .spec import Spec, from_assignment, is_valid, shards
 from .strategy import RuleContext, Strategy, nbytes, register

@@ -10,13 +10,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._jaxpr import dependents
-from ._local import LocalEval, R, is_split, split
+from .._program import Program
+from ..grad_accum import StepHooks
+from ..ir._jaxpr import dependents
+from ..ir._local import LocalEval, R, is_split, split
+from ..sharding.plan import ShardingPlan
+from ._base import Call, Compiled, batch_spec, leaf_plan
 from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
-from ._method_base import Call, Compiled, batch_spec, leaf_plan
-from ._program import Program
-from .grad_accum import StepHooks
-from .sharding.plan import ShardingPlan
 
 
 def shard_dim_spec(shape, axes: tuple[str, ...], num_devices: int) -> tuple[P, str]:

@@ -8,13 +8,13 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
+from .._program import Program
+from ..grad_accum import StepHooks, batch_axes
+from ..sharding.options import AutoShardingOption
+from ..sharding.plan import ShardingPlan, format_spec, spec_axes
 from ._auto import plan_program
+from ._base import Call, Compiled, leaf_plan
 from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
-from ._method_base import Call, Compiled, leaf_plan
-from ._program import Program
-from .grad_accum import StepHooks, batch_axes
-from .sharding.options import AutoShardingOption
-from .sharding.plan import ShardingPlan, format_spec, spec_axes
 
 _UNSET = object()
 

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from . import _compat
+from ..ir import _compat
 
 
 def resolve_devices(devices) -> tuple[tuple, Mesh | None]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._program import Program
+from ..sharding.options import AutoShardingOption
+from ..sharding.plan import ShardingPlan
 from ._auto import compile_auto, plan_program
+from ._base import Call, Compiled, ParallelMethod
+from ._data import compile_data_parallel
 from ._manual import compile_manual, price_manual
-from ._method_base import Call, Compiled, ParallelMethod
-from ._program import Program
-from ._zero import compile_data_parallel
-from .sharding.options import AutoShardingOption
-from .sharding.plan import ShardingPlan
 
 
 @dataclass(frozen=True, kw_only=True)

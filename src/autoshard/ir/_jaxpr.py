@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat
+from ._markers import pipeline_p
 from ._prims import RANDOM, VALUE_PRESERVING
 from ._walk import Walker, any_eqn, sub_jaxprs
-from .markers import pipeline_p
 
 
 # Flattening arguments into dynamic (array) and static (hashable) leaves ---------------------------

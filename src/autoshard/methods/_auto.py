@@ -7,15 +7,15 @@ import math
 
 from jax.sharding import Mesh
 
-from . import sharding
+from .. import sharding
+from .._program import Program
+from ..cluster import Cluster
+from ..distributed.plan_sync import program_fingerprint
+from ..grad_accum import StepHooks, batch_axes, loop_bytes, loop_costs
+from ..sharding.options import AutoShardingOption
+from ..sharding.plan import PlanFingerprint
+from ._base import Call, Compiled
 from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
-from ._method_base import Call, Compiled
-from ._program import Program
-from .cluster import Cluster
-from .distributed.plan_sync import program_fingerprint
-from .grad_accum import StepHooks, batch_axes, loop_bytes, loop_costs
-from .sharding.options import AutoShardingOption
-from .sharding.plan import PlanFingerprint
 
 
 def compile_auto(method, program: Program, call: Call) -> Compiled:

@@ -13,11 +13,11 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._executable import Executable, abstract_leaf
+from .._executable import Executable, abstract_leaf
+from .._program import Program
+from ..distributed.plan_sync import agree_on_plan
+from ..sharding.plan import LeafPlan, ShardingPlan
 from ._mesh import check_devices
-from ._program import Program
-from .distributed.plan_sync import agree_on_plan
-from .sharding.plan import LeafPlan, ShardingPlan
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -40,7 +40,7 @@ _TWO_MODULES = ("Alpa compiles gradient accumulation as two executables (accumul
 _CPU_GATHERS = ("XLA:CPU does not combine all-gathers (one per parameter where Alpa's GPU "
                 "build showed one combined all-gather)")
 _CHEAPER = ("our plan differs from the one the test asserts and moves fewer bytes on the same "
-            "mesh (README compatibility table; tests/sharding/test_alpa_compat.py)")
+            "mesh (README compatibility table; tests/sharding/test_alpa_shard_compat.py)")
 _RS_OBJECTIVE = ("objective above Alpa's (3% with adafactor's factored moments, 6% with ZeRO-3): "
                  "not investigated; the counts would then differ because " + _CPU_GATHERS)
 KNOWN = {
@@ -53,7 +53,7 @@ KNOWN = {
         _TWO_MODULES,
     "test_gradient_accumulation.GradAccumulationTest.test_gradient_accumulation_reduce_scatter":
         _TWO_MODULES + "; the reduce-scatter after the loop is tested in "
-        "tests/sharding/test_alpa_compat.py",
+        "tests/sharding/test_alpa_shard_compat.py",
     "test_manual.ManualShardingTest.test_grad_acc": _TWO_MODULES,
     "test_mlp.AutoShardingMLPTest.test_n_layer_mlp_2d_mesh": _CHEAPER,
     "test_mlp.AutoShardingMLPTest.test_n_layer_mlp_2d_mesh_reduce_scatter": _CHEAPER,

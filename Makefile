@@ -43,7 +43,7 @@ bench: $(STAMP) native
 	$(MAKE) --no-print-directory bench-mpi
 
 # Issue 25: four model families against expert jax.jit plans, and a decoder layer sweep
-# (about 15 min on 2 shared cores; benchmarks/results/families.{json,md}).
+# (about 35 min on 2 heavily shared cores; benchmarks/results/families.{json,md}).
 .PHONY: bench-families
 bench-families: $(STAMP)
 	$(PY) benchmarks/families.py

@@ -25,7 +25,6 @@ What the views do:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
 import sys
 import types
@@ -34,6 +33,7 @@ import jax
 
 import autoshard
 from autoshard.markers import mark_pipeline_boundary, pipeline_p
+from upstream_common import load_file
 
 _state: dict = {"devices": None}
 
@@ -177,16 +177,6 @@ def _module(name: str, **attrs) -> types.ModuleType:
     return mod
 
 
-def _load(name: str, path: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    parent, _, child = name.rpartition(".")
-    setattr(sys.modules[parent], child, mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _old_jax_names():
     """Names Alpa's files import from JAX 0.3, as today's equivalents (this process only)."""
     from flax.core import FrozenDict
@@ -278,7 +268,7 @@ def install(upstream_root: str) -> types.ModuleType:
             **compat("gen_linear_pipeline_dependency", "GpipeSchedule", "PipeDreamFlush",
                      "InferenceSchedule"))
     _module("alpa.model")
-    _load("alpa.model.model_util", f"{upstream_root}/alpa/model/model_util.py")
-    _load("alpa.model.bert_model", f"{upstream_root}/alpa/model/bert_model.py")
-    _load("alpa.testing", f"{upstream_root}/alpa/testing.py")
+    load_file("alpa.model.model_util", f"{upstream_root}/alpa/model/model_util.py")
+    load_file("alpa.model.bert_model", f"{upstream_root}/alpa/model/bert_model.py")
+    load_file("alpa.testing", f"{upstream_root}/alpa/testing.py")
     return alpa

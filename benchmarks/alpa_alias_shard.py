@@ -52,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import autoshard
 from autoshard.sharding import hlo as hlo_reader
+from upstream_common import load_file
 
 ALPA_DEFAULT_ALPHA = (1.0, 1.0)
 ALPA_DEFAULT_BETA = (1.0, 0.1)
@@ -495,16 +496,6 @@ def _module(name: str, **attrs) -> types.ModuleType:
     return mod
 
 
-def _load(name: str, path: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    parent, _, child = name.rpartition(".")
-    setattr(sys.modules[parent], child, mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _no_ray(*_, **__):
     raise RuntimeError("needs Ray (a multi-host Alpa cluster); this alias runs on local devices")
 
@@ -545,7 +536,7 @@ def install(upstream_root: str) -> types.ModuleType:
     model = _module("alpa.model")
     model.__path__ = [os.path.join(upstream_root, "alpa", "model")]
     for name in ("model_util", "bert_model", "moe"):
-        _load(f"alpa.model.{name}", os.path.join(upstream_root, "alpa", "model", f"{name}.py"))
-    _load("alpa.testing", os.path.join(upstream_root, "alpa", "testing.py"))
-    _load("alpa.test_install", os.path.join(upstream_root, "alpa", "test_install.py"))
+        load_file(f"alpa.model.{name}", os.path.join(upstream_root, "alpa", "model", f"{name}.py"))
+    load_file("alpa.testing", os.path.join(upstream_root, "alpa", "testing.py"))
+    load_file("alpa.test_install", os.path.join(upstream_root, "alpa", "test_install.py"))
     return alpa

@@ -25,6 +25,8 @@ import traceback
 import unittest
 from pathlib import Path
 
+from upstream_common import run_case, test_cases
+
 HERE = Path(__file__).resolve().parent
 UPSTREAM = os.environ.get("ALPA_UPSTREAM", "/work/upstream/alpa")
 SUITE = "tests/pipeline_parallel"
@@ -104,14 +106,7 @@ def run_file(name: str) -> list[dict]:
         return [{"id": f"{name}::<import>", "status": "fail",
                  "detail": f"{type(e).__name__}: {e}"}]
     suite = unittest.TestLoader().loadTestsFromModule(module)
-
-    def tests(s):
-        for t in s:
-            if isinstance(t, unittest.TestSuite):
-                yield from tests(t)
-            else:
-                yield t
-    for test in tests(suite):
+    for test in test_cases(suite):
         cls, method = type(test).__name__, test._testMethodName
         if type(test).__module__ != mod_name:
             continue  # classes a file imports run under their own file
@@ -120,19 +115,10 @@ def run_file(name: str) -> list[dict]:
         if reason is not None:
             results.append({"id": tid, "status": "not run", "detail": reason})
             continue
-        res = unittest.TestResult()
-        t0 = time.perf_counter()
-        test.run(res)
-        dt = time.perf_counter() - t0
-        if res.skipped:
-            status, detail = "skip", res.skipped[0][1]
-        elif res.errors or res.failures:
-            status = "fail"
-            text = (res.errors or res.failures)[0][1]
-            detail = text.strip().splitlines()[-1][:300]
-            print(text, file=sys.stderr)
-        else:
-            status, detail = "pass", ""
+        status, detail, dt = run_case(test)
+        if status in ("fail", "error"):
+            print(detail, file=sys.stderr)
+            status, detail = "fail", detail.strip().splitlines()[-1][:300]
         results.append({"id": tid, "status": status, "detail": detail, "seconds": round(dt, 1)})
         print(f"{tid}: {status} {detail} ({dt:.1f} s)", file=sys.stderr, flush=True)
     return results

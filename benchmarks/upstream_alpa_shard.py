@@ -18,9 +18,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 import traceback
 import unittest
+
+from upstream_common import run_case, test_cases
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -122,35 +123,19 @@ def run(upstream: str, select: str | None) -> list[tuple[str, str, str, float]]:
     for name in FILES:
         module = __import__(f"tests.shard_parallel.{name}", fromlist=["*"])
         suite = loader.loadTestsFromModule(module)
-        for test in _flatten(suite):
+        for test in test_cases(suite):
             tid = f"{name}.{type(test).__name__}.{test._testMethodName}"
             if select and select not in tid:
                 continue
             if tid in NOT_RUNNABLE:
                 rows.append((tid, "not runnable", NOT_RUNNABLE[tid], 0.0))
                 continue
-            result = unittest.TestResult()
-            t0 = time.perf_counter()
-            test.run(result)
-            dt = time.perf_counter() - t0
-            if result.skipped:
-                status, why = "skip", result.skipped[0][1]
-            elif result.failures or result.errors:
-                status = "fail" if result.failures else "error"
-                why = _reason((result.failures or result.errors)[0][1])
-            else:
-                status, why = "pass", ""
+            status, why, dt = run_case(test)
+            if status in ("fail", "error"):
+                why = _reason(why)
             rows.append((tid, status, why, dt))
             print(f"{status:5s} {dt:6.1f}s {tid} {why[:200]}", flush=True)
     return rows
-
-
-def _flatten(suite):
-    for t in suite:
-        if isinstance(t, unittest.TestSuite):
-            yield from _flatten(t)
-        else:
-            yield t
 
 
 def _reason(tb: str) -> str:

@@ -96,17 +96,21 @@ class LocalEval(LoopRules, WindowRules, IndexRules, Walker):
             return self._sum(x)
         return lax.all_gather(x, self.axes, axis=kind[1], tiled=True)
 
+    @staticmethod
+    def _held(table: dict, x):
+        """What ``table`` (keyed by id of a traced value) holds for ``x`` itself, or None."""
+        entry = table.get(id(x))
+        return entry[1] if entry is not None and entry[0] is x else None
+
     def _sum(self, x):
         """psum of the partial ``x``, with every pending partial value that will be summed."""
-        done = self._summed.get(id(x))
-        if done is not None and done[0] is x:
-            return done[1]
-        if self._probing:
-            known = self._partials.get(id(x))
-            if known is not None and known[0] is x:
-                self._summed_vars.add(known[1])
+        done = self._held(self._summed, x)
+        if done is not None:
+            return done
+        if self._probing and self._held(self._partials, x) is not None:
+            self._summed_vars.add(self._held(self._partials, x))
         group = [x]
-        if self._pending.get(id(x), (None,))[0] is x:
+        if self._held(self._pending, x) is not None:
             group += [y for y, _ in self._pending.values() if y is not x]
             self._pending.clear()
         sums = lax.psum(tuple(group), self.axes)
@@ -116,11 +120,8 @@ class LocalEval(LoopRules, WindowRules, IndexRules, Walker):
 
     def _summed_of(self, x, kind):
         """(value, kind) of ``x`` taking a sum already made into account."""
-        if kind == P:
-            done = self._summed.get(id(x))
-            if done is not None and done[0] is x:
-                return done[1], R
-        return x, kind
+        done = self._held(self._summed, x) if kind == P else None
+        return (x, kind) if done is None else (done, R)
 
     def to_p(self, x, kind):
         """A replicated value as a partial one: the first device holds it, the others zero."""
@@ -215,10 +216,10 @@ class LocalEval(LoopRules, WindowRules, IndexRules, Walker):
     def _note_source(self, var, xs, ks):
         """In the probe: ``var``'s partial value comes from exactly one partial operand no
         bigger than it (the others replicated)."""
-        froms = [self._partials.get(id(x)) for x, k in zip(xs, ks, strict=True) if k == P]
-        if len(froms) == 1 and froms[0] is not None and froms[0][0] is xs[ks.index(P)] and (
-                math.prod(froms[0][1].aval.shape) <= math.prod(var.aval.shape)):
-            self._fed_by[var] = froms[0][1]
+        froms = [self._held(self._partials, x) for x, k in zip(xs, ks, strict=True) if k == P]
+        if len(froms) == 1 and froms[0] is not None and (
+                math.prod(froms[0].aval.shape) <= math.prod(var.aval.shape)):
+            self._fed_by[var] = froms[0]
 
     def eqn(self, e, ins, ks):
         name = e.primitive.name

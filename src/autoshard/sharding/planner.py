@@ -349,14 +349,17 @@ def _state_too_large(pruned, budget, graph) -> ValueError:
         f"No plan fits memory_budget_per_device ({budget:,} B): the smallest estimate found is "
         f"{smallest[0]:,} B per device (mesh {smallest[1]}, a lower bound: the inputs alone, "
         f"each split its finest). The largest arrays: {_largest_inputs(graph)}. "
-        + _what_would_fit(graph, smallest[1], smallest[0], budget))
+        + _what_would_fit(graph, smallest[1], smallest[0], budget, state=smallest[0]))
 
 
-def _what_would_fit(graph: Graph, mesh_shape, smallest: int, budget: int) -> str:
+def _what_would_fit(graph: Graph, mesh_shape, smallest: int, budget: int, *,
+                    state: int | None = None) -> str:
     """Which of more devices, a pipeline, more micro-batches or remat would fit ``budget``,
-    from the inputs' lower bound on the mesh of the ``smallest`` estimate found."""
+    from the inputs' lower bound (``state``, computed when not given) on the mesh of the
+    ``smallest`` estimate found."""
     n = math.prod(mesh_shape)
-    state = state_bytes_lower_bound(graph, tuple(mesh_shape))
+    if state is None:
+        state = state_bytes_lower_bound(graph, tuple(mesh_shape))
     if state > budget:  # the state alone does not fit: only more devices hold it
         devices = math.ceil(n * state / budget)
         stages = math.ceil(state / budget)

@@ -47,7 +47,7 @@ def plan_task(closed, name: str, *, num_devices: int, option: AutoShardingOption
         return plan(None)
 
 
-def mesh_cluster(mesh) -> Cluster | None:
+def mesh_cluster(mesh) -> Cluster:
     """The cluster of a sub-mesh's devices, for its costs (``Cluster.from_devices``: A100/H100
     figures on those GPUs, the cost model's defaults elsewhere)."""
     return Cluster.from_devices(list(mesh.devices.flat))

@@ -95,6 +95,9 @@ class Program:
     whole-batch ``jax.jit`` step is the reference for every k."""
     rule: str = ""
     """The micro-batch rule that reference applies, for the report."""
+    hand_loop: Callable[[int], Callable] | None = None
+    """``k -> step`` of plain JAX looping over ``k`` micro-batches, what a user writes without
+    autoshard (timed beside the cells); None: not timed for this program."""
     state_fields: tuple[str, ...] = field(default=("params",))
     """State fields compared with the reference."""
 
@@ -279,7 +282,7 @@ def make_resnet(size: dict, dropout: float, *, seed: int = 0) -> Program:
     return Program(name="resnet", description="ResNet with BatchNorm (imagenet-like), 8x8 "
                    "images, batch_stats in aux and state", state=state,
                    batch={"image": np.asarray(images), "label": np.asarray(labels)}, step=step,
-                   micro_batch_reference=micro_batch_reference,
+                   micro_batch_reference=micro_batch_reference, hand_loop=micro_batch_reference,
                    rule="rule: mean of micro-batch statistics (BatchNorm normalises each "
                         "micro-batch by its own statistics, so loss, metrics and parameters "
                         "follow the micro-batched reference too)",
@@ -355,10 +358,36 @@ def make_lstm(size: dict, dropout: float, *, seed: int = 0) -> Program:
         (loss, aux), grads = autoshard.value_and_grad(loss_fn, has_aux=True)(state.params)
         return state.apply_gradients(grads=grads), {"loss": loss, **aux}
 
+    def hand_loop(k: int) -> Callable:
+        """Plain JAX: micro-batch j is rows j, j+k, ...; the loss and gradients are the mean
+        over micro-batches, the sums and counts their sum (what the accumulated step returns)."""
+        def loop_step(state, batch, rng):
+            rng = jax.random.fold_in(rng, state.step)
+            micro = jax.tree.map(
+                lambda a: jnp.swapaxes(a.reshape((a.shape[0] // k, k) + a.shape[1:]), 0, 1),
+                batch)
+
+            def one(mb):
+                def loss_fn(params):
+                    logits = model.apply({"params": params}, mb["tokens"], mb["length"],
+                                         rngs={"dropout": rng})
+                    labels = mb["label"][:, None].astype(jnp.float32)
+                    losses = optax.sigmoid_binary_cross_entropy(logits, labels)
+                    return jnp.mean(losses), (jnp.sum(losses),
+                                              jnp.sum((logits >= 0) == (labels > 0)))
+                return jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+
+            (losses, (sums, correct)), grads = jax.lax.map(one, micro)
+            metrics = {"loss": jnp.mean(losses), "loss_sum": jnp.sum(sums),
+                       "correct": jnp.sum(correct), "count": b}
+            return state.apply_gradients(grads=jax.tree.map(
+                lambda g: jnp.mean(g, axis=0), grads)), metrics
+        return loop_step
+
     return Program(name="lstm", description="bidirectional LSTM with nn.scan (sst2-like), "
                    "integer count and correct in aux", state=state,
                    batch={"tokens": np.asarray(tokens), "length": np.asarray(lengths),
-                          "label": np.asarray(labels)}, step=step)
+                          "label": np.asarray(labels)}, step=step, hand_loop=hand_loop)
 
 
 # nanoGPT-style GPT with tied embeddings ---------------------------------------------------------

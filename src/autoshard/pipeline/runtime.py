@@ -39,6 +39,7 @@ from .reduce import ReduceTask, reduce_prediction
 from .schedules import get_schedule, traits
 from .simulate import simulate
 from .span import SpanReduce, run_sums
+from .tasks import Realized, Target, plan_tasks
 from .timeline import draw_timeline
 from .transfer import Mover
 from .zero import zero_apply
@@ -88,22 +89,13 @@ class PipelineExecutable:
                                      num_micro_batches=k, virtual=virtual if interleaved else 1)
         self.order = simulate(self.schedule).order()
 
-        # Tasks are compiled in the order values flow (forward stages, backward stages in
-        # reverse, apply). A task takes a value in a layout it already has on its sub-mesh
-        # (a copy an earlier reader received is kept for the step), else in the layout its
-        # producer (or, for a step input, its first reader) gave it, carried over to its own
-        # sub-mesh where one holds the same shards device for device (``carried_spec``).
-        layout: dict = {}   # var -> its shardings, the producer's (or first reader's) first
-
-        def wanted(v, mesh):
-            here = next((sh for sh in layout[v] if sh.mesh == mesh), None)
-            return here.spec if here is not None else carried_spec(layout[v][0], mesh,
-                                                                    v.aval.shape)
-
+        # Tasks are compiled in the order values flow, each taking its inputs in the layouts
+        # they arrive in (``tasks.plan_tasks``: the pricing of a cluster walks them alike).
         def pinned(v, stage):  # a ManualShardingOption's spec for v on the stage, or None
             return None if self.manual is None else self.manual.input_spec(v, stage)
 
-        def compile_task(t, with_index, aliases=(), given=None, partial=False, zero=None):
+        def compile_task(t, with_index, arriving, aliases=(), given=None, partial=False,
+                         zero=None):
             mesh = self.meshes[t.stage]
             consts = set(jaxpr.constvars)
             invars = [v for v in t.invars if v not in consts]
@@ -113,65 +105,61 @@ class PipelineExecutable:
                     f"its forward task has {len(invars)} inputs; pass "
                     "executable.stage_input_shard_specs of the same step and options.")
             want = list(given) if given is not None else [
-                p if (p := pinned(v, t.stage)) is not None else
-                wanted(v, mesh) if v in layout else None for v in invars]
-            c = CompiledTask(t, part, mesh, with_index=with_index,
-                             option=None if zero else options[t.stage],
-                             gathered=zero.gathered if zero else (),
-                             fallback=self.specs, rows=rows,
-                             aliases=aliases, input_specs=want,
-                             output_pins=zero.pins if zero else None if self.manual is None
-                             else self.manual.output_pins(t), partial_accumulators=partial)
-            for v, sh in zip(c.invars + c.outvars, c.in_shardings[:len(c.invars)] +
-                             c.out_shardings[:len(c.outvars)], strict=True):
-                if sh not in layout.setdefault(v, [sh]):
-                    layout[v].append(sh)
-            return c
+                p if (p := pinned(v, t.stage)) is not None else a
+                for v, a in zip(invars, arriving, strict=True)]
+            return CompiledTask(t, part, mesh, with_index=with_index,
+                                option=None if zero else options[t.stage],
+                                gathered=zero.gathered if zero else (),
+                                fallback=self.specs, rows=rows,
+                                aliases=aliases, input_specs=want,
+                                output_pins=zero.pins if zero else None if self.manual is None
+                                else self.manual.output_pins(t), partial_accumulators=partial)
         self.tasks: dict = {}
-        for s in range(part.num_stages):
-            self.tasks[("F", s)] = compile_task(
-                part.forward[s], True,
-                given=None if stage_input_shardings is None else stage_input_shardings[s])
-        if part.has_backward:
-            for s in reversed(range(part.num_stages)):
-                pairs = ([("Ba", part.split_backward[s][0]), ("Bw", part.split_backward[s][1])]
-                         if split else [("B", part.backward[s])])
-                for kind, t in pairs:
-                    self.tasks[(kind, s)] = compile_task(t, True, partial=True)
+        self.apply, zero_split = [], set()
+
+        def realize(kind, t, arriving) -> Realized:
+            if kind == "apply":  # ZeRO-2 where the stage's option asks for it (``zero``)
+                z = None if self.manual is not None else zero_apply(
+                    t, part, program, self.meshes[t.stage], options[t.stage],
+                    frozenset(zero_split))
+                c = compile_task(t, False, arriving, step_aliases(t, jaxpr, program.aliases),
+                                 given=z and list(z.input_specs), zero=z)
+                self.apply.append(c)
+                if z:
+                    zero_split.update(z.split)
+                    c.note = (
+                        f"{t.name}: ZeRO-2 update (prefer_reduce_scatter with "
+                        f"force_data_parallel): {sum(p != P() for p in z.input_specs)} input(s) "
+                        f"split over the sub-mesh, {len(z.gathered)} output(s) gathered in one "
+                        "all-gather")
+            else:
+                c = self.tasks[(kind, t.stage)] = compile_task(
+                    t, True, arriving, partial=kind != "F",
+                    given=None if kind != "F" or stage_input_shardings is None
+                    else stage_input_shardings[t.stage])
+            finalized = {}  # accumulators: finalised in their own layout, or their plan's
+            for i, (v, sh) in enumerate(zip(c.accumulated, c.acc_shardings, strict=True)):
+                o = part.marker.outvars[list(part.marker.invars).index(v)]
+                if not c.batch_axes:
+                    finalized[o] = sh.spec
+                elif c.reduced_specs is not None:
+                    finalized[o] = c.reduced_specs[i]
+            n = len(c.invars)
+            return Realized(in_specs=[sh.spec for sh in c.in_shardings[:n]],
+                            out_specs=[sh.spec for sh in c.out_shardings[:len(c.outvars)]],
+                            finalized=finalized)
+        targets = [Target(s % num_ranks, tuple(m.devices.shape), tuple(m.axis_names))
+                   for s, m in enumerate(self.meshes)]
+        layouts = plan_tasks(part, targets, split, realize)
         # accumulators a backward task keeps partial over its batch axes (one slice per group)
         batch_axes_of = {v: t.batch_axes for t in self.tasks.values() if t.batch_axes
                          for v in t.accumulated}
         stacked = set(batch_axes_of)
-        for t in self.tasks.values():  # accumulated gradients: their finalised values too
-            for v, sh in zip(t.accumulated, t.acc_shardings, strict=True):
-                o = part.marker.outvars[list(part.marker.invars).index(v)]
-                if v not in stacked:  # partial sums: reduced into their reader's layout
-                    layout.setdefault(o, [sh])
-                elif t.reduced_specs is not None:  # ... the one their task's plan gives them
-                    spec = t.reduced_specs[t.accumulated.index(v)]
-                    layout.setdefault(o, [NamedSharding(t.mesh, spec)])
-        for cs in part.sums:  # after its all-reduce, on every sub-mesh
-            layout[cs.out] = [NamedSharding(m, P()) for m in self.rank_meshes]
-        for w, i in part.whole_inputs.items():  # the update takes them as the batch arrives
-            if layout.get(jaxpr.invars[i]):
-                layout[w] = list(layout[jaxpr.invars[i]])
         self.joins = []  # (joined value, its source, jit, sharding): on the source's layout
         for w, src in part.joined.items():
-            sh = layout[src][0]
-            layout[w] = [sh]
+            target, spec = layouts.entries[w][0]
+            sh = NamedSharding(self.rank_meshes[target.rank], spec)
             self.joins.append((w, src, self._join_fn(w, src, sh), sh))
-        self.apply, split = [], set()
-        for t in part.apply:  # ZeRO-2 where the stage's option asks for it (``zero``)
-            z = None if self.manual is not None else zero_apply(
-                t, part, program, self.meshes[t.stage], options[t.stage], frozenset(split))
-            self.apply.append(compile_task(t, False, step_aliases(t, jaxpr, program.aliases),
-                                           given=z and list(z.input_specs), zero=z))
-            if z:
-                split |= z.split
-                self.apply[-1].note = (
-                    f"{t.name}: ZeRO-2 update (prefer_reduce_scatter with force_data_parallel): "
-                    f"{sum(p != P() for p in z.input_specs)} input(s) split over the sub-mesh, "
-                    f"{len(z.gathered)} output(s) gathered in one all-gather")
         self.sums = [SpanReduce(cs, part.home, self.meshes, self.rank_meshes)
                      for cs in part.sums]
         self.finalize = []

@@ -1,11 +1,14 @@
-"""One planning call for a pipeline task (``pipeline.tasks.plan_task``), made by the runtime and
-by the pricing alike (issue 23): pinned inputs first, one fallback rule, the sub-mesh's costs."""
+"""One planning call for a pipeline task (``pipeline.tasks.plan_task``) and one walk over a
+step's tasks (``plan_tasks``), made by the runtime and by the pricing alike (issue 23): pinned
+inputs first, one fallback rule, the sub-mesh's costs, identical plans for every schedule."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import autoshard
 from autoshard.pipeline import tasks
 from autoshard.sharding import AutoShardingOption
 
@@ -58,3 +61,65 @@ def test_a_sub_mesh_is_costed_as_its_devices():
     mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
     cluster = tasks.mesh_cluster(mesh)
     assert cluster.num_devices == 4 and cluster.devices_per_host == 4
+
+
+# The runtime and the pricing plan every task alike ---------------------------------------------
+def _mlp_step(p, batch):
+    def loss(p):
+        x = batch["x"]
+        for i in range(len(p)):
+            x = x @ p[f"w{i}"]
+            if i < len(p) - 1:
+                x = jnp.tanh(x)
+                autoshard.mark_pipeline_boundary()
+        return jnp.mean((x - batch["y"]) ** 2)
+    g = autoshard.grad(loss)(p)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+
+def _mlp_args(widths=(8, 32, 32, 32, 4), rows=16):
+    keys = jax.random.split(jax.random.key(0), len(widths))
+    params = {f"w{i}": jax.random.normal(keys[i], (a, b)) * 0.3
+              for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True))}
+    batch = {"x": jax.random.normal(keys[-1], (rows, widths[0])),
+             "y": jnp.ones((rows, widths[-1]))}
+    return params, batch
+
+
+@pytest.mark.parametrize("schedule, budget", [
+    ("gpipe", None), ("1f1b", None), ("zero_bubble", None), ("interleaved_1f1b", None),
+    ("1f1b", 9_000)])
+def test_pricing_and_the_runtime_plan_every_task_alike(schedule, budget):
+    """``autoshard.plan`` on the devices at hand prices the task plans the runtime compiles:
+    the same tasks, each with the same input and output layouts and the same objective, for
+    every schedule (interleaved: 4 model stages on 2 sub-meshes) and under a memory budget."""
+    interleaved = schedule == "interleaved_1f1b"
+    method = autoshard.PipeshardParallel(
+        num_micro_batches=2, layer_option="manual", pipeline_schedule=schedule,
+        stage_option=autoshard.UniformStageOption(num_stages=4 if interleaved else 2,
+                                                  submesh_logical_shape=(2, 2)),
+        default_auto_sharding_option=AutoShardingOption(
+            show_progress=False, memory_budget_per_device=budget),
+        **({"virtual_stages": 2} if interleaved else {}))
+    params, batch = _mlp_args()
+    run = autoshard.parallelize(_mlp_step, method=method)
+    new = run(params, batch)
+    ran = run.get_last_executable().task_plans
+    want = jax.jit(_mlp_step)(params, batch)
+    for k in params:
+        np.testing.assert_allclose(new[k], want[k], rtol=1e-5, atol=1e-6)
+    est = autoshard.plan(_mlp_step, params, batch, method=method,
+                         cluster=autoshard.Cluster.from_devices(jax.devices()))
+    priced = {name: p for stage in est.stages for name, p in stage.plans}
+    stages = range(4 if interleaved else 2)
+    backward = ("Ba", "Bw") if schedule == "zero_bubble" else ("B",)
+    assert {f"{k}{s}" for s in stages for k in ("F", *backward)} < set(ran)
+    assert any(name.startswith("apply") for name in ran)
+    assert sorted(priced) == sorted(ran)
+    for name, plan in ran.items():
+        got = priced[name]
+        assert got.mesh_shape == plan.mesh_shape, name
+        assert got.in_specs == plan.in_specs and got.out_specs == plan.out_specs, name
+        assert got.objective.total_s == pytest.approx(plan.objective.total_s), name
+        if budget is not None:
+            assert plan.objective.peak_bytes_per_device <= budget, name

@@ -331,7 +331,7 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
             logical_shape=lambda n: auto_logical_shape(option, n),
             option_of=lambda mesh: stage_auto_option(method.default_auto_sharding_option,
                                                      mesh, {})).measure_all
-    virtual = _virtual(method)
+    virtual = virtual_of(method)
     stage_of_layer, sizes, logical, dicts = choose_stages(
         method.stage_option, num_layers, len(devices) * virtual, program.num_micro_batches,
         layer_cost, cut_cost)
@@ -374,7 +374,7 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
     return part, plan, sizes, dicts
 
 
-def _virtual(method) -> int:
+def virtual_of(method) -> int:
     """Model stages per sub-mesh: ``virtual_stages`` for interleaved_1f1b, else 1."""
     if not traits(method.pipeline_schedule).virtual:
         return 1

@@ -46,13 +46,11 @@ from ..ir._jaxpr import Env
 from ..ir._local import LocalEval, R, split
 from ..ir._walk import all_eqns
 from ..sharding import apply_plan
-from ..sharding.cost import CostModel
 from ..sharding.options import AutoShardingOption, for_task_plans
-from ..sharding.plan import spec_axes
 from . import _cross_process
 from .partition import Partition, Task
 from .reduce import acc_dtype, stacked_spec, without_batch_reductions
-from .tasks import mesh_cluster, plan_task
+from .tasks import mesh_cluster, plan_task, row_axes, rows_taken, task_costs
 from .zero import gather_once
 
 
@@ -72,6 +70,12 @@ def make_submeshes(devices, sizes, logical_shapes, axis_names=None):
 
 def stage_auto_option(default, mesh, overrides: dict) -> AutoShardingOption:
     """The planner options of a stage: the default, its sub-mesh shape, then its own dict."""
+    return shape_auto_option(default, tuple(mesh.devices.shape), overrides)
+
+
+def shape_auto_option(default, shape, overrides: dict) -> AutoShardingOption:
+    """``stage_auto_option`` for a sub-mesh of logical ``shape`` (None: the planner chooses
+    it), the pricing of a described cluster's."""
     base = default or AutoShardingOption()
     if not isinstance(base, AutoShardingOption):
         raise TypeError(f"default_auto_sharding_option ({base!r}) must be an "
@@ -82,11 +86,12 @@ def stage_auto_option(default, mesh, overrides: dict) -> AutoShardingOption:
         raise ValueError(
             f"submesh_autosharding_option_dicts entry {overrides} names {unknown}, which are not "
             f"AutoShardingOption fields. Use fields such as 'force_batch_dim_to_mesh_dim'.")
-    shape = tuple(mesh.devices.shape)
-    changes = {"logical_mesh_shape": shape, "show_progress": False}
+    changes = {"logical_mesh_shape": None if shape is None else tuple(shape),
+               "show_progress": False}
     changes.update(overrides)
     axis = changes.get("force_batch_dim_to_mesh_dim", base.force_batch_dim_to_mesh_dim)
-    if isinstance(axis, int) and 0 <= axis < len(shape) and shape[axis] == 1:
+    if shape is not None and isinstance(axis, int) and 0 <= axis < len(shape) and (
+            shape[axis] == 1):
         # Alpa accepts it: the batch is split over that axis, i.e. not at all
         warnings.warn(
             f"force_batch_dim_to_mesh_dim ({axis}) names an axis of size 1 of the stage's "
@@ -153,7 +158,7 @@ class CompiledTask:
         pins = dict(output_pins or {})
         # Per device over the batch axes: accumulators stay partial sums, (groups, *shape).
         self.batch_axes = () if pins or not partial_accumulators or not self.accumulated else (
-            _row_axes(self.invars, rows, input_specs))
+            row_axes(self.invars, rows, input_specs))
         sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
         model_axes = {a for a, m in sizes.items() if m > 1} - set(self.batch_axes)
         if self.batch_axes and model_axes and option is None:
@@ -242,8 +247,7 @@ class CompiledTask:
         n, n_acc = len(self.invars), len(self.accumulated)
         entry = P(axes if len(axes) > 1 else axes[0])
         if plan_in is not None:
-            takes = {spec_axes(s[0]) if len(s) else () for v, s in zip(
-                self.invars, plan_in, strict=False) if v in rows} - {()}
+            takes = rows_taken(self.invars, rows, plan_in)
             if takes != {axes}:
                 self.note = (f"{task.name}: accumulated values reduced per micro-batch (its "
                              f"plan takes the rows over {sorted(takes)}, not {axes})")
@@ -251,7 +255,7 @@ class CompiledTask:
                 return None
             ins = [_spec(s) if s is not None else plan_in[i]  # as they arrive
                    for i, s in enumerate(input_specs or [None] * n)]
-            costs = CostModel.from_option(tuple(mesh.devices.shape), self.option)
+            costs = task_costs(tuple(mesh.devices.shape), self.option, mesh_cluster(mesh))
             plan = without_batch_reductions(
                 self.plan, axes, costs, [i for i, v in enumerate(self.invars) if v in rows],
                 [i for i, v in enumerate(self.outvars) if v in rows], arriving=ins)
@@ -364,24 +368,6 @@ def _task_fn(eqns, invars, outvars, acc, consts, random):
         new = [a + values[v].astype(a.dtype) for a, v in zip(accs, acc, strict=True)]
         return [values[v] for v in outvars] + new
     return fn
-
-
-def _row_axes(invars, rows, input_specs) -> tuple[str, ...]:
-    """The mesh axes splitting dim 0 of the micro-batch-row inputs as they arrive (empty when
-    they differ, some arrive unpinned, or none is split; rows split on another dim do not
-    count: the task reshards them)."""
-    if input_specs is None:
-        return ()
-    found = set()
-    for v, s in zip(invars, input_specs, strict=True):
-        if v in rows:
-            if s is None:
-                return ()
-            spec = _spec(s)
-            found.add(spec_axes(spec[0]) if len(spec) else ())
-    # rows split on another dim are resharded into the task (their plan prices that)
-    found.discard(())
-    return found.pop() if len(found) == 1 else ()
 
 
 _COLLECTIVES = ("psum", "all_gather", "all_to_all", "ppermute", "reduce_scatter", "pmax",

@@ -44,14 +44,14 @@ import math
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from ..cluster import GIB, Cluster
-from ..sharding.cost import CostModel
-from ..sharding.options import AutoShardingOption, for_task_plans
-from ..sharding.plan import ShardingPlan, spec_axes
+from ..sharding.options import AutoShardingOption
+from ..sharding.plan import ShardingPlan
 from . import balance
-from .build import cut_program
-from .compile import _FIXES, _task_fn, acc_dtype
+from .build import cut_program, virtual_of
+from .compile import _FIXES, _task_fn, acc_dtype, shape_auto_option
 from .estimate import PipelineEstimate, StageEstimate
 from .layers import AutoLayerOption
 from .layouts import step_aliases
@@ -70,7 +70,7 @@ from .reduce import reduce_seconds, without_batch_reductions
 from .schedules import get_schedule, traits
 from .simulate import simulate
 from .stages import AutoStageOption, stage_dp
-from .tasks import plan_task
+from .tasks import Realized, Target, plan_task, plan_tasks, row_axes, rows_taken, task_costs
 
 
 def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
@@ -81,11 +81,7 @@ def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
     pricer = _Pricer(method, program, cut, cluster)
     notes = []
     option = method.stage_option
-    if traits(method.pipeline_schedule).virtual:
-        raise ValueError(
-            "autoshard.plan prices pipeline_schedule 'gpipe', '1f1b', 'zero_bubble' or "
-            "'inference'; 'interleaved_1f1b' is not priced yet. Price '1f1b' (the same stages "
-            "without virtual chunks) for an upper bound.")
+    virtual = virtual_of(method)  # interleaved: model stage s on sub-mesh s % (stages / virtual)
     if isinstance(option, AutoStageOption):
         stage_of_layer, placement = pricer.search_stages(option, num_layers, k)
         notes.append(f"stages searched by the stage DP on planned layer times "
@@ -93,8 +89,22 @@ def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
                      f"{submesh_shapes(option, cluster)}")
         fixed_shapes = [None] * len(placement)
     else:
-        stage_of_layer, placement, fixed_shapes = given_stages(option, num_layers, cluster)
+        # interleaved: stages as the runtime cuts them, over `virtual` times the devices
+        stage_of_layer, placement, fixed_shapes = given_stages(
+            option, num_layers, cluster if virtual == 1 else dataclasses.replace(
+                cluster, num_hosts=cluster.num_hosts * virtual))
     num_stages = max(stage_of_layer) + 1
+    if num_stages % virtual:
+        raise ValueError(
+            f"interleaved_1f1b with virtual_stages={virtual} needs a stage count divisible by "
+            f"{virtual}, but there are {num_stages} stages. Choose UniformStageOption("
+            f"num_stages=...) as a multiple of {virtual}.")
+    num_ranks = num_stages // virtual
+    if virtual > 1:  # the ranks' sub-meshes, each holding `virtual` model stages
+        _, ranks, rank_shapes = given_stages(
+            dataclasses.replace(option, num_stages=num_ranks), num_layers, cluster)
+        placement = [ranks[s % num_ranks] for s in range(num_stages)]
+        fixed_shapes = [rank_shapes[s % num_ranks] for s in range(num_stages)]
     part = build_partition(cut.closed, layer_of_fwd=cut.layer_of, fwd_end=cut.fwd_end,
                            stage_of_layer=stage_of_layer, batch_invars=program.batch_invars,
                            remat=method.layer_option.remat, after=cut.after)
@@ -102,28 +112,40 @@ def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
     balance.warn_idle_stages(work, method.layer_option, [
         stage_layers(stage_of_layer, s) for s in range(num_stages)])
     split = traits(method.pipeline_schedule).splits_backward
-    stage_plans = pricer.plan_tasks(part, placement, fixed_shapes, split)
+    stage_plans = pricer.plan_tasks(part, placement, fixed_shapes, split, num_ranks)
     sends = _sends(part, stage_plans, placement, cluster, split)
     costs = {}
     for s, sp in enumerate(stage_plans):
         for kind, t in sp.times.items():
             if kind != "apply":
                 costs[(kind, s)] = t + sends[s][kind][0]
-    schedule = get_schedule(method.pipeline_schedule if part.has_backward else "inference",
-                            num_stages=num_stages, num_micro_batches=k)
+    name = method.pipeline_schedule if part.has_backward else "inference"
+    interleaved = traits(name).virtual
+    schedule = get_schedule(name, num_stages=num_ranks if interleaved else num_stages,
+                            num_micro_batches=k, virtual=virtual if interleaved else 1)
     sim = simulate(schedule, costs)
-    apply_s = max((sp.times.get("apply", 0.0) + sends[s]["apply"][0]
-                   for s, sp in enumerate(stage_plans)), default=0.0)
+    apply_by_rank: dict = {}  # a rank runs the apply tasks of all its model stages
+    for s, sp in enumerate(stage_plans):
+        apply_by_rank[s % num_ranks] = (apply_by_rank.get(s % num_ranks, 0.0)
+                                        + sp.times.get("apply", 0.0) + sends[s]["apply"][0])
+    apply_s = max(apply_by_rank.values(), default=0.0)
+    memories = [sp.peak_bytes + max(0, sim.peak_in_flight[s] - 1) * sp.residual_bytes
+                for s, sp in enumerate(stage_plans)]
+    rank_memory: dict = {}  # a rank holds all its model stages (their peaks summed: an upper
+    for s, m in enumerate(memories):  # bound, a rank runs one task at a time)
+        rank_memory[s % num_ranks] = rank_memory.get(s % num_ranks, 0) + m
     stages = []
     for s, sp in enumerate(stage_plans):
         in_flight = sim.peak_in_flight[s]
-        memory = sp.peak_bytes + max(0, in_flight - 1) * sp.residual_bytes
+        memory = rank_memory[s % num_ranks]
         if cluster.memory_bytes is not None and memory > cluster.memory_bytes:
             raise ValueError(
                 f"Stage {s} (layers {stage_layers(stage_of_layer, s)}) does not fit in memory: about "
                 f"{memory / GIB:.3g} GiB per device (largest task {sp.peak_bytes / GIB:.3g} GiB "
                 f"+ {in_flight - 1} more micro-batches' residuals of "
-                f"{sp.residual_bytes / GIB:.3g} GiB) over the cluster's "
+                f"{sp.residual_bytes / GIB:.3g} GiB"
+                f"{', and the other model stages of its sub-mesh' if virtual > 1 else ''}) "
+                f"over the cluster's "
                 f"{cluster.memory_bytes / GIB:.3g} GiB. " + _FIXES)
         stages.append(StageEstimate(
             stage=s, layers=stage_layers(stage_of_layer, s), devices=placement[s][0],
@@ -170,11 +192,7 @@ class _Pricer:
         self.method, self.program, self.cluster = method, program, cluster
         self.closed, self.layer_of, self.fwd_end = cut.closed, cut.layer_of, cut.fwd_end
         self.after = cut.after
-        base = method.default_auto_sharding_option or AutoShardingOption()
-        if not isinstance(base, AutoShardingOption):
-            raise TypeError(f"default_auto_sharding_option ({base!r}) must be an "
-                            "AutoShardingOption or None.")
-        self.base = for_task_plans(dataclasses.replace(base, show_progress=False))
+        self.option(None, {})  # a bad default_auto_sharding_option fails here
         self.cache: dict = {}
         self.notes: list[str] = []
 
@@ -183,99 +201,99 @@ class _Pricer:
 
     def plan_task(self, part, task, sub: Cluster, shape, overrides, *, fixed=None,
                   aliases=(), axis_names=None) -> ShardingPlan:
+        """``task`` planned on ``sub`` as the runtime plans it: traced with its micro-batch
+        index where it draws random numbers, with the stage's options (``shape_auto_option``),
+        its inputs pinned to ``fixed`` (``tasks.plan_task``); identical tasks once."""
         consts = dict(zip(part.jaxpr.constvars, part.consts, strict=True))
         invars = [v for v in task.invars if v not in consts]
         outvars = [v for v in task.outvars if v not in task.accumulated]
         acc = list(task.accumulated)
-        fn = _task_fn(task.eqns, invars, outvars, acc, consts, False)
+        random = task.kind != "apply" and task.draws_random
+        fn = _task_fn(task.eqns, invars, outvars, acc, consts, random)
         abstract = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
         abstract += [jax.ShapeDtypeStruct(v.aval.shape, acc_dtype(v.aval.dtype)) for v in acc]
+        abstract += [jax.ShapeDtypeStruct((), jnp.int32)] if random else []
         closed = jax.make_jaxpr(fn)(*abstract)
-        n = len(invars)
-        batch = [part.holds_rows(v) for v in invars] + [False] * len(acc)
+        n, extra = len(invars), len(acc) + random
+        batch = [part.holds_rows(v) for v in invars] + [False] * extra
         aliases = list(aliases) + [(n + i, len(outvars) + i) for i in range(len(acc))]
-        option = dataclasses.replace(self.base, **overrides)
-        if shape is not None:
-            option = dataclasses.replace(option, logical_mesh_shape=tuple(shape))
-        fixed_in = None if fixed is None else list(fixed) + [None] * len(acc)
+        option = self.option(shape, overrides)
+        fixed_in = None if fixed is None else list(fixed) + [None] * extra
         key = (str(closed), tuple(batch), tuple(aliases), sub, repr(option), repr(fixed_in),
                axis_names)
         if key in self.cache:
             return self.cache[key]
-
         plan = plan_task(closed, task.name, num_devices=sub.num_devices, option=option,
                          batch=batch, aliases=aliases, fixed=fixed_in, cluster=sub,
                          axis_names=axis_names, notes=self.notes)
         self.cache[key] = plan
         return plan
 
-    def plan_tasks(self, part, placement, shapes, split) -> list[_StagePlans]:
-        """Every task planned in the order the runtime compiles them (forwards, backwards
-        last stage first, apply), each input pinned as the runtime pins it: to the layout the
-        value already has on the task's sub-mesh, else to its producer's (or first reader's)
-        layout when that sub-mesh has the same logical shape; otherwise the planner chooses."""
+    def option(self, shape, overrides) -> AutoShardingOption:
+        """The planner options of a stage on a sub-mesh of logical ``shape``, as the runtime
+        builds them (None: the planner chooses the shape)."""
+        return shape_auto_option(self.method.default_auto_sharding_option, shape, overrides)
+
+    def plan_tasks(self, part, placement, shapes, split, num_ranks) -> list[_StagePlans]:
+        """Every task planned by ``tasks.plan_tasks`` as the runtime plans it: in the order
+        values flow, inputs pinned to the layouts they arrive in, a backward task per device
+        over the batch axes its rows arrive split over (``row_axes``/``rows_taken``). A
+        stage whose logical shape is not given takes the one its forward task's plan chooses
+        (the model stages of one interleaved rank share it)."""
         num_stages = part.num_stages
         subs = [self.sub_cluster(*placement[s][0])[0] for s in range(num_stages)]
         overrides = [stage_overrides(self.method.stage_option, s) for s in range(num_stages)]
         mesh = [None if shapes[s] is None else tuple(shapes[s]) for s in range(num_stages)]
         names = [None if m is None else axis_names(m) for m in mesh]
-        consts = set(part.jaxpr.constvars)
-        layout: dict = {}  # var -> [(stage, mesh shape, spec)], the producer's first
-        out = [_StagePlans(times={}, plans=[], mesh_shape=(), peak_bytes=0, residual_bytes=0,
-                           out_bytes={}, producer_kind={}) for _ in range(num_stages)]
-
-        def wanted(v, s):
-            entries = layout.get(v)
-            if not entries:
-                return None
-            here = next((spec for st, _, spec in entries if st == s), None)
-            if here is not None:
-                return here
-            _, shape, spec = entries[0]
-            return spec if shape == mesh[s] else None
-
-        def run(t, kind, aliases=()):
-            s = t.stage
-            invars = [v for v in t.invars if v not in consts]
-            kw = {"aliases": aliases}
-            if mesh[s] is None:  # the stage's first task chooses its logical shape
-                plan = self._plan_or_fail(part, t, subs[s], None, overrides[s], s, **kw)
+        for s in range(num_stages):
+            if mesh[s] is None and s >= num_ranks:
+                mesh[s], names[s] = mesh[s % num_ranks], names[s % num_ranks]
+            elif mesh[s] is None:
+                plan = self._plan_or_fail(part, part.forward[s], subs[s], None, overrides[s], s)
                 mesh[s], names[s] = tuple(plan.mesh_shape), tuple(plan.axis_names)
-                fixed = [wanted(v, s) for v in invars]
-                if any(f is not None for f in fixed):
-                    plan = self._plan_or_fail(part, t, subs[s], mesh[s], overrides[s], s,
-                                              fixed=fixed, axis_names=names[s], **kw)
-            else:
-                plan = self._plan_or_fail(part, t, subs[s], mesh[s], overrides[s], s,
-                                          fixed=[wanted(v, s) for v in invars],
-                                          axis_names=names[s], **kw)
-            axes = self._partial_axes(part, t, invars, plan, [wanted(v, s) for v in invars])
+        targets = [Target(s % num_ranks, mesh[s], names[s]) for s in range(num_stages)]
+        consts = set(part.jaxpr.constvars)
+        out = [_StagePlans(times={}, plans=[], mesh_shape=mesh[s], peak_bytes=0,
+                           residual_bytes=0, out_bytes={}, producer_kind={})
+               for s in range(num_stages)]
+
+        def realize(kind, t, arriving) -> Realized:
+            s, sp = t.stage, out[t.stage]
+            aliases = (step_aliases(t, part.jaxpr, self.program.aliases) if kind == "apply"
+                       else ())
+            plan = self._plan_or_fail(part, t, subs[s], mesh[s], overrides[s], s,
+                                      fixed=arriving, axis_names=names[s], aliases=aliases)
+            invars = [v for v in t.invars if v not in consts]
+            outs = [v for v in t.outvars if v not in t.accumulated]
+            rows = {v for v in invars if part.holds_rows(v)}
+            n, n_acc = len(invars), len(t.accumulated)
+            ins = [a if a is not None else plan.in_specs[i] for i, a in enumerate(arriving)]
+            acc_specs = plan.in_specs[n:n + n_acc]
+            axes = row_axes(invars, rows, arriving) if kind != "F" and t.accumulated else ()
+            if axes and rows_taken(invars, rows, plan.in_specs) != {axes}:
+                axes = ()
             if axes:  # run per device over them: its gradients reduced once per step
-                outs = [v for v in t.outvars if v not in t.accumulated]
-                alpha, beta = subs[s].mesh_costs(tuple(plan.mesh_shape))
-                costs = CostModel(tuple(plan.mesh_shape), alpha, beta)
+                costs = task_costs(mesh[s], self.option(mesh[s], overrides[s]), subs[s])
                 plan = without_batch_reductions(
-                    plan, axes, costs, [i for i, v in enumerate(invars) if part.holds_rows(v)],
-                    [i for i, v in enumerate(outs) if part.holds_rows(v)])
+                    plan, axes, costs, [i for i, v in enumerate(invars) if v in rows],
+                    [i for i, v in enumerate(outs) if part.holds_rows(v)], arriving=ins)
                 sizes = dict(zip(plan.axis_names, plan.mesh_shape, strict=True))
                 shards = [(leaf.bytes_per_device({a: 1 if a in axes else m
                                                   for a, m in sizes.items()}), axes)
-                          for leaf in plan.inputs[len(invars):len(invars) + len(t.accumulated)]]
+                          for leaf in plan.inputs[n:n + n_acc]]
                 secs = reduce_seconds(costs, plan.axis_names, shards)
-                out[s].times["apply"] = out[s].times.get("apply", 0.0) + secs
-                out[s].reduce_s += secs
-                out[s].reduce_bytes += sum(b for b, _ in shards)
-            outs = [v for v in t.outvars if v not in t.accumulated]
-            for v, spec in list(zip(invars, plan.in_specs, strict=False)) + list(
-                    zip(outs, plan.out_specs, strict=False)):
-                entries = layout.setdefault(v, [])
-                if not any(st == s for st, _, _ in entries):
-                    entries.append((s, mesh[s], spec))
-            sp = out[s]
-            for v, leaf, spec in zip(t.accumulated, plan.outputs[len(outs):],
-                                     plan.out_specs[len(outs):], strict=False):
+                sp.times["apply"] = sp.times.get("apply", 0.0) + secs
+                sp.reduce_s += secs
+                sp.reduce_bytes += sum(b for b, _ in shards)
+            out_specs = list(plan.out_specs[:len(outs)])
+            if not axes:
+                for i, o in aliases:  # the replacement keeps the layout of what it replaces
+                    out_specs[o] = ins[i]
+            finalized = {}
+            for v, leaf, spec in zip(t.accumulated, plan.outputs[len(outs):], acc_specs,
+                                     strict=False):
                 o = part.marker.outvars[list(part.marker.invars).index(v)]
-                layout.setdefault(o, [(s, mesh[s], spec)])  # the finalised gradient
+                finalized[o] = spec  # the finalised gradient, in its accumulator's layout
                 # read by another stage's apply: copied once per step, after the last B
                 sp.out_bytes[o] = leaf.bytes_per_device(plan.mesh_sizes)
                 sp.producer_kind[o] = "apply"
@@ -288,45 +306,10 @@ class _Pricer:
             sp.plans.append((t.name, plan))
             sp.times[kind] = sp.times.get(kind, 0.0) + plan.objective.total_s
             sp.peak_bytes = max(sp.peak_bytes, plan.objective.peak_bytes_per_device or 0)
-            sp.mesh_shape = mesh[s]
+            return Realized(in_specs=ins, out_specs=out_specs, finalized=finalized)
 
-        for s in range(num_stages):
-            run(part.forward[s], "F")
-        if part.has_backward:
-            for s in reversed(range(num_stages)):
-                pairs = ([("Ba", part.split_backward[s][0]), ("Bw", part.split_backward[s][1])]
-                         if split else [("B", part.backward[s])])
-                for kind, t in pairs:
-                    run(t, kind)
-        # a whole-batch update (after_grad) takes the batch as it arrives and the joined
-        # values in their source's layout, as the runtime gives them
-        for w, i in part.whole_inputs.items():
-            if layout.get(part.jaxpr.invars[i]):
-                layout[w] = list(layout[part.jaxpr.invars[i]])
-        for w, src in part.joined.items():
-            if layout.get(src):
-                layout[w] = [layout[src][0]]
-        for t in part.apply:
-            run(t, "apply", aliases=step_aliases(t, part.jaxpr, self.program.aliases))
+        plan_tasks(part, targets, split, realize)
         return out
-
-    def _partial_axes(self, part, t, invars, plan, fixed) -> tuple[str, ...]:
-        """The batch axes a backward task's gradients stay partial over at run time (as
-        ``compile.CompiledTask`` decides): those splitting dim 0 of the micro-batch rows as
-        they arrive and as the plan takes them; () for other tasks."""
-        if not t.accumulated or not t.name.startswith("B"):
-            return ()
-        found, takes = set(), set()
-        for v, f, spec in zip(invars, fixed, plan.in_specs, strict=False):
-            if not part.holds_rows(v):
-                continue
-            if f is None:
-                return ()
-            found.add(spec_axes(f[0]) if len(f) else ())
-            takes.add(spec_axes(spec[0]) if len(spec) else ())
-        found.discard(())
-        takes.discard(())
-        return found.pop() if len(found) == 1 and takes == found else ()
 
     def _plan_or_fail(self, part, t, sub, mesh, overrides, s, **kw):
         try:

@@ -4,7 +4,8 @@ A candidate stage (layers ``[i, j)`` on a sub-mesh of ``n`` devices) is the forw
 of those layers plus the backward equations the partition would give them, as one jit on the
 first ``n`` devices in the layout the stage would run: planned by ShardParallel's planner on
 the sub-mesh's logical shape with the stage's options (``logical_shape(n)``, ``option_of``),
-the micro-batch's rows as batch inputs. If the planner fails, rows are split over the
+the micro-batch's rows as batch inputs, on its devices' costs (``tasks.plan_task``, as the
+runtime plans a task). If the planner fails, rows are split over the
 devices and the rest replicated (the plan's note says so). It is compiled, run once to warm
 up and ``repeats`` more times; its time is the median, its memory what XLA allocated per
 device. Results are kept in a JSON file keyed by a hash of the candidate's program, its
@@ -32,8 +33,9 @@ from tqdm.auto import tqdm
 
 from ..ir import _compat
 from ..ir._jaxpr import Env
-from ..sharding import apply_plan, plan_auto
+from ..sharding import apply_plan
 from .partition import _task, assign_backward, free_eqns
+from .tasks import mesh_cluster, plan_task
 
 
 class StageProfiler:
@@ -118,11 +120,9 @@ class StageProfiler:
                 for v in invars]
         if self.option_of is not None:
             try:
-                plan = plan_auto(closed, num_devices=n, option=self.option_of(mesh),
-                                 in_paths=[f"{name}.in{a}" for a in range(len(invars))],
-                                 out_paths=[f"{name}.out{a}" for a in range(
-                                     len(closed.out_avals))],
-                                 batch_invars=rows, axis_names=names)
+                plan = plan_task(closed, name, num_devices=n, option=self.option_of(mesh),
+                                 batch=rows, aliases=(), cluster=mesh_cluster(mesh),
+                                 axis_names=names)
                 return (mesh, jax.jit(apply_plan(closed, plan, mesh), out_shardings=[
                     NamedSharding(mesh, s) for s in plan.out_specs]),
                         [NamedSharding(mesh, s) for s in plan.in_specs], plan)

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..cluster import Cluster
 from ..sharding import plan_auto
+from ..sharding.cost import CostModel
 from ..sharding.options import AutoShardingOption
 from ..sharding.plan import ShardingPlan, spec_axes
 from .layouts import carried
@@ -58,6 +59,13 @@ def plan_task(closed, name: str, *, num_devices: int, option: AutoShardingOption
             notes.append(f"{name}: planned without its producers' layouts ({err}); its "
                          "inputs are resharded inside the task")
         return plan(None)
+
+
+def task_costs(shape, option: AutoShardingOption, cluster: Cluster) -> CostModel:
+    """The link costs of a task's sub-mesh of logical ``shape``: the option's constants where
+    it gives them (as the planner takes them), else its cluster's."""
+    alpha, beta = cluster.mesh_costs(tuple(shape))
+    return CostModel(tuple(shape), option.mesh_alpha or alpha, option.mesh_beta or beta)
 
 
 def mesh_cluster(mesh) -> Cluster:
@@ -193,4 +201,4 @@ def rows_taken(invars, rows, plan_in_specs) -> set:
 
 
 __all__ = ["Layouts", "Realized", "Target", "mesh_cluster", "plan_task", "plan_tasks",
-           "row_axes", "rows_taken", "task_order"]
+           "row_axes", "rows_taken", "task_costs", "task_order"]

@@ -116,16 +116,15 @@ def test_intermediate_axes_apply_on_the_sub_meshes_that_have_the_axis(monkeypatc
         submesh_axis_names=(("dummy", "model"), ("dummy", "data")),
         pipeline_intermediate_axes=(("data", 0),),
     )
-    from autoshard.pipeline import runtime
+    from autoshard.pipeline import tasks
 
-    asked = {}
+    asked, decide = {}, tasks._decide
 
-    class Spy(runtime.CompiledTask):
-        def __init__(self, task, *a, **kw):
-            asked[task.name] = kw["input_specs"]
-            super().__init__(task, *a, **kw)
+    def spy(kind, task, part, target, option, arriving, **kw):  # the specs a task is asked for
+        asked[task.name] = arriving
+        return decide(kind, task, part, target, option, arriving, **kw)
 
-    monkeypatch.setattr(runtime, "CompiledTask", Spy)
+    monkeypatch.setattr(tasks, "_decide", spy)
     got, want, ex = run(method(man, shapes=((1, 2), (1, 2)), devices=jax.devices()[:4]), 2)
     assert_trees_close(got, want)
     f1 = ex.tasks[("F", 1)]

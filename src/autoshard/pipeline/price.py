@@ -51,7 +51,7 @@ from ..sharding.options import AutoShardingOption
 from ..sharding.plan import ShardingPlan
 from . import balance
 from .build import cut_program, virtual_of
-from .compile import _FIXES, _task_fn, acc_dtype, shape_auto_option
+from .compile import acc_dtype, shape_auto_option
 from .estimate import PipelineEstimate, StageEstimate
 from .layers import AutoLayerOption
 from .layouts import step_aliases
@@ -66,11 +66,12 @@ from .placement import (
     sub_cluster_of,
     submesh_shapes,
 )
-from .reduce import reduce_seconds, without_batch_reductions
+from .reduce import reduce_seconds
 from .schedules import get_schedule, traits
 from .simulate import simulate
 from .stages import AutoStageOption, stage_dp
-from .tasks import Realized, Target, plan_task, plan_tasks, row_axes, rows_taken, task_costs
+from .taskfn import task_fn
+from .tasks import FIXES, Target, plan_task, plan_tasks, task_costs
 
 
 def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
@@ -146,7 +147,7 @@ def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
                 f"{sp.residual_bytes / GIB:.3g} GiB"
                 f"{', and the other model stages of its sub-mesh' if virtual > 1 else ''}) "
                 f"over the cluster's "
-                f"{cluster.memory_bytes / GIB:.3g} GiB. " + _FIXES)
+                f"{cluster.memory_bytes / GIB:.3g} GiB. " + FIXES)
         stages.append(StageEstimate(
             stage=s, layers=stage_layers(stage_of_layer, s), devices=placement[s][0],
             physical_shape=placement[s][1], mesh_shape=sp.mesh_shape, task_s=dict(sp.times),
@@ -194,6 +195,7 @@ class _Pricer:
         self.after = cut.after
         self.option(None, {})  # a bad default_auto_sharding_option fails here
         self.cache: dict = {}
+        self.walk_cache: dict = {}  # plans of identical tasks in the walk (plan_tasks)
         self.notes: list[str] = []
 
     def sub_cluster(self, first: int, n: int) -> tuple[Cluster, tuple[int, int]]:
@@ -209,7 +211,7 @@ class _Pricer:
         outvars = [v for v in task.outvars if v not in task.accumulated]
         acc = list(task.accumulated)
         random = task.kind != "apply" and task.draws_random
-        fn = _task_fn(task.eqns, invars, outvars, acc, consts, random)
+        fn = task_fn(task.eqns, invars, outvars, acc, consts, random)
         abstract = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
         abstract += [jax.ShapeDtypeStruct(v.aval.shape, acc_dtype(v.aval.dtype)) for v in acc]
         abstract += [jax.ShapeDtypeStruct((), jnp.int32)] if random else []
@@ -235,11 +237,10 @@ class _Pricer:
         return shape_auto_option(self.method.default_auto_sharding_option, shape, overrides)
 
     def plan_tasks(self, part, placement, shapes, split, num_ranks) -> list[_StagePlans]:
-        """Every task planned by ``tasks.plan_tasks`` as the runtime plans it: in the order
-        values flow, inputs pinned to the layouts they arrive in, a backward task per device
-        over the batch axes its rows arrive split over (``row_axes``/``rows_taken``). A
-        stage whose logical shape is not given takes the one its forward task's plan chooses
-        (the model stages of one interleaved rank share it)."""
+        """Every task planned by ``tasks.plan_tasks``, as the runtime plans it, on its
+        sub-mesh's cluster; then priced. A stage whose logical shape is not given takes the
+        one its forward task's plan chooses (the model stages of one interleaved rank share
+        it)."""
         num_stages = part.num_stages
         subs = [self.sub_cluster(*placement[s][0])[0] for s in range(num_stages)]
         overrides = [stage_overrides(self.method.stage_option, s) for s in range(num_stages)]
@@ -251,32 +252,23 @@ class _Pricer:
             elif mesh[s] is None:
                 plan = self._plan_or_fail(part, part.forward[s], subs[s], None, overrides[s], s)
                 mesh[s], names[s] = tuple(plan.mesh_shape), tuple(plan.axis_names)
-        targets = [Target(s % num_ranks, mesh[s], names[s]) for s in range(num_stages)]
-        consts = set(part.jaxpr.constvars)
+        targets = [Target(s % num_ranks, mesh[s], names[s], subs[s]) for s in range(num_stages)]
+        options = [self.option(mesh[s], overrides[s]) for s in range(num_stages)]
         out = [_StagePlans(times={}, plans=[], mesh_shape=mesh[s], peak_bytes=0,
                            residual_bytes=0, out_bytes={}, producer_kind={})
                for s in range(num_stages)]
 
-        def realize(kind, t, arriving) -> Realized:
-            s, sp = t.stage, out[t.stage]
-            aliases = (step_aliases(t, part.jaxpr, self.program.aliases) if kind == "apply"
-                       else ())
-            plan = self._plan_or_fail(part, t, subs[s], mesh[s], overrides[s], s,
-                                      fixed=arriving, axis_names=names[s], aliases=aliases)
-            invars = [v for v in t.invars if v not in consts]
-            outs = [v for v in t.outvars if v not in t.accumulated]
-            rows = {v for v in invars if part.holds_rows(v)}
-            n, n_acc = len(invars), len(t.accumulated)
-            ins = [a if a is not None else plan.in_specs[i] for i, a in enumerate(arriving)]
-            acc_specs = plan.in_specs[n:n + n_acc]
-            axes = row_axes(invars, rows, arriving) if kind != "F" and t.accumulated else ()
-            if axes and rows_taken(invars, rows, plan.in_specs) != {axes}:
-                axes = ()
-            if axes:  # run per device over them: its gradients reduced once per step
-                costs = task_costs(mesh[s], self.option(mesh[s], overrides[s]), subs[s])
-                plan = without_batch_reductions(
-                    plan, axes, costs, [i for i, v in enumerate(invars) if v in rows],
-                    [i for i, v in enumerate(outs) if part.holds_rows(v)], arriving=ins)
+        def price(tp):
+            t, kind, s, plan = tp.task, tp.kind, tp.task.stage, tp.plan
+            if plan is None:
+                raise ValueError(f"{tp.note}. autoshard.plan prices planned tasks only: "
+                                 "check the stage's planner options.")
+            if tp.note:
+                self.notes.append(tp.note)
+            sp, n, n_acc = out[s], len(tp.invars), len(tp.accumulated)
+            if tp.batch_axes:  # per device over them: its gradients reduced once per step
+                axes = tp.batch_axes
+                costs = task_costs(mesh[s], options[s], subs[s])
                 sizes = dict(zip(plan.axis_names, plan.mesh_shape, strict=True))
                 shards = [(leaf.bytes_per_device({a: 1 if a in axes else m
                                                   for a, m in sizes.items()}), axes)
@@ -285,15 +277,9 @@ class _Pricer:
                 sp.times["apply"] = sp.times.get("apply", 0.0) + secs
                 sp.reduce_s += secs
                 sp.reduce_bytes += sum(b for b, _ in shards)
-            out_specs = list(plan.out_specs[:len(outs)])
-            if not axes:
-                for i, o in aliases:  # the replacement keeps the layout of what it replaces
-                    out_specs[o] = ins[i]
-            finalized = {}
-            for v, leaf, spec in zip(t.accumulated, plan.outputs[len(outs):], acc_specs,
-                                     strict=False):
+            outs = tp.outvars
+            for v, leaf in zip(t.accumulated, plan.outputs[len(outs):], strict=False):
                 o = part.marker.outvars[list(part.marker.invars).index(v)]
-                finalized[o] = spec  # the finalised gradient, in its accumulator's layout
                 # read by another stage's apply: copied once per step, after the last B
                 sp.out_bytes[o] = leaf.bytes_per_device(plan.mesh_sizes)
                 sp.producer_kind[o] = "apply"
@@ -301,14 +287,14 @@ class _Pricer:
                 sp.out_bytes[v] = leaf.bytes_per_device(plan.mesh_sizes)
                 sp.producer_kind[v] = kind
             if kind in ("B", "Ba", "Bw"):
-                sp.residual_bytes += sum(sp.out_bytes.get(v, 0) for v in invars
+                sp.residual_bytes += sum(sp.out_bytes.get(v, 0) for v in tp.invars
                                          if sp.producer_kind.get(v) == "F")
             sp.plans.append((t.name, plan))
             sp.times[kind] = sp.times.get(kind, 0.0) + plan.objective.total_s
             sp.peak_bytes = max(sp.peak_bytes, plan.objective.peak_bytes_per_device or 0)
-            return Realized(in_specs=ins, out_specs=out_specs, finalized=finalized)
 
-        plan_tasks(part, targets, split, realize)
+        plan_tasks(part, targets, split, options, program=self.program, realize=price,
+                   cache=self.walk_cache)
         return out
 
     def _plan_or_fail(self, part, t, sub, mesh, overrides, s, **kw):
@@ -317,7 +303,7 @@ class _Pricer:
         except ValueError as err:
             if "memory_budget_per_device" in str(err):
                 raise ValueError(f"Stage {s} does not fit in memory: its task {t.name} has no "
-                                 f"plan within the device memory ({err}). " + _FIXES) from err
+                                 f"plan within the device memory ({err}). " + FIXES) from err
             raise
 
     # The stage search ------------------------------------------------------------------------
@@ -362,7 +348,7 @@ class _Pricer:
             raise ValueError(
                 f"AutoStageOption found no stage layout for {self.cluster.describe()}: every "
                 f"candidate stage on sub-meshes {shapes} has no plan within the memory "
-                "budget, or the sub-mesh sizes cannot cover the devices exactly. " + _FIXES)
+                "budget, or the sub-mesh sizes cannot cover the devices exactly. " + FIXES)
         stage_of_layer = [s for s, (i, j, _) in enumerate(stages) for _ in range(i, j)]
         placement, first = [], 0
         for _, _, c in stages:

@@ -2,7 +2,7 @@
 sums over its stage's batch axes, and the stage's reduce task sums them before apply-grad.
 
 A backward task whose micro-batch rows arrive split over some mesh axes (its *batch axes*) runs
-per device over them (``compile._local_task``: a ``shard_map`` manual over the batch axes, auto
+per device over them (``taskfn.local_task``: a ``shard_map`` manual over the batch axes, auto
 over the others) and its accumulators gain a leading dim of one partial sum per device group.
 Its plan is the one ``plan_auto`` gives the task, less the reductions over the batch axes the
 plan placed in it (``without_batch_reductions``): those run once per step, in the reduce task,

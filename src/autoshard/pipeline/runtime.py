@@ -32,17 +32,16 @@ from ..ir._compat import Literal, Var
 from ..ir._jaxpr import flatten_args
 from . import _cross_process
 from .audit import PipelineAudit, Transfer, task_audit
-from .compile import CompiledTask, Specs, acc_dtype, finalize_fn, make_submeshes
-from .layouts import carried_spec, step_aliases
+from .compile import CompiledTask, acc_dtype, finalize_fn, make_submeshes
+from .layouts import carried_spec
 from .manual import ManualSpecs
 from .reduce import ReduceTask, reduce_prediction
 from .schedules import get_schedule, traits
 from .simulate import simulate
 from .span import SpanReduce, run_sums
-from .tasks import Realized, Target, plan_tasks
+from .tasks import Target, mesh_cluster, plan_tasks
 from .timeline import draw_timeline
 from .transfer import Mover
-from .zero import zero_apply
 
 
 class PipelineExecutable:
@@ -74,8 +73,6 @@ class PipelineExecutable:
         jaxpr = part.jaxpr
         self.batch_vars = {v for v, b in zip(jaxpr.invars, program.batch_invars, strict=True)
                            if b}
-        self.specs = Specs(part, self.meshes, part.mb_rows)
-        rows = frozenset(v for v in self.specs.spec if part.holds_rows(v))
         options = options or [None] * part.num_stages
         if stage_input_shardings is not None and len(stage_input_shardings) != part.num_stages:
             raise ValueError(
@@ -89,68 +86,26 @@ class PipelineExecutable:
                                      num_micro_batches=k, virtual=virtual if interleaved else 1)
         self.order = simulate(self.schedule).order()
 
-        # Tasks are compiled in the order values flow, each taking its inputs in the layouts
-        # they arrive in (``tasks.plan_tasks``: the pricing of a cluster walks them alike).
-        def pinned(v, stage):  # a ManualShardingOption's spec for v on the stage, or None
-            return None if self.manual is None else self.manual.input_spec(v, stage)
-
-        def compile_task(t, with_index, arriving, aliases=(), given=None, partial=False,
-                         zero=None):
-            mesh = self.meshes[t.stage]
-            consts = set(jaxpr.constvars)
-            invars = [v for v in t.invars if v not in consts]
-            if given is not None and len(given) != len(invars):
-                raise ValueError(
-                    f"stage_input_shardings gives {len(given)} specs for stage {t.stage} but "
-                    f"its forward task has {len(invars)} inputs; pass "
-                    "executable.stage_input_shard_specs of the same step and options.")
-            want = list(given) if given is not None else [
-                p if (p := pinned(v, t.stage)) is not None else a
-                for v, a in zip(invars, arriving, strict=True)]
-            return CompiledTask(t, part, mesh, with_index=with_index,
-                                option=None if zero else options[t.stage],
-                                gathered=zero.gathered if zero else (),
-                                fallback=self.specs, rows=rows,
-                                aliases=aliases, input_specs=want,
-                                output_pins=zero.pins if zero else None if self.manual is None
-                                else self.manual.output_pins(t), partial_accumulators=partial)
+        # Tasks are planned in the order values flow, each taking its inputs in the layouts
+        # they arrive in (``tasks.plan_tasks``: the pricing of a cluster plans them alike),
+        # and compiled on their sub-mesh.
         self.tasks: dict = {}
-        self.apply, zero_split = [], set()
+        self.apply = []
 
-        def realize(kind, t, arriving) -> Realized:
-            if kind == "apply":  # ZeRO-2 where the stage's option asks for it (``zero``)
-                z = None if self.manual is not None else zero_apply(
-                    t, part, program, self.meshes[t.stage], options[t.stage],
-                    frozenset(zero_split))
-                c = compile_task(t, False, arriving, step_aliases(t, jaxpr, program.aliases),
-                                 given=z and list(z.input_specs), zero=z)
+        def compile_task(tp):
+            c = CompiledTask(tp, self.meshes[tp.task.stage])
+            c.check_memory(tp.option)
+            if tp.kind == "apply":
                 self.apply.append(c)
-                if z:
-                    zero_split.update(z.split)
-                    c.note = (
-                        f"{t.name}: ZeRO-2 update (prefer_reduce_scatter with "
-                        f"force_data_parallel): {sum(p != P() for p in z.input_specs)} input(s) "
-                        f"split over the sub-mesh, {len(z.gathered)} output(s) gathered in one "
-                        "all-gather")
             else:
-                c = self.tasks[(kind, t.stage)] = compile_task(
-                    t, True, arriving, partial=kind != "F",
-                    given=None if kind != "F" or stage_input_shardings is None
-                    else stage_input_shardings[t.stage])
-            finalized = {}  # accumulators: finalised in their own layout, or their plan's
-            for i, (v, sh) in enumerate(zip(c.accumulated, c.acc_shardings, strict=True)):
-                o = part.marker.outvars[list(part.marker.invars).index(v)]
-                if not c.batch_axes:
-                    finalized[o] = sh.spec
-                elif c.reduced_specs is not None:
-                    finalized[o] = c.reduced_specs[i]
-            n = len(c.invars)
-            return Realized(in_specs=[sh.spec for sh in c.in_shardings[:n]],
-                            out_specs=[sh.spec for sh in c.out_shardings[:len(c.outvars)]],
-                            finalized=finalized)
-        targets = [Target(s % num_ranks, tuple(m.devices.shape), tuple(m.axis_names))
-                   for s, m in enumerate(self.meshes)]
-        layouts = plan_tasks(part, targets, split, realize)
+                self.tasks[(tp.kind, tp.task.stage)] = c
+
+        targets = [Target(s % num_ranks, tuple(m.devices.shape), tuple(m.axis_names),
+                          mesh_cluster(m), m) for s, m in enumerate(self.meshes)]
+        layouts = plan_tasks(part, targets, split, options, program=program,
+                             realize=compile_task, manual=self.manual,
+                             given=stage_input_shardings,
+                             once=_cross_process.planned_once)  # several processes: on one
         # accumulators a backward task keeps partial over its batch axes (one slice per group)
         batch_axes_of = {v: t.batch_axes for t in self.tasks.values() if t.batch_axes
                          for v in t.accumulated}

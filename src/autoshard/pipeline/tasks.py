@@ -20,9 +20,14 @@ reach the caller (for the memory budget: "Stage s does not fit in memory").
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 from ..cluster import Cluster
@@ -30,8 +35,11 @@ from ..sharding import plan_auto
 from ..sharding.cost import CostModel
 from ..sharding.options import AutoShardingOption
 from ..sharding.plan import ShardingPlan, spec_axes
-from .layouts import carried
+from .layouts import carried, step_aliases
 from .partition import Partition, Task
+from .reduce import acc_dtype, stacked_spec, without_batch_reductions
+from .taskfn import collectives_in, local_task, pinned, spec_of, task_fn
+from .zero import gather_once, zero_apply
 
 
 def plan_task(closed, name: str, *, num_devices: int, option: AutoShardingOption,
@@ -84,19 +92,77 @@ class Target:
     """Its logical shape."""
     axis_names: tuple[str, ...]
     """Its axis names."""
+    cluster: Cluster
+    """Its devices' costs (``mesh_cluster`` at run time, a slice of a described cluster when
+    pricing)."""
+    mesh: object = None
+    """The sub-mesh of devices at run time; None when pricing (an abstract mesh of the shape
+    stands in where a function is traced)."""
+
+    @property
+    def any_mesh(self):
+        """The sub-mesh, or an abstract one of its shape (tracing needs no devices)."""
+        if self.mesh is not None:
+            return self.mesh
+        return AbstractMesh(self.mesh_shape, self.axis_names,
+                            axis_types=(AxisType.Auto,) * len(self.axis_names))
 
 
-@dataclass(frozen=True)
-class Realized:
-    """The layouts a task runs in, as its ``realize`` decided them."""
+@dataclass(eq=False, kw_only=True)
+class TaskPlan:
+    """A task as it runs on its sub-mesh, decided once for the runtime (which compiles it)
+    and the pricing (which prices it)."""
 
-    in_specs: Sequence
-    """Per (non-constant) input, the PartitionSpec it takes."""
-    out_specs: Sequence
-    """Per output that is not accumulated, its PartitionSpec."""
-    finalized: dict = field(default_factory=dict)
-    """Gradient-marker output -> the spec its accumulator is finalised in (reduced once per
-    step), for the apply tasks that read it."""
+    kind: str
+    """``F``, ``B``, ``Ba``, ``Bw`` or ``apply``."""
+    task: Task
+    target: Target
+    invars: list
+    """Non-constant inputs, in order."""
+    outvars: list
+    """Outputs that are not accumulated, in order."""
+    accumulated: list
+    random: bool
+    """Whether the task takes the micro-batch index (it folds random keys with it)."""
+    fn: Callable
+    """The task's function ``(*inputs, *accumulators[, index]) -> (*outputs, *accumulators)``."""
+    closed: object
+    """``fn`` traced (None where the task has no planner options)."""
+    plan: ShardingPlan | None
+    """The plan it runs (less its reductions over ``batch_axes``); None: data parallel."""
+    batch_axes: tuple[str, ...]
+    """Mesh axes it runs per device over, its accumulators partial sums over them."""
+    local: Callable | None
+    """The per-device function over ``batch_axes`` (None: ``plan`` or ``fn`` runs)."""
+    in_specs: list
+    """PartitionSpec per argument (inputs, accumulators, index)."""
+    out_specs: list
+    """PartitionSpec per result (outputs, accumulators)."""
+    acc_shapes: list
+    """Per accumulator its shape (a leading dim of one partial sum per device group)."""
+    reduced_specs: list | None
+    """Per accumulator kept partial: the spec its plan gives the reduced value."""
+    option: object = None
+    """The planner options it was planned with (None: none)."""
+    note: str = ""
+    predicted: dict | None = None
+    """Collectives predicted where no plan predicts them (per device: none)."""
+
+    @property
+    def acc_specs(self) -> list:
+        n = len(self.invars)
+        return self.in_specs[n:n + len(self.accumulated)]
+
+    def finalized(self, marker) -> dict:
+        """Gradient-marker output -> the spec its accumulator is finalised in."""
+        out = {}
+        for i, (v, spec) in enumerate(zip(self.accumulated, self.acc_specs, strict=True)):
+            o = marker.outvars[list(marker.invars).index(v)]
+            if not self.batch_axes:
+                out[o] = spec
+            elif self.reduced_specs is not None:
+                out[o] = self.reduced_specs[i]
+        return out
 
 
 class Layouts:
@@ -126,6 +192,41 @@ class Layouts:
             entries.append((target, spec))
 
 
+FIXES = ("Use more stages (UniformStageOption(num_stages=...) or ManualStageOption), more "
+         "devices per stage, remat (ManualLayerOption(remat_layer=True) or "
+         "AutoLayerOption(remat_mode='coarse_grained_remat')), more num_micro_batches, or a "
+         "larger default_auto_sharding_option.memory_budget_per_device.")
+"""What to change when a stage does not fit in memory."""
+
+
+class Specs:
+    """Data-parallel specs (the fallback): one PartitionSpec per value, the same on every
+    stage that holds it (rows split only when every holder's sub-mesh has one shape)."""
+
+    def __init__(self, part: Partition, targets: Sequence[Target], mb_rows: int | None):
+        holders: dict = {}
+        for t in part.forward + part.backward + [
+                t for pair in part.split_backward for t in pair] + part.apply:
+            for v in list(t.invars) + list(t.outvars):
+                holders.setdefault(v, set()).add(t.stage)
+        marker_in = set(part.marker.invars) if part.marker is not None else set()
+        self.spec: dict = {}
+        for v, stages in holders.items():
+            shapes = {targets[s].mesh_shape for s in stages}
+            aval = v.aval
+            self.spec[v] = P()
+            if (mb_rows is not None and v in part.batch_dependent and v not in marker_in
+                    and getattr(aval, "shape", ()) and aval.shape[0] == mb_rows
+                    and len(shapes) == 1):
+                target = targets[next(iter(stages))]
+                axes = target.axis_names
+                if aval.shape[0] % math.prod(target.mesh_shape) == 0:
+                    self.spec[v] = P(axes if len(axes) > 1 else axes[0])
+
+    def get(self, v):
+        return self.spec.get(v, P())
+
+
 def task_order(part: Partition, split: bool) -> list[tuple[str, Task]]:
     """(kind, task) of the forward and backward tasks in the order values flow: forward
     stages, then backward stages last one first (``Ba`` then ``Bw`` where ``split``)."""
@@ -137,25 +238,68 @@ def task_order(part: Partition, split: bool) -> list[tuple[str, Task]]:
     return order
 
 
-def plan_tasks(part: Partition, targets: Sequence[Target], split: bool,
-               realize: Callable[[str, Task, list], Realized]) -> Layouts:
-    """Walk the tasks of ``part`` in the order values flow, each stage's on ``targets[s]``,
-    calling ``realize(kind, task, arriving)`` with the spec each (non-constant) input arrives
-    in (None: unknown) and recording the layouts it returns; the finalised gradients, the sums
-    spanning stages (replicated on every sub-mesh), the whole-batch inputs (as the batch
-    arrives) and the joined values (in their source's layout) before the apply tasks."""
+def plan_tasks(part: Partition, targets: Sequence[Target], split: bool, options: Sequence,
+               *, program, realize: Callable[[TaskPlan], None], manual=None, given=None,
+               once=None, cache: dict | None = None) -> Layouts:
+    """Plan every task of ``part``, stage ``s``'s on ``targets[s]`` with ``options[s]`` (an
+    ``AutoShardingOption``; None: data parallel), in the order values flow, and hand each
+    ``TaskPlan`` to ``realize`` (the runtime compiles it, the pricing prices it).
+
+    Each task takes its inputs in the layouts they arrive in (``Layouts.arriving``; a
+    ``ManualSpecs``' pins and, for forward tasks, ``given`` specs per stage first), is traced
+    as it runs (with its micro-batch index where it draws random numbers), planned by
+    ``plan_task`` on its target's costs (``once(name, closed, mesh, option, plan)`` wraps the
+    call, e.g. planning on one process; ``cache`` keeps the plans of identical tasks), and a
+    backward task whose micro-batch rows arrive
+    split over some axes runs per device over them (``row_axes``/``rows_taken``; not where
+    that would communicate). Apply tasks run ZeRO-2 where their option asks (``zero``). Between
+    the backward and apply tasks come the finalised gradients, the sums spanning stages
+    (replicated on every sub-mesh), the whole-batch inputs (as the batch arrives) and the
+    joined values (in their source's layout)."""
     layouts = Layouts()
     consts = set(part.jaxpr.constvars)
+    fallback = Specs(part, targets, part.mb_rows)
+    rows = frozenset(v for v in fallback.spec if part.holds_rows(v))
+    zero_split: set = set()
 
     def run(kind, t):
         target = targets[t.stage]
         invars = [v for v in t.invars if v not in consts]
-        done = realize(kind, t, [layouts.arriving(v, target) for v in invars])
-        outs = [v for v in t.outvars if v not in t.accumulated]
-        for v, spec in [*zip(invars, done.in_specs, strict=False),
-                        *zip(outs, done.out_specs, strict=False)]:
+        arriving = [layouts.arriving(v, target) for v in invars]
+        if manual is not None:
+            arriving = [p if (p := manual.input_spec(v, t.stage)) is not None else a
+                        for v, a in zip(invars, arriving, strict=True)]
+        option, pins, gathered, aliases, note = options[t.stage], None, (), (), ""
+        if kind == "apply":
+            aliases = step_aliases(t, part.jaxpr, program.aliases)
+            z = None if manual is not None else zero_apply(
+                t, part, program, target.any_mesh, option, frozenset(zero_split))
+            if z is not None:
+                zero_split.update(z.split)
+                arriving, pins, gathered, option = list(z.input_specs), z.pins, z.gathered, None
+                note = (f"{t.name}: ZeRO-2 update (prefer_reduce_scatter with "
+                        f"force_data_parallel): {sum(p != P() for p in z.input_specs)} input(s) "
+                        f"split over the sub-mesh, {len(z.gathered)} output(s) gathered in one "
+                        "all-gather")
+        elif kind == "F" and given is not None:
+            if len(given[t.stage]) != len(invars):
+                raise ValueError(
+                    f"stage_input_shardings gives {len(given[t.stage])} specs for stage "
+                    f"{t.stage} but its forward task has {len(invars)} inputs; pass "
+                    "executable.stage_input_shard_specs of the same step and options.")
+            arriving = list(given[t.stage])
+        if pins is None and manual is not None:
+            pins = manual.output_pins(t)
+        tp = _decide(kind, t, part, target, option, arriving, rows=rows, fallback=fallback,
+                     aliases=aliases, pins=pins, gathered=gathered, once=once, cache=cache)
+        if note:
+            tp.note = note
+        realize(tp)
+        n = len(tp.invars)
+        for v, spec in [*zip(tp.invars, tp.in_specs[:n], strict=True),
+                        *zip(tp.outvars, tp.out_specs[:len(tp.outvars)], strict=True)]:
             layouts.record(v, target, spec)
-        for o, spec in done.finalized.items():
+        for o, spec in tp.finalized(part.marker).items():
             layouts.entries.setdefault(o, [(target, spec)])
 
     for kind, t in task_order(part, split):
@@ -172,6 +316,147 @@ def plan_tasks(part: Partition, targets: Sequence[Target], split: bool,
     for t in part.apply:
         run("apply", t)
     return layouts
+
+
+def _decide(kind, t: Task, part: Partition, target: Target, option, arriving, *, rows,
+            fallback, aliases=(), pins=None, gathered=(), once=None, cache=None) -> TaskPlan:
+    """How task ``t`` runs on ``target``: traced, planned (inputs pinned to ``arriving``),
+    per device over its batch axes where it can, else as planned, else data parallel."""
+    consts = dict(zip(part.jaxpr.constvars, part.consts, strict=True))
+    invars = [v for v in t.invars if v not in consts]
+    outvars = [v for v in t.outvars if v not in t.accumulated]
+    acc = list(t.accumulated)
+    random = kind != "apply" and t.draws_random
+    mesh, note, pins = target.any_mesh, "", dict(pins or {})
+    sizes = dict(zip(target.axis_names, target.mesh_shape, strict=True))
+    axes = () if pins or kind in ("F", "apply") or not acc else row_axes(invars, rows, arriving)
+    model_axes = {a for a, m in sizes.items() if m > 1} - set(axes)
+    if axes and model_axes and option is None:
+        note = (f"{t.name}: accumulated values reduced per micro-batch (the sub-mesh also "
+                f"splits over {sorted(model_axes)} and the task has no plan to keep their "
+                "layouts)")
+        axes = ()
+    fn = task_fn(t.eqns, invars, outvars, acc, consts, random)
+    if pins:
+        fn = pinned(fn, pins, mesh)
+    fn = gather_once(fn, tuple(gathered), mesh)
+    n, n_acc = len(invars), len(acc)
+    abstract = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
+    abstract += [jax.ShapeDtypeStruct(v.aval.shape, acc_dtype(v.aval.dtype)) for v in acc]
+    abstract += [jax.ShapeDtypeStruct((), jnp.int32)] if random else []
+    n_args = len(abstract)
+    acc_aliases = [(n + i, len(outvars) + i) for i in range(n_acc)]
+    plan = closed = in_specs = out_specs = None
+    if option is not None:
+        closed = jax.make_jaxpr(fn)(*abstract)
+        batch = [v in rows for v in invars] + [False] * (n_args - n)
+        fixed = [None if a is None else spec_of(a) for a in arriving] + [None] * (n_args - n)
+
+        def attempt():
+            notes: list[str] = []
+            got = plan_task(closed, t.name, num_devices=math.prod(target.mesh_shape),
+                            option=option, batch=batch, aliases=list(aliases) + acc_aliases,
+                            fixed=fixed, cluster=target.cluster, axis_names=target.axis_names,
+                            notes=notes)
+            return got, notes[0] if notes else note
+        planned = attempt if once is None else once(t.name, closed, target.mesh, option,
+                                                    attempt)
+        if cache is not None:  # identical tasks (layers, stages) planned once
+            key = (str(closed), tuple(batch), tuple(aliases), target.cluster, repr(option),
+                   repr(fixed), target.axis_names)
+            planned = _cached(cache, key, planned)
+        try:
+            plan, note = planned()
+            in_specs, out_specs = list(plan.in_specs), list(plan.out_specs)
+        except Exception as err:  # the planner's failure must not stop the pipeline
+            if isinstance(err, ValueError) and "memory_budget_per_device" in str(err):
+                raise ValueError(f"Stage {t.stage} does not fit in memory: its task {t.name} "
+                                 f"has no plan within its budget ({err}). " + FIXES) from err
+            plan = None
+            note = f"{t.name}: planner failed ({type(err).__name__}: {err}); data parallel instead"
+            warnings.warn(f"autoshard pipeline: {note}", stacklevel=3)
+            if model_axes:
+                axes = ()
+    acc_shapes = [tuple(v.aval.shape) for v in acc]
+    local = reduced = predicted = None
+    if axes:
+        found = _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving,
+                            plan, in_specs, option, target)
+        if isinstance(found, str):
+            note, axes = found, ()
+        else:
+            local, in_specs, out_specs, plan, reduced = found
+            groups = math.prod(sizes[a] for a in axes)
+            acc_shapes = [(groups,) + s for s in acc_shapes]
+            if plan is None:
+                predicted = {}  # per device: no collective (checked on its trace)
+            note = (f"{t.name}: runs per device over the batch axes {axes}; its {n_acc} "
+                    "accumulator(s) stay partial sums over micro-batches and are reduced "
+                    "once per step")
+    if in_specs is None:
+        in_specs = [fallback.get(v) for v in invars] + [fallback.get(v) for v in acc] + [
+            P()] * (n_args - n - n_acc)
+        out_specs = [fallback.get(v) for v in outvars] + in_specs[n:n + n_acc]
+    if not axes:
+        in_specs[:n] = [spec_of(a) if a is not None else in_specs[i]
+                        for i, a in enumerate(arriving)]
+        for i, o in aliases:  # the replacement keeps the layout of what it replaces
+            out_specs[o] = in_specs[i]
+    for o, spec in pins.items():
+        out_specs[o] = spec
+    return TaskPlan(kind=kind, task=t, target=target, invars=invars, outvars=outvars,
+                    accumulated=acc, random=random, fn=fn, closed=closed, plan=plan,
+                    batch_axes=axes, local=local, in_specs=list(in_specs),
+                    out_specs=list(out_specs), acc_shapes=acc_shapes, reduced_specs=reduced,
+                    option=option, note=note, predicted=predicted)
+
+
+def _cached(cache: dict, key, planned):
+    def get():
+        if key not in cache:
+            cache[key] = planned()
+        return cache[key]
+    return get
+
+
+def _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving, plan, plan_in,
+                option, target):
+    """(function, input specs, output specs, plan, reduced specs) of a backward task run per
+    device over ``axes``, the other axes as its plan lays them out; a note why not when the
+    plan takes the rows otherwise or the per-device run would communicate."""
+    n, n_acc = len(invars), len(acc)
+    entry = P(axes if len(axes) > 1 else axes[0])
+    if plan is not None:
+        takes = rows_taken(invars, rows, plan_in)
+        if takes != {axes}:
+            return (f"{t.name}: accumulated values reduced per micro-batch (its plan takes the "
+                    f"rows over {sorted(takes)}, not {axes})")
+        ins = [spec_of(a) if a is not None else plan_in[i] for i, a in enumerate(arriving)]
+        costs = task_costs(target.mesh_shape, option, target.cluster)
+        plan = without_batch_reductions(
+            plan, axes, costs, [i for i, v in enumerate(invars) if v in rows],
+            [i for i, v in enumerate(outvars) if v in rows], arriving=ins)
+        outs = list(plan.out_specs[:len(outvars)])
+        accs = [stacked_spec(s, axes) for s in plan_in[n:n + n_acc]]
+        reduced = list(plan_in[n:n + n_acc])
+    else:
+        ins = [spec_of(a) if a is not None else entry if v in rows else P()
+               for v, a in zip(invars, arriving, strict=True)]
+        outs = [entry if v in rows else P() for v in outvars]
+        accs, reduced = [entry] * n_acc, None
+    sizes = dict(zip(target.axis_names, target.mesh_shape, strict=True))
+    groups = math.prod(sizes[a] for a in axes)
+    run, in_specs, out_specs = local_task(t.eqns, invars, outvars, acc, consts, random, rows,
+                                          axes, groups, target.any_mesh, ins, accs, outs)
+    shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
+    shapes += [jax.ShapeDtypeStruct((groups,) + tuple(v.aval.shape), acc_dtype(v.aval.dtype))
+               for v in acc]
+    shapes += [jax.ShapeDtypeStruct((), jnp.int32)] if random else []
+    talks = collectives_in(jax.make_jaxpr(run)(*shapes).jaxpr)
+    if talks:  # an operation without a per-row rule: the planned task does better
+        return (f"{t.name}: accumulated values reduced per micro-batch (run per device over "
+                f"{axes} it would communicate: {', '.join(sorted(talks))})")
+    return run, in_specs, out_specs, plan, reduced
 
 
 def row_axes(invars, rows, arriving) -> tuple[str, ...]:
@@ -200,5 +485,6 @@ def rows_taken(invars, rows, plan_in_specs) -> set:
         invars, plan_in_specs, strict=False) if v in rows} - {()}
 
 
-__all__ = ["Layouts", "Realized", "Target", "mesh_cluster", "plan_task", "plan_tasks",
+__all__ = ["FIXES", "Layouts", "Specs", "Target", "TaskPlan", "mesh_cluster", "plan_task",
+           "plan_tasks",
            "row_axes", "rows_taken", "task_costs", "task_order"]

@@ -47,7 +47,7 @@ def zero_apply(task, part, program, mesh, option, split_before=frozenset()
     if option is None or not (option.force_data_parallel and option.prefer_reduce_scatter):
         return None
     jaxpr = part.jaxpr
-    n = math.prod(mesh.devices.shape)
+    n = math.prod(mesh.axis_sizes)
     if n == 1:
         return None
     axes = tuple(mesh.axis_names)
@@ -96,7 +96,7 @@ def gather_once(fn, positions, mesh):
     if not positions:
         return fn
     axes = tuple(mesh.axis_names)
-    n = math.prod(mesh.devices.shape)
+    n = math.prod(mesh.axis_sizes)
     split = NamedSharding(mesh, P(axes if len(axes) > 1 else axes[0]))
     whole = NamedSharding(mesh, P())
     constrain = jax.lax.with_sharding_constraint

@@ -89,8 +89,15 @@ def test_plan_for_a_cluster_you_do_not_have_explains_time_and_memory():
     o = plan.objective
     # 2 forward dots, 3 backward (no gradient for the data x): 2 * 256 * 64 * 256 FLOPs each.
     assert o.flops == pytest.approx(5 * 2 * 256 * 64 * 256)
-    # The mirror of a mesh whose axes cost no less is not solved, and says so.
-    assert any("links no slower" in why for _, why in o.meshes_pruned)
+    # On 4 nodes no mesh mirrors another on links no slower: (2, 16) puts its 16-wide axis on
+    # all 8 NICs of each node (200 GB/s), (16, 2) on 4 (100 GB/s) but its 2-wide axis on
+    # NVLink; both are considered (solved, or pruned by their bound).
+    assert not any("links no slower" in why for _, why in o.meshes_pruned)
+    assert {(2, 16), (16, 2)} <= {tuple(s) for s, _ in o.meshes_tried + o.meshes_pruned}
+    # On one node (4, 2) costs what (2, 4) costs: the mirror is not solved, and says so.
+    one_node = autoshard.plan(train_step, *shapes(batch=256), cluster=Cluster.a100_80gb(1),
+                              method=ShardParallel(auto_sharding_option=QUIET)).objective
+    assert ((4, 2), "mesh (2, 4) has the same axes on links no slower") in one_node.meshes_pruned
 
 
 def test_compute_term_uses_the_devices_flops():

@@ -17,6 +17,12 @@ Measured numbers replace the presets field by field::
 
 Bandwidths are per device and per direction, in bytes per second (what a ring all-reduce's
 bus bandwidth measures, e.g. ``nccl-tests``' ``busbw``); latencies are seconds per collective.
+The inter-host figure is per device: a host's network bandwidth is ``inter_host_bandwidth *
+devices_per_host`` (a DGX A100: 8 NICs of 25 GB/s, one per GPU). An axis crossing hosts with
+``k`` of its devices in each host rings through their ``k`` NICs together (NCCL puts one
+channel on each), at ``k * inter_host_bandwidth``, at most the intra-host link
+(``sharding.cost.crossing_beta``); a host with fewer NICs than devices is described by its
+network bandwidth divided by its devices.
 """
 
 from __future__ import annotations
@@ -64,7 +70,8 @@ class Cluster:
     intra_host_latency_s: float = cost.DEFAULT_ALPHA_S
     """Seconds of latency of one collective inside a host."""
     inter_host_bandwidth: float = 1 / cost.INTER_HOST_BETA_S_PER_BYTE
-    """Bytes/s per device and direction between hosts (a host's network links / its devices)."""
+    """Bytes/s per device and direction between hosts (a host's network links / its devices):
+    an axis with ``k`` devices in each host crosses hosts at ``k`` times this."""
     inter_host_latency_s: float = cost.INTER_HOST_ALPHA_S
     """Seconds of latency of one collective across hosts."""
     name: str = "custom"
@@ -102,7 +109,9 @@ class Cluster:
         """DGX A100 80GB nodes: NVLink 3 inside a node, 8x200 Gb/s HDR InfiniBand between.
 
         312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e, NVLink 300 GB/s per direction, one 200 Gb/s
-        (25 GB/s) NIC per GPU; large bf16 GEMMs sustain about 80% of peak.
+        (25 GB/s) NIC per GPU (200 GB/s per node: a data axis over all 8 GPUs of each node
+        crosses nodes at 200 GB/s, one over one GPU per node at 25 GB/s); large bf16 GEMMs
+        sustain about 80% of peak.
         """
         return cls._preset("A100 80GB", num_hosts, devices_per_host)
 
@@ -111,7 +120,8 @@ class Cluster:
         """DGX H100 nodes: NVLink 4 inside a node, 8x400 Gb/s NDR InfiniBand between.
 
         989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 450 GB/s per direction, one 400 Gb/s
-        (50 GB/s) NIC per GPU; large bf16 GEMMs sustain about 70% of peak.
+        (50 GB/s) NIC per GPU (400 GB/s per node); large bf16 GEMMs sustain about 70% of
+        peak.
         """
         return cls._preset("H100 80GB", num_hosts, devices_per_host)
 
@@ -173,13 +183,27 @@ class Cluster:
         return tuple(cost.axis_crosses_hosts(tuple(mesh_shape), a, dph)
                      for a in range(len(mesh_shape)))
 
+    @property
+    def host_network_bandwidth(self) -> float:
+        """Bytes/s per direction out of one host (all its NICs): the per-device figure times
+        the devices of a host."""
+        return self.inter_host_bandwidth * self.devices_per_host
+
     def mesh_costs(self, mesh_shape: Sequence[int]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """(alpha, beta) per axis: latency in s and inverse bandwidth in s/byte of its link."""
+        """(alpha, beta) per axis: latency in s and inverse bandwidth in s/byte of its link.
+
+        An axis crossing hosts is priced on the NICs of the devices it has in each host
+        (``sharding.cost.crossing_beta``).
+        """
         crosses = self.axis_crosses_hosts(mesh_shape)
+        shape = tuple(mesh_shape)
+        dph = self.devices_per_host if self.num_hosts > 1 else None
         alpha = tuple(self.inter_host_latency_s if c else self.intra_host_latency_s
                       for c in crosses)
-        beta = tuple(1.0 / (self.inter_host_bandwidth if c else self.intra_host_bandwidth)
-                     for c in crosses)
+        beta = tuple(cost.crossing_beta(1.0 / self.inter_host_bandwidth,
+                                        1.0 / self.intra_host_bandwidth,
+                                        cost.axis_devices_per_host(shape, a, dph))
+                     if c else 1.0 / self.intra_host_bandwidth for a, c in enumerate(crosses))
         return alpha, beta
 
     def check_mesh(self, mesh_shape: Sequence[int]) -> None:
@@ -197,7 +221,8 @@ class Cluster:
                 f"{self.flops_efficiency:g}, "
                 + (f"{self.memory_bytes / GIB:g} GiB" if self.memory_bytes else "unbounded memory")
                 + f", links {self.intra_host_bandwidth / 1e9:g} GB/s in a host, "
-                f"{self.inter_host_bandwidth / 1e9:g} GB/s between hosts (per device)")
+                f"{self.inter_host_bandwidth / 1e9:g} GB/s between hosts per device "
+                f"({self.host_network_bandwidth / 1e9:g} GB/s per host)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from .cost import CostModel
+from .fusion import fuse_memory_bound
 from .graph import Graph
 from .options import AutoShardingOption
 from .problem import Problem
@@ -34,6 +35,7 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
     prob = Problem(graph, ctx, [], list(range(len(graph.nodes))))
     for node in graph.nodes:
         prob.strategies.append(node_strategies(prob, node))
+    fuse_memory_bound(prob)
     if option.prefer_reduce_scatter:
         _prefer_reduce_scatter(prob)
     _combine_tail_reductions(prob)

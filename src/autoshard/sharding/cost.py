@@ -1,18 +1,73 @@
 """Alpha-beta cost model: collectives, resharding, compute and memory, all in seconds or bytes.
 
-Every constant of the model lives here. A collective over mesh axis ``a`` moving ``b`` bytes
-costs ``alpha[a] + beta[a] * f(n) * b`` with ``n`` the axis size and ``f`` the volume factor of
-the collective (as in Alpa): all-reduce ``2(n-1)/n``, all-gather and reduce-scatter
-``(n-1)/n``, all-to-all ``(n-1)/n^2``. A collective over several axes runs axis by axis and
-costs the sum.
+Every constant of the model lives here, and every pricing decision is written down below.
 
-The per-axis constants come from where the devices are: the mesh is laid over the devices in
-order (row-major), and an axis whose devices all sit in one host (process) costs the intra-host
-link; an axis that spans hosts, or straddles them, costs the inter-host link (its slowest hop).
-Devices of one host are one level: on a single host every axis costs the same. Replace the
-constants with measured ones through ``AutoShardingOption(mesh_alpha=..., mesh_beta=...)``, or
-describe the hardware with ``autoshard.Cluster`` (its links price the axes and its FLOP/s and
-memory bandwidth the compute term, through ``device_speed`` for the duration of one plan).
+**Collectives.** A collective over mesh axis ``a`` moving ``b`` bytes costs
+``alpha[a] + beta[a] * f(n) * b`` with ``n`` the axis size and ``f`` the volume factor of the
+collective (as in Alpa): all-reduce ``2(n-1)/n``, all-gather and reduce-scatter ``(n-1)/n``,
+all-to-all ``(n-1)/n^2``.
+
+**One hierarchical rule for several axes** (``CostModel.collective_steps``). A collective over
+several axes runs one phase per axis, the fastest link first on the whole array, each slower
+axis on what the faster ones left: an all-reduce over (hosts, GPUs of a host) is a
+reduce-scatter inside the host, an all-reduce across hosts on ``1/devices_per_host`` of the
+bytes and an all-gather inside the host (the reduce-scatter and all-gather together cost the
+inside axis's all-reduce volume); an all-gather gathers over the slow axis first, on the
+small pieces; a reduce-scatter the other way round. Strategy collectives (an all-reduce after a
+contracting split) and the all-gather chains of resharding (``reshard_steps``) are priced by
+this one function. On links of one speed it telescopes to one ring over all the devices
+(``2(N-1)/N`` for an all-reduce over ``N``), which is what XLA runs there; before, each axis
+was charged the full bytes, so an all-reduce over two axes paid its whole size on the slow
+one. Each phase pays its axis's latency once (as ``latency`` counts it; the three phases of an
+all-reduce are issued as one NCCL call per axis). All-to-alls have no shrinking phase: each
+axis moves the whole array.
+
+**Where the axes lie.** The mesh is laid over the devices in order (row-major), and an axis
+whose devices all sit in one host (process) costs the intra-host link; an axis that spans
+hosts, or straddles them, costs the inter-host link. Devices of one host are one level: on a
+single host every axis costs the same.
+
+**Per-device inter-host bandwidth** (``crossing_beta``). The inter-host bandwidth is a figure
+per device (a DGX A100 has one 25 GB/s NIC per GPU, eight per node). When an axis spanning
+hosts has ``k`` of its devices in each host (a data axis over all 8 GPUs of every node:
+``k = 8``), NCCL spreads the ring over the ``k`` NICs of those devices (one channel per NIC),
+so the ring's host-to-host hop runs at ``k`` times the per-device figure, capped by the
+intra-host link the rest of the ring uses: ``beta = max(inter / k, intra)`` in s/byte. An axis
+with one device per host (a data axis across nodes beside a tensor axis inside them) keeps
+the per-device figure: each of the parallel rings has its own NIC. An axis straddling hosts
+unevenly counts ``k = 1`` (its worst group has a lone device in some host). Before, every
+crossing axis was one ring through one NIC.
+
+**Compute.** A matrix product or convolution costs its FLOPs at the device's sustained rate
+(``flop_cost``; its operand reads and result write are inside that figure). A memory-bound op
+costs the bytes it touches at the memory bandwidth (``byte_cost``); each rule prices an op
+alone (an element-wise op: its output bytes).
+
+**Fusion** (``fusion.fuse_memory_bound``, applied to every problem). XLA fuses chains of
+element-wise ops, the layout ops between them (broadcast, transpose, reshape, convert) and the
+reductions they feed (softmax, layer norm) into one kernel that reads its external inputs and
+writes its external outputs once; charging each op its output bytes charged a chain of ``N``
+ops ``N`` times (the fp32 softmax passes alone were ~1.8 s of the 3.6B Table 1 step). So a
+fusion group pays: each value it reads from outside once (at the first member reading it, cut
+as that member's strategy needs it) and each value it produces that is read outside it once;
+values passed between members cost nothing. Reading a value made from constants only (masks,
+iotas) is free (XLA computes it in the kernel). Groups join fusible nodes at the same depth
+(non-fusible nodes on the longest path from the inputs) in the same loop body, so a group never
+spans a matrix product that one of its members feeds and another reads. Dots and convolutions
+are unchanged, and two more decisions price what XLA fuses around them: a convert or layout op
+whose result only products read is folded into their operand read (free: a cast of weights to
+bf16 before a GEMM); a product's result read by one group member only, of a group without a
+reduction, is that product's epilogue (bias, activation, residual add: the read is free; a
+softmax cannot be a GEMM epilogue, so its group reads the scores). A group of only reshapes,
+squeezes and expand_dims is a bitcast and costs nothing. Resharding between two members is
+priced on its edge but does not split the group (a collective would end the kernel: the
+model is optimistic there). Ops outside these sets (gathers, scatters, sorts, cumulative
+sums, pooling) keep the rules' prices.
+
+Replace the constants with measured ones through ``AutoShardingOption(mesh_alpha=...,
+mesh_beta=...)``, or describe the hardware with ``autoshard.Cluster`` (its links price the
+axes and its FLOP/s and memory bandwidth the compute term, through ``device_speed`` for the
+duration of one plan).
 """
 
 from __future__ import annotations
@@ -75,7 +130,9 @@ class CostModel:
         alpha = option.mesh_alpha or tuple(
             INTER_HOST_ALPHA_S if c else DEFAULT_ALPHA_S for c in crosses)
         beta = option.mesh_beta or tuple(
-            INTER_HOST_BETA_S_PER_BYTE if c else DEFAULT_BETA_S_PER_BYTE for c in crosses)
+            crossing_beta(INTER_HOST_BETA_S_PER_BYTE, DEFAULT_BETA_S_PER_BYTE,
+                          axis_devices_per_host(mesh_shape, a, devices_per_host))
+            if c else DEFAULT_BETA_S_PER_BYTE for a, c in enumerate(crosses))
         for name, value in (("mesh_alpha", alpha), ("mesh_beta", beta)):
             if len(value) != rank:
                 raise ValueError(
@@ -101,14 +158,31 @@ class CostModel:
                     max(self.beta, default=0.0) / DEFAULT_BETA_S_PER_BYTE)
         return FORBIDDEN_S * min(scale, 1e6)
 
-    def collective(self, kind: str, axes: tuple[int, ...], num_bytes: float) -> float:
-        """Cost of one collective of ``kind`` over ``axes`` (run axis by axis)."""
-        total = 0.0
-        for a in axes:
+    def collective_steps(self, kind: str, axes: tuple[int, ...], num_bytes: float
+                         ) -> list[tuple[int, float, float]]:
+        """The phases of one collective of ``kind`` over ``axes``: (axis, bytes, seconds).
+
+        The module's hierarchical rule: fastest link first (lowest ``beta``, then lowest axis
+        index), each phase on the whole array divided by the sizes of the phases before it.
+        ``num_bytes`` is the array the whole group holds: an all-reduce's operand, an
+        all-gather's result, a reduce-scatter's operand. For an all-gather the phases run in
+        the reverse order (slow axis first, on the small pieces); the bytes and seconds of
+        each are the same. An all-to-all moves the whole array over every axis.
+        """
+        live = [a for a in axes if self.mesh_shape[a] > 1]
+        if kind == "all-to-all":
+            return [(a, float(num_bytes), self.alpha[a] + self.beta[a] * VOLUME[kind](
+                self.mesh_shape[a]) * num_bytes) for a in live]
+        steps, size = [], float(num_bytes)
+        for a in sorted(live, key=lambda a: (self.beta[a], a)):
             n = self.mesh_shape[a]
-            if n > 1:
-                total += self.alpha[a] + self.beta[a] * VOLUME[kind](n) * num_bytes
-        return total
+            steps.append((a, size, self.alpha[a] + self.beta[a] * VOLUME[kind](n) * size))
+            size /= n
+        return steps
+
+    def collective(self, kind: str, axes: tuple[int, ...], num_bytes: float) -> float:
+        """Cost of one collective of ``kind`` over ``axes`` (``collective_steps`` summed)."""
+        return sum(step[2] for step in self.collective_steps(kind, axes, num_bytes))
 
     def latency(self, axes: tuple[int, ...]) -> float:
         """The alpha part of a collective over ``axes``."""
@@ -178,20 +252,21 @@ class CostModel:
         for a in moves:
             group = total_bytes / pieces * self.mesh_shape[a]
             steps.append(("all-to-all", a, group, self.collective("all-to-all", (a,), group)))
-        best = None
-        for order in itertools.permutations(drops):
-            chain, left = [], pieces
-            for a, dropped in order:
-                group = total_bytes / left * self.mesh_shape[a]
-                cost = self.collective("all-gather", (a,), group)
-                if not self.allow_all_gather:
-                    cost += self.forbidden_s
-                chain.append(("all-gather", a, group, cost))
-                if dropped:  # else sliced again at once (a move without all-to-all)
-                    left //= self.mesh_shape[a]
-            if best is None or sum(c[3] for c in chain) < sum(c[3] for c in best) - 1e-18:
-                best = chain
-        return steps + (best or [])
+        forbidden = 0.0 if self.allow_all_gather else self.forbidden_s
+        # A split that changes dim without all-to-all: gathered, then sliced again at once.
+        # Gathers only grow the array, so these go first, on the smallest pieces.
+        for a, dropped in drops:
+            if not dropped:
+                group = total_bytes / pieces * self.mesh_shape[a]
+                steps.append(("all-gather", a, group,
+                              self.collective("all-gather", (a,), group) + forbidden))
+        # The dropped splits: one all-gather over their axes, by the hierarchical rule (run
+        # slow axis first, so its result is what the last, fastest phase produces).
+        dropped = tuple(a for a, d in drops if d)
+        result = total_bytes / pieces * math.prod(self.mesh_shape[a] for a in dropped)
+        steps += [("all-gather", a, size, cost + forbidden) for a, size, cost in
+                  reversed(self.collective_steps("all-gather", dropped, result))]
+        return steps
 
     def reshard(self, src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int) -> float:
         """Cost in seconds of turning an array laid out as ``src`` into ``dst``."""
@@ -218,6 +293,30 @@ def alpa_collective_cost(kind: str, n: int, num_bytes: float, alpha: float, beta
         return alpha + ALPA_CONSTANT[kind]
     factor = VOLUME[kind](n) * (n / 2.0 if kind == "all-to-all" else 1.0)
     return alpha + beta * factor * num_bytes + ALPA_CONSTANT[kind]
+
+
+def axis_devices_per_host(mesh_shape: tuple[int, ...], axis: int,
+                          devices_per_host: int | None) -> int:
+    """Devices of one group along ``axis`` (the other axes fixed) that share each host.
+
+    ``mesh_shape[axis]`` on one host; 1 when the group has one device per host, or straddles
+    hosts unevenly (some host holds a lone device of it).
+    """
+    n = mesh_shape[axis]
+    if devices_per_host is None:
+        return n
+    stride = math.prod(mesh_shape[axis + 1:])
+    if stride >= devices_per_host or devices_per_host % stride:
+        return 1
+    k = devices_per_host // stride
+    return k if n % k == 0 else 1
+
+
+def crossing_beta(inter_beta: float, intra_beta: float, devices_per_host: int) -> float:
+    """Inverse bandwidth of an axis crossing hosts with ``devices_per_host`` of its devices in
+    each host: NCCL's ring runs over their NICs together, and no faster than the intra-host
+    link (the module's "per-device inter-host bandwidth")."""
+    return max(inter_beta / max(1, devices_per_host), intra_beta)
 
 
 def axis_crosses_hosts(mesh_shape: tuple[int, ...], axis: int,
@@ -314,5 +413,6 @@ def _beats(si, ci, sj, cj, *, tie_wins: bool) -> bool:
     return False
 
 
-__all__ = ["CostModel", "alpa_collective_cost", "array_bytes", "bytes_per_device", "flop_cost", "byte_cost",
-           "device_speed", "dim_shards", "dominated_meshes", "ClusterCosts"]
+__all__ = ["CostModel", "alpa_collective_cost", "array_bytes", "axis_crosses_hosts",
+           "axis_devices_per_host", "bytes_per_device", "byte_cost", "crossing_beta",
+           "device_speed", "dim_shards", "dominated_meshes", "flop_cost", "ClusterCosts"]

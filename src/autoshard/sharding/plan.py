@@ -106,7 +106,11 @@ class Objective:
     meshes_pruned: tuple[tuple[tuple[int, ...], str], ...] = ()
     """(logical mesh shape, why) of every candidate mesh the planner did not solve."""
     flops: float = 0.0
-    """Floating-point operations of one step on all devices (matrix products, convolutions)."""
+    """Floating-point operations of one step on all devices (matrix products, convolutions),
+    as traced: what the step runs, JAX's recomputation included."""
+    model_flops: float = 0.0
+    """The same step counted as Megatron-LM's eq. 3 counts (``sharding.flops``): 3 x the
+    forward + the forward of every rematerialised region; published TFLOP/s use this."""
     alpa_units: float | None = None
     """The objective in Alpa's units (``sharding.alpa_units``: Alpa's collective formulas and
     replicated-input penalties, no compute term), set when the option gives ``mesh_alpha``
@@ -237,8 +241,14 @@ class ShardingPlan:
                  f"{o.communication_s:.4g} + resharding {o.resharding_s:.4g})"
                  + (f" on {self.cluster}" if self.cluster else "")]
         if o.flops and o.total_s > 0:
-            lines.append(f"  model FLOPs per step: {o.flops:.4g}; at the estimated step time "
-                         f"{o.flops / o.total_s / num_devices / 1e12:.4g} TFLOP/s per device")
+            lines.append(f"  traced FLOPs per step: {o.flops:.4g} (what the step runs); at the "
+                         f"estimated step time {o.flops / o.total_s / num_devices / 1e12:.4g} "
+                         "TFLOP/s per device")
+        if o.model_flops and o.total_s > 0:
+            lines.append(f"  model FLOPs per step (Megatron-LM eq. 3: 3 x forward + recomputed "
+                         f"forward): {o.model_flops:.4g}; "
+                         f"{o.model_flops / o.total_s / num_devices / 1e12:.4g} TFLOP/s per "
+                         "device, as published figures count")
         if len(o.meshes_tried) + len(o.meshes_pruned) > 1:
             lines.append("  meshes (objective; the chosen one marked *):")
             for shape, objective in sorted(o.meshes_tried, key=lambda t: t[1]):

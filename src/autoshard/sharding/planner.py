@@ -20,6 +20,7 @@ from . import solver
 from .alpa_units import alpa_objective
 from .build import COMBINED_KINDS, build_problem, data_parallel_variant, merged_latency
 from .cost import ClusterCosts, CostModel, device_speed, dominated_meshes
+from .flops import eqn_roles, model_flops
 from .graph import Graph, build_graph
 from .least_memory import least_memory
 from .memory import peak_bytes
@@ -137,6 +138,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     shapes = mesh_candidates(num_devices, option, rank, devices_per_host)
     options = [_shape_option(option, shape, cluster) for shape in shapes]
     graph = build_graph(closed_jaxpr, list(in_paths), list(out_paths), top_mults)
+    graph.memo["roles"] = eqn_roles(closed_jaxpr)  # for Objective.model_flops
     pruned = _prune(graph, shapes, options, devices_per_host)
     warned: set[str] = set()
     tried, best, best_ilp, errors = [], None, None, []
@@ -240,7 +242,8 @@ def _finish(best, tried, pruned, option, batch_invars, axis_names, graph) -> Sha
         num_edge_columns=sol.info.get("edge_vars", 0),
         meshes_tried=tuple((tuple(s), o) for s, o in tried),
         meshes_pruned=tuple((tuple(s), why) for s, why in pruned.items()),
-        flops=program_flops(graph), alpa_units=alpa)
+        flops=program_flops(graph), model_flops=model_flops(graph, graph.memo["roles"]),
+        alpa_units=alpa)
     notes = list(plan.notes)
     if len(tried) > 1:
         notes.append("meshes tried: " + ", ".join(f"{s} {o * 1e3:.4f} ms" for s, o in tried))

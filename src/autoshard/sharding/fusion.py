@@ -1,0 +1,155 @@
+"""XLA's fusion in the compute term: a fused chain of memory-bound ops touches memory once.
+
+The rules price a memory-bound op by the bytes of its own output (``cost.byte_cost``), as if
+every element-wise op ran as its own kernel. XLA fuses them: a chain of element-wise ops, the
+layout ops between them and the reductions they feed run as one kernel that reads its
+external inputs and writes its external outputs once. ``fuse_memory_bound`` re-prices the
+members of each fusion group that way (the rule and why: ``cost``'s docstring, "Fusion").
+
+A group is found once per graph (it does not depend on the mesh): fusible nodes joined along
+their producer-consumer edges, only between nodes at the same *depth* (the number of
+non-fusible nodes, e.g. matrix products, on the longest path from the program's inputs), and
+in the same loop body. Equal depth keeps a group convex: no path leaves it through a matrix
+product and comes back, which one kernel could not run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..ir import _prims
+from .cost import byte_cost
+from .graph import Graph
+from .problem import Problem
+from .spec import shards
+from .strategy import nbytes
+
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                        "reduce_or", "reduce_xor", "argmax", "argmin"})
+"""Reductions: they fuse with the element-wise ops around them (XLA's reduction fusions)."""
+FUSIBLE = _prims.ELEMENTWISE | _prims.LAYOUT | REDUCTIONS | {"copy", "copy_p"}
+"""Ops XLA puts into one loop or reduction fusion."""
+BITCASTS = frozenset({"reshape", "squeeze", "expand_dims"})
+"""Layout ops that move no data: a group of only these is a bitcast and costs nothing."""
+PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
+"""Matrix products: priced by their FLOPs, operand reads included."""
+PROLOGUE = _prims.LAYOUT | {"convert_element_type", "copy", "copy_p"}
+"""Ops XLA folds into a product's operand read when only products read their result."""
+
+
+@dataclass(frozen=True)
+class Charge:
+    """What one node of a fusion group pays: bytes of some operands and some outputs."""
+
+    reads: tuple[int, ...]
+    """Operand positions read from outside the group (each outside value once per group)."""
+    writes: tuple[int, ...]
+    """Output positions read outside the group (written to memory once)."""
+
+
+FOLDED = Charge((), ())
+"""A prologue folded into a product, or a member of a bitcast-only group: nothing to pay."""
+
+
+def fusion_charges(graph: Graph, free: set[int]) -> dict[int, Charge]:
+    """Node id -> its ``Charge``, for every node the fusion re-prices (mesh independent).
+
+    ``free``: nodes computed from constants only (``Problem.free``): XLA makes them inside the
+    kernel that reads them, so reading them costs nothing and they join no group.
+    """
+    nodes, consumers = graph.nodes, graph.consumers()
+    readers = [{c for c, _ in consumers[n.id]} for n in nodes]
+    folded: set[int] = set()
+    for node in reversed(nodes):  # a prologue may feed another prologue
+        if (node.kind in PROLOGUE and node.id not in free and readers[node.id] and all(
+                nodes[c].kind in PRODUCTS or c in folded for c in readers[node.id])):
+            folded.add(node.id)
+    member = [n.kind in FUSIBLE and n.id not in free and n.id not in folded for n in nodes]
+    depth = [0] * len(nodes)
+    parent = list(range(len(nodes)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for node in nodes:
+        producers = [graph.values[u].producer for u in node.operands if u is not None]
+        producers = [p for p in producers if p not in free]
+        depth[node.id] = max((depth[p] + (0 if member[p] else 1) for p in producers), default=0)
+        if not member[node.id]:
+            continue
+        for p in producers:
+            if member[p] and depth[p] == depth[node.id] and nodes[p].mult == node.mult:
+                parent[root(p)] = root(node.id)
+    groups: dict[int, list[int]] = {}
+    for node in nodes:
+        if member[node.id]:
+            groups.setdefault(root(node.id), []).append(node.id)
+    charges = {n: FOLDED for n in folded}
+    for group, ids in groups.items():
+        if all(nodes[i].kind in BITCASTS for i in ids):
+            charges.update((i, FOLDED) for i in ids)
+            continue
+        has_reduction = any(nodes[i].kind in REDUCTIONS for i in ids)
+        seen: set[int] = set()
+        for i in ids:
+            node = nodes[i]
+            reads = []
+            for pos, u in enumerate(node.operands):
+                if u is None or u in seen:
+                    continue
+                p = graph.values[u].producer
+                if p in free or (member[p] and root(p) == group) or len(
+                        graph.values[u].shape) == 0:
+                    continue
+                if nodes[p].kind in PRODUCTS and readers[p] == {i} and not has_reduction:
+                    continue  # the product's epilogue (bias, activation, residual add)
+                seen.add(u)
+                reads.append(pos)
+            writes = [j for j, v in enumerate(node.outputs)
+                      if any(not (member[c] and root(c) == group)
+                             for c, _ in consumers_of(graph, consumers, v))]
+            charges[i] = Charge(tuple(reads), tuple(writes))
+    return charges
+
+
+def consumers_of(graph: Graph, consumers, value_id: int):
+    """(consumer node, operand position) pairs reading value ``value_id``."""
+    producer = graph.values[value_id].producer
+    return [(c, p) for c, p in consumers[producer]
+            if graph.nodes[c].operands[p] == value_id]
+
+
+def fuse_memory_bound(prob: Problem) -> None:
+    """Re-price the compute term of every fused node's strategies by its ``Charge``.
+
+    Each operand read and output written costs ``byte_cost`` of its bytes over the pieces the
+    strategy cuts it into. Lists keep their length and order (followers and ties still
+    match); nodes sharing a list and a charge share the new list.
+    """
+    g = prob.graph
+    charges = g.memo.get("fusion")
+    if charges is None:
+        charges = g.memo["fusion"] = fusion_charges(g, prob.free)
+    mesh = prob.ctx.mesh_shape
+    replaced: dict[tuple[int, Charge], list] = {}
+    for node_id, charge in charges.items():
+        strategies = prob.strategies[node_id]
+        new = replaced.get((id(strategies), charge))
+        if new is None:
+            node = g.nodes[node_id]
+            outs = [g.values[v] for v in node.outputs]
+            new = replaced[(id(strategies), charge)] = [dataclasses.replace(s, compute_s=sum(
+                byte_cost(nbytes(node.in_avals[p]), shards(s.in_specs[p], mesh))
+                for p in charge.reads if s.in_specs[p] is not None) + sum(
+                byte_cost(nbytes(outs[j]), shards(s.out_specs[j], mesh))
+                for j in charge.writes)) for s in strategies]
+        prob.strategies[node_id] = new
+    prob.keepalive.extend(replaced.values())
+
+
+__all__ = ["BITCASTS", "Charge", "FUSIBLE", "PROLOGUE", "REDUCTIONS", "fuse_memory_bound",
+           "fusion_charges"]

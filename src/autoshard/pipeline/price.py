@@ -44,14 +44,13 @@ import math
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 
 from ..cluster import GIB, Cluster
 from ..sharding.options import AutoShardingOption
 from ..sharding.plan import ShardingPlan
 from . import balance
 from .build import cut_program, virtual_of
-from .compile import acc_dtype, shape_auto_option
+from .compile import shape_auto_option
 from .estimate import PipelineEstimate, StageEstimate
 from .layers import AutoLayerOption
 from .layouts import step_aliases
@@ -71,7 +70,7 @@ from .schedules import get_schedule, traits
 from .simulate import simulate
 from .stages import AutoStageOption, stage_dp
 from .taskfn import task_fn
-from .tasks import FIXES, Target, plan_task, plan_tasks, task_costs
+from .tasks import FIXES, Target, plan_task, plan_tasks, task_costs, task_signature
 
 
 def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
@@ -206,15 +205,9 @@ class _Pricer:
         """``task`` planned on ``sub`` as the runtime plans it: traced with its micro-batch
         index where it draws random numbers, with the stage's options (``shape_auto_option``),
         its inputs pinned to ``fixed`` (``tasks.plan_task``); identical tasks once."""
-        consts = dict(zip(part.jaxpr.constvars, part.consts, strict=True))
-        invars = [v for v in task.invars if v not in consts]
-        outvars = [v for v in task.outvars if v not in task.accumulated]
-        acc = list(task.accumulated)
         random = task.kind != "apply" and task.draws_random
+        consts, invars, outvars, acc, abstract = task_signature(task, part, random)
         fn = task_fn(task.eqns, invars, outvars, acc, consts, random)
-        abstract = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
-        abstract += [jax.ShapeDtypeStruct(v.aval.shape, acc_dtype(v.aval.dtype)) for v in acc]
-        abstract += [jax.ShapeDtypeStruct((), jnp.int32)] if random else []
         closed = jax.make_jaxpr(fn)(*abstract)
         n, extra = len(invars), len(acc) + random
         batch = [part.holds_rows(v) for v in invars] + [False] * extra

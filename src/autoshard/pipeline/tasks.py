@@ -318,15 +318,25 @@ def plan_tasks(part: Partition, targets: Sequence[Target], split: bool, options:
     return layouts
 
 
-def _decide(kind, t: Task, part: Partition, target: Target, option, arriving, *, rows,
-            fallback, aliases=(), pins=None, gathered=(), once=None, cache=None) -> TaskPlan:
-    """How task ``t`` runs on ``target``: traced, planned (inputs pinned to ``arriving``),
-    per device over its batch axes where it can, else as planned, else data parallel."""
+def task_signature(t: Task, part: Partition, random: bool):
+    """(constants, inputs, outputs, accumulators, abstract arguments) of task ``t`` as it runs:
+    ``(*inputs, *accumulators[, micro-batch index]) -> (*outputs, *accumulators)``."""
     consts = dict(zip(part.jaxpr.constvars, part.consts, strict=True))
     invars = [v for v in t.invars if v not in consts]
     outvars = [v for v in t.outvars if v not in t.accumulated]
     acc = list(t.accumulated)
+    abstract = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
+    abstract += [jax.ShapeDtypeStruct(v.aval.shape, acc_dtype(v.aval.dtype)) for v in acc]
+    abstract += [jax.ShapeDtypeStruct((), jnp.int32)] if random else []
+    return consts, invars, outvars, acc, abstract
+
+
+def _decide(kind, t: Task, part: Partition, target: Target, option, arriving, *, rows,
+            fallback, aliases=(), pins=None, gathered=(), once=None, cache=None) -> TaskPlan:
+    """How task ``t`` runs on ``target``: traced, planned (inputs pinned to ``arriving``),
+    per device over its batch axes where it can, else as planned, else data parallel."""
     random = kind != "apply" and t.draws_random
+    consts, invars, outvars, acc, abstract = task_signature(t, part, random)
     mesh, note, pins = target.any_mesh, "", dict(pins or {})
     sizes = dict(zip(target.axis_names, target.mesh_shape, strict=True))
     axes = () if pins or kind in ("F", "apply") or not acc else row_axes(invars, rows, arriving)
@@ -341,9 +351,6 @@ def _decide(kind, t: Task, part: Partition, target: Target, option, arriving, *,
         fn = pinned(fn, pins, mesh)
     fn = gather_once(fn, tuple(gathered), mesh)
     n, n_acc = len(invars), len(acc)
-    abstract = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
-    abstract += [jax.ShapeDtypeStruct(v.aval.shape, acc_dtype(v.aval.dtype)) for v in acc]
-    abstract += [jax.ShapeDtypeStruct((), jnp.int32)] if random else []
     n_args = len(abstract)
     acc_aliases = [(n + i, len(outvars) + i) for i in range(n_acc)]
     plan = closed = in_specs = out_specs = None
@@ -487,4 +494,4 @@ def rows_taken(invars, rows, plan_in_specs) -> set:
 
 __all__ = ["FIXES", "Layouts", "Specs", "Target", "TaskPlan", "mesh_cluster", "plan_task",
            "plan_tasks",
-           "row_axes", "rows_taken", "task_costs", "task_order"]
+           "row_axes", "rows_taken", "task_costs", "task_order", "task_signature"]

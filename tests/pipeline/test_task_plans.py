@@ -317,16 +317,18 @@ def test_split_backward_computes_each_equation_once_and_passes_cotangents():
 
 # Profiling in the planned layout ---------------------------------------------------------------
 def test_profiled_candidates_run_in_their_planned_layout(tmp_path, monkeypatch):
+    """A candidate stage is profiled as the runtime would run it: its forward and backward
+    tasks planned by tasks.plan_tasks with the stage's options, on the candidate's mesh."""
     from autoshard.pipeline.profile import StageProfiler
 
-    seen = []
-    real_layout = StageProfiler._layout
+    seen = {}
+    real_measure = StageProfiler.measure
 
-    def spy(self, closed, fn, invars, n, name):
-        out = real_layout(self, closed, fn, invars, n, name)
-        seen.append((n, out))
+    def spy(self, i, j, n):
+        out = real_measure(self, i, j, n)
+        seen[(i, j, n)] = self.plans[(i, j, n)]
         return out
-    monkeypatch.setattr(StageProfiler, "_layout", spy)
+    monkeypatch.setattr(StageProfiler, "measure", spy)
     option = AutoStageOption(profile=True, profile_cache_dir=str(tmp_path),
                              submesh_physical_shape_space="manual",
                              manually_specified_submeshes=[(1, 2)])
@@ -338,14 +340,15 @@ def test_profiled_candidates_run_in_their_planned_layout(tmp_path, monkeypatch):
     got, want, _ = run_steps(step, method, (mlp_params(), mlp_batch(batch=48)), 1)
     assert_trees_close(got, want)
     assert len(seen) == 3                            # 3 layer ranges on 2 devices
-    for n, (_, _, shardings, plan) in seen:
-        assert plan is not None and plan.mesh_shape == (n,)
-        assert [s.spec for s in shardings] == list(plan.in_specs)
+    for (_, _, n), planned in seen.items():
+        assert [tp.kind for tp in planned] == ["F", "B"]
+        assert all(tp.plan is not None and tp.plan.mesh_shape == (n,) for tp in planned)
         # allow_replicated_parameters=False reached the profile: no weight is replicated,
         # where the data-parallel layout replicated every one of them (micro-batch: 24 rows).
-        weights = [s for s, leaf in zip(shardings, plan.inputs, strict=True)
+        f = planned[0]
+        weights = [spec for spec, leaf in zip(f.in_specs, f.plan.inputs, strict=False)
                    if len(leaf.shape) == 2 and leaf.shape[0] != 24]
-        assert weights and all(not s.is_fully_replicated for s in weights)
+        assert weights and all(spec != P() for spec in weights)
 
 
 # Bad input -------------------------------------------------------------------------------------

@@ -224,6 +224,16 @@ class Cut:
     """The whole-batch update and the values the runtime provides it (None: the update reads
     no batch)."""
 
+    def span(self, i: int, j: int, batch_invars, remat: bool) -> tuple[Partition, int]:
+        """The partition with layers ``[i, j)`` as one stage (the layers before and after
+        it one stage each), and that stage's index: a candidate of the stage search."""
+        stage_of_layer = [0] * i + [1] * (j - i) + [2] * (self.num_layers - j)
+        ids = {s: k for k, s in enumerate(dict.fromkeys(stage_of_layer))}
+        part = build_partition(self.closed, layer_of_fwd=self.layer_of, fwd_end=self.fwd_end,
+                               stage_of_layer=[ids[s] for s in stage_of_layer],
+                               batch_invars=batch_invars, remat=remat, after=self.after)
+        return part, ids[1]
+
 
 def cut_program(program, method) -> Cut:
     """The step as the pipeline cuts it: identity markers inlined, the update after the
@@ -322,12 +332,10 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
     def cut_cost(j, n, m):
         return cut_seconds_both(cut_bytes[j], n, m, backward)
     if isinstance(method.stage_option, AutoStageOption) and method.stage_option.profile:
-        batch_vars = [v for v, b in zip(closed.jaxpr.invars, program.batch_invars, strict=True)
-                      if b]
         option = method.stage_option
         layer_cost = StageProfiler(
-            closed, pre, fwd_end, layer_of, num_layers, devices, batch_vars,
-            cache_file=cache_file_of(option),
+            lambda i, j: cut.span(i, j, program.batch_invars, method.layer_option.remat),
+            program, devices, cache_file=cache_file_of(option),
             logical_shape=lambda n: auto_logical_shape(option, n),
             option_of=lambda mesh: stage_auto_option(method.default_auto_sharding_option,
                                                      mesh, {})).measure_all

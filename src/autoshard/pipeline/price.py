@@ -58,7 +58,6 @@ from .partition import build_partition
 from .placement import (
     axis_names,
     given_stages,
-    renumber,
     shape_cluster,
     stage_layers,
     stage_overrides,
@@ -190,8 +189,7 @@ class _Pricer:
 
     def __init__(self, method, program, cut, cluster):
         self.method, self.program, self.cluster = method, program, cluster
-        self.closed, self.layer_of, self.fwd_end = cut.closed, cut.layer_of, cut.fwd_end
-        self.after = cut.after
+        self.cut = cut
         self.option(None, {})  # a bad default_auto_sharding_option fails here
         self.cache: dict = {}
         self.walk_cache: dict = {}  # plans of identical tasks in the walk (plan_tasks)
@@ -309,13 +307,8 @@ class _Pricer:
         budget = option.memory_budget_per_device
         measured: dict = {}
         for i, j in spans:
-            stage_of_layer = [0] * i + [1] * (j - i) + [2] * (num_layers - j)
-            stage_of_layer = renumber(stage_of_layer)
-            s = stage_of_layer[i]
-            part = build_partition(self.closed, layer_of_fwd=self.layer_of,
-                                   fwd_end=self.fwd_end, stage_of_layer=stage_of_layer,
-                                   batch_invars=self.program.batch_invars,
-                                   remat=self.method.layer_option.remat, after=self.after)
+            part, s = self.cut.span(i, j, self.program.batch_invars,
+                                    self.method.layer_option.remat)
             for c, shape in enumerate(shapes):
                 sub = shape_cluster(self.cluster, shape)
                 option_c = ({"memory_budget_per_device": budget} if budget is not None else {})

@@ -1,16 +1,15 @@
 """Measured stage times for ``AutoStageOption(profile=True)``.
 
-A candidate stage (layers ``[i, j)`` on a sub-mesh of ``n`` devices) is the forward equations
-of those layers plus the backward equations the partition would give them, as one jit on the
-first ``n`` devices in the layout the stage would run: planned by ShardParallel's planner on
-the sub-mesh's logical shape with the stage's options (``logical_shape(n)``, ``option_of``),
-the micro-batch's rows as batch inputs, on its devices' costs (``tasks.plan_task``, as the
-runtime plans a task). If the planner fails, rows are split over the
-devices and the rest replicated (the plan's note says so). It is compiled, run once to warm
-up and ``repeats`` more times; its time is the median, its memory what XLA allocated per
-device. Results are kept in a JSON file keyed by a hash of the candidate's program, its
-layout, the device count and kind and the JAX version, so a second search over the same model
-compiles nothing.
+A candidate stage (layers ``[i, j)`` on a sub-mesh of ``n`` devices) is the stage of the
+partition that holds those layers alone (``Cut.span``); its forward and backward tasks are
+planned by ``tasks.plan_tasks`` as the runtime plans them (on the sub-mesh's logical shape
+``logical_shape(n)`` with the stage's options ``option_of``, on the first ``n`` devices'
+costs, the backward per device over its batch axes where its rows arrive split) and compiled
+as the runtime compiles them (``compile.CompiledTask``). They run once to warm up and
+``repeats`` more times, forward then backward; the time is the median, the memory the most
+XLA allocated per device for either. Results are kept in a JSON file keyed by a hash of the
+tasks, their layouts, the device count and kind and the JAX version, so a second search over
+the same model compiles nothing.
 """
 
 from __future__ import annotations
@@ -21,51 +20,29 @@ import math
 import os
 import statistics
 import time
-import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from ..ir import _compat
-from ..ir._jaxpr import Env
-from ..sharding import apply_plan
-from .partition import _task, assign_backward, free_eqns
-from .tasks import mesh_cluster, plan_task
+from .compile import CompiledTask
+from .reduce import acc_dtype
+from .tasks import Target, mesh_cluster, plan_tasks
 
 
 class StageProfiler:
     """``measure(i, j, n) -> (seconds, bytes per device)`` of a candidate stage, cached."""
 
-    def __init__(self, closed, pre, fwd_end: int, layer_of: dict, num_layers: int, devices,
-                 batch_vars, *, cache_file: str | None, repeats: int = 3,
+    def __init__(self, span, program, devices, *, cache_file: str | None, repeats: int = 3,
                  logical_shape=None, option_of=None):
-        self.closed, self.devices, self.repeats = closed, devices, repeats
+        self.span, self.program, self.devices, self.repeats = span, program, devices, repeats
         self.logical_shape = logical_shape or (lambda n: (n,))
         self.option_of = option_of
         self.plans: dict = {}
-        """(i, j, n) -> the ShardingPlan a candidate ran (absent: it ran data parallel)."""
-        self.consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-        self.layer_eqns: list[list] = [[] for _ in range(num_layers)]
-        bwd = assign_backward(pre, fwd_end, layer_of, num_layers, closed.jaxpr.invars)
-        for i, e in enumerate(pre):
-            layer = layer_of.get(i) if i < fwd_end else bwd.get(i)
-            if layer is not None:
-                self.layer_eqns[layer].append((i, e))
-        self.free = free_eqns(pre, [], closed.jaxpr.constvars)
-        self.producer = {v: e for e in pre for v in e.outvars}
-        self.readers: dict = {}
-        for e in closed.jaxpr.eqns:
-            for v in e.invars:
-                if isinstance(v, _compat.Var):
-                    self.readers.setdefault(v, set()).add(id(e))
-        self.step_outs = {v for v in closed.jaxpr.outvars if isinstance(v, _compat.Var)}
-        self.batch_vars = set(batch_vars)
-        self.mb_rows = next((v.aval.shape[0] for v in self.batch_vars if v.aval.shape), None)
+        """(i, j, n) -> the TaskPlans a candidate ran (its forward and backward)."""
         self.cache_file = Path(cache_file) if cache_file else None
         self.cache = _load(self.cache_file)
         self.num_compiled = 0
@@ -79,84 +56,66 @@ class StageProfiler:
         return out
 
     def measure(self, i: int, j: int, n: int) -> tuple[float, int]:
-        eqns = [e for _, e in sorted((x for layer in range(i, j) for x in self.layer_eqns[layer]),
-                                     key=lambda x: x[0])]
-        task = _task(f"profile{i}:{j}", "F", 0, [e for e in eqns if id(e) not in self.free],
-                     self.producer, self.free)
-        invars = [v for v in task.invars if v not in self.consts]
-        ids = {id(e) for e in task.eqns}
-        outvars = [v for e in task.eqns for v in e.outvars  # what later work reads
-                   if v in self.step_outs or self.readers.get(v, set()) - ids]
-        consts = self.consts
-
-        def fn(*args):
-            env = Env()
-            env.values = dict(zip(invars, args, strict=True))
-            env.values.update(consts)
-            env.run(task.eqns)
-            return [env.values[v] for v in outvars]
-
-        abstract = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
-        closed = jax.make_jaxpr(fn)(*abstract)
-        mesh, run, shardings, plan = self._layout(closed, fn, invars, n, f"profile{i}:{j}")
-        if plan is not None:
-            self.plans[(i, j, n)] = plan
-        key = self._key(closed, shardings, n)
-        hit = self.cache.get(key)
-        if hit is not None:
-            return float(hit["seconds"]), int(hit["bytes"])
-        seconds, nbytes = self._run(run, abstract, shardings)
-        self.cache[key] = {"seconds": seconds, "bytes": nbytes, "layers": [i, j], "devices": n,
-                           "mesh": list(mesh.devices.shape), "planned": plan is not None}
-        return seconds, nbytes
-
-    def _layout(self, closed, fn, invars, n, name):
-        """(mesh, function, input shardings, plan): the candidate as the stage would run it."""
+        part, s = self.span(i, j)
         shape = tuple(self.logical_shape(n))
         names = ("x",) if len(shape) == 1 else tuple(f"x{a}" for a in range(len(shape)))
         mesh = _compat.make_auto_mesh(
             np.array(self.devices[:n], dtype=object).reshape(shape), names)
-        rows = [bool(getattr(v.aval, "shape", ())) and v.aval.shape[0] == self.mb_rows
-                for v in invars]
-        if self.option_of is not None:
-            try:
-                plan = plan_task(closed, name, num_devices=n, option=self.option_of(mesh),
-                                 batch=rows, aliases=(), cluster=mesh_cluster(mesh),
-                                 axis_names=names)
-                return (mesh, jax.jit(apply_plan(closed, plan, mesh), out_shardings=[
-                    NamedSharding(mesh, s) for s in plan.out_specs]),
-                        [NamedSharding(mesh, s) for s in plan.in_specs], plan)
-            except Exception as err:  # a candidate the planner cannot plan still gets a time
-                warnings.warn(f"autoshard pipeline: {name} on {n} devices profiled data "
-                              f"parallel: the planner failed ({type(err).__name__}: {err})",
-                              stacklevel=2)
-        split = P(names if len(names) > 1 else names[0])
-        shardings = [NamedSharding(mesh, split if r and v.aval.shape[0] % n == 0 else P())
-                     for r, v in zip(rows, invars, strict=True)]
-        return mesh, fn, shardings, None
+        option = self.option_of(mesh) if self.option_of is not None else None
+        target = Target(0, shape, names, mesh_cluster(mesh), mesh)
+        planned: list = []
+        plan_tasks(part, [target] * part.num_stages, False, [option] * part.num_stages,
+                   program=self.program, realize=planned.append,
+                   select=lambda kind, t: t.stage == s and kind != "apply")
+        self.plans[(i, j, n)] = planned
+        key = self._key(planned, n)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return float(hit["seconds"]), int(hit["bytes"])
+        seconds, nbytes = self._run([CompiledTask(tp, mesh) for tp in planned])
+        self.cache[key] = {"seconds": seconds, "bytes": nbytes, "layers": [i, j], "devices": n,
+                           "mesh": list(shape),
+                           "planned": all(tp.plan is not None for tp in planned)}
+        return seconds, nbytes
 
-    def _key(self, closed, shardings, n) -> str:
+    def _key(self, planned, n) -> str:
         dev = self.devices[0]
-        layout = [(tuple(s.mesh.devices.shape), str(s.spec)) for s in shardings]
-        blob = (f"{closed}|{layout}|{n}|{dev.platform}|{dev.device_kind}|{jax.__version__}|"
+        tasks = [("\n".join(str(e) for e in tp.task.eqns), [str(p) for p in tp.in_specs],
+                  [str(p) for p in tp.out_specs]) for tp in planned]
+        blob = (f"{tasks}|{n}|{dev.platform}|{dev.device_kind}|{jax.__version__}|"
                 f"{self.repeats}")
         return hashlib.sha256(blob.encode()).hexdigest()
 
-    def _run(self, fn, abstract, shardings) -> tuple[float, int]:
-        compiled = jax.jit(fn, in_shardings=shardings).lower(*[
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-            for a, s in zip(abstract, shardings, strict=True)]).compile()
-        self.num_compiled += 1
-        args = [jax.device_put(_example(a), s) for a, s in zip(abstract, shardings, strict=True)]
-        jax.block_until_ready(compiled(*args))
+    def _run(self, compiled) -> tuple[float, int]:
+        """Median seconds of the tasks run one after the other, and the most bytes per device
+        any of them takes."""
+        self.num_compiled += len(compiled)
+        args = []
+        for c in compiled:
+            shapes = [(v.aval.shape, v.aval.dtype) for v in c.invars] + [
+                (shape, acc_dtype(v.aval.dtype))
+                for v, shape in zip(c.accumulated, c.acc_shapes, strict=True)]
+            shapes += [((), jnp.int32)] if c.random else []
+            args.append([jax.device_put(_example(jax.ShapeDtypeStruct(sh, dt)), x)
+                         for (sh, dt), x in zip(shapes, c.in_shardings, strict=True)])
+
+        def once():
+            for c, a in zip(compiled, args, strict=True):
+                n = len(c.invars)
+                outs = c(a)
+                a[n:n + len(c.accumulated)] = outs[len(c.outvars):]  # donated: use the new
+            jax.block_until_ready(args)
+        once()
         times = []
         for _ in range(self.repeats):
             t0 = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
+            once()
             times.append(time.perf_counter() - t0)
-        m = compiled.memory_analysis()
-        nbytes = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes -
-                     m.alias_size_in_bytes)
+        nbytes = 0
+        for c in compiled:
+            m = c.compiled.memory_analysis()
+            nbytes = max(nbytes, int(m.argument_size_in_bytes + m.output_size_in_bytes
+                                     + m.temp_size_in_bytes - m.alias_size_in_bytes))
         return statistics.median(times), nbytes
 
 

@@ -240,7 +240,8 @@ def task_order(part: Partition, split: bool) -> list[tuple[str, Task]]:
 
 def plan_tasks(part: Partition, targets: Sequence[Target], split: bool, options: Sequence,
                *, program, realize: Callable[[TaskPlan], None], manual=None, given=None,
-               once=None, cache: dict | None = None) -> Layouts:
+               once=None, cache: dict | None = None,
+               select: Callable[[str, Task], bool] | None = None) -> Layouts:
     """Plan every task of ``part``, stage ``s``'s on ``targets[s]`` with ``options[s]`` (an
     ``AutoShardingOption``; None: data parallel), in the order values flow, and hand each
     ``TaskPlan`` to ``realize`` (the runtime compiles it, the pricing prices it).
@@ -249,8 +250,9 @@ def plan_tasks(part: Partition, targets: Sequence[Target], split: bool, options:
     ``ManualSpecs``' pins and, for forward tasks, ``given`` specs per stage first), is traced
     as it runs (with its micro-batch index where it draws random numbers), planned by
     ``plan_task`` on its target's costs (``once(name, closed, mesh, option, plan)`` wraps the
-    call, e.g. planning on one process; ``cache`` keeps the plans of identical tasks), and a
-    backward task whose micro-batch rows arrive
+    call, e.g. planning on one process; ``cache`` keeps the plans of identical tasks;
+    ``select(kind, task)`` False: the task is left out, e.g. a candidate stage's neighbours
+    when profiling it), and a backward task whose micro-batch rows arrive
     split over some axes runs per device over them (``row_axes``/``rows_taken``; not where
     that would communicate). Apply tasks run ZeRO-2 where their option asks (``zero``). Between
     the backward and apply tasks come the finalised gradients, the sums spanning stages
@@ -263,6 +265,8 @@ def plan_tasks(part: Partition, targets: Sequence[Target], split: bool, options:
     zero_split: set = set()
 
     def run(kind, t):
+        if select is not None and not select(kind, t):
+            return
         target = targets[t.stage]
         invars = [v for v in t.invars if v not in consts]
         arriving = [layouts.arriving(v, target) for v in invars]

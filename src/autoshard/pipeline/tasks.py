@@ -2,14 +2,16 @@
 
 ``plan_tasks`` walks a partition's tasks in the order values flow (forward stages, backward
 stages last one first, the stages' finalised gradients and the sums spanning stages, then the
-apply tasks) and gives each task the layouts its inputs arrive in (``Layouts.arriving``): the
-layout a value already has on the task's sub-mesh, else its producer's (or first reader's),
-carried over where the sub-mesh holds the same shards device for device. What a task does with
-them is the caller's ``realize``: the runtime compiles the task on its sub-mesh
-(``compile.CompiledTask``), the pricing of a described cluster plans it on the sub-mesh's
-cluster (``price``); both plan through ``plan_task`` and decide a backward task's batch axes
-with ``row_axes``/``rows_taken``, so the plan that was priced is the plan that runs
-(``tests/pipeline/test_task_planner.py`` holds them equal for every schedule).
+apply tasks) and decides how each runs (a ``TaskPlan``): the layouts its inputs arrive in
+(``Layouts.arriving``: the layout a value already has on the task's sub-mesh, else its
+producer's, or first reader's, carried over where the sub-mesh holds the same shards device
+for device), its plan (``plan_task``, on its target's costs), whether a backward task runs
+per device over the batch axes its rows arrive split over (``row_axes``/``rows_taken``, and
+not where the per-device run would communicate), ZeRO-2 apply tasks, a manual option's pins.
+The caller's ``realize`` gets each ``TaskPlan``: the runtime compiles it on its sub-mesh
+(``compile.CompiledTask``), the pricing of a described cluster prices it (``price``), the
+stage profiler compiles and times a candidate stage's. So the plan that was priced is the
+plan that runs (``tests/pipeline/test_task_planner.py`` holds them equal for every schedule).
 
 A task is planned with its inputs pinned to the layouts their producers give them
 (``fixed``). If no plan takes them (a ``ValueError``, the memory budget's included: pinned

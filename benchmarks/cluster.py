@@ -27,11 +27,16 @@ shapes (nothing is allocated, no GPU is used), with the planner choosing the mes
   (data, tensor) mesh, the step's activations pinned to Megatron's layout
   (``megatron_pin``: ``with_sharding_constraint`` on an ``AbstractMesh``); the planner
   places only what is left unpinned;
-* TFLOP/s per GPU = the program's matrix-product FLOPs (recompute included, as the paper
-  counts) / estimated step time / devices.
+* TFLOP/s per GPU = the program's matrix-product FLOPs as traced (JAX's recompute included)
+  / estimated step time / devices; "eq. 3" TFLOP/s count the step as the paper does
+  (``Objective.model_flops``: 3 x the forward + the forward every remat recomputes, equal to
+  the paper's eq. 3 for this GPT; the traced count reads 7-8% under it because JAX does not
+  recompute each layer's last matmul). Published Table 1 figures are eq. 3's.
 
 Run: ``python benchmarks/cluster.py [--rows 1.7B 3.6B] [--unroll]``; writes
-``benchmarks/results/cluster.{json,md}`` (``--rewrite``: only the markdown from the json).
+``benchmarks/results/cluster.{json,md}`` (``--rewrite``: only the markdown from the json;
+``--out DIR``: another results directory; ``--before OLD.json``: keep the rows of an earlier
+run in the json and tabulate what moved, row by row).
 The 39.1B row (tensor 8 x pipeline 2 on 512 GPUs) is planned without a pipeline (scan rows);
 ``--pipeline`` plans it with ``PipeshardParallel`` as well (``run_pipeline``): the step
 unrolled with a ``mark_pipeline_boundary()`` every 6 layers (8 pipeline layers), 16
@@ -76,6 +81,7 @@ from autoshard.sharding.graph import build_graph
 
 VOCAB, SEQ = 51200, 2048
 RESULTS = Path(__file__).parent / "results"
+"""Where the results go (``--out`` replaces it)."""
 SOURCE = ("Narayanan et al., SC'21, arXiv 2104.04473, Table 1: model shapes, GPUs, global "
           "batch, tensor x pipeline split and achieved TFLOP/s per GPU (aggregate = TFLOP/s x "
           "GPUs: 4.4, 8.8, 18.2, 34.6, 70.8 PFLOP/s). Checked against public copies: the "
@@ -268,6 +274,8 @@ def run(name: str, scan: bool) -> dict:
                communication_s=o.communication_s + o.resharding_s,
                flops=o.flops, paper_formula_flops=paper_flops(hidden, layers, batch),
                tflops=o.flops / o.total_s / gpus / 1e12,
+               model_flops=getattr(o, "model_flops", 0.0),
+               eq3_tflops=paper_flops(hidden, layers, batch) / o.total_s / gpus / 1e12,
                memory_gib=o.peak_bytes_per_device / 2**30,
                meshes_tried=[[list(s), v] for s, v in o.meshes_tried],
                meshes_pruned=[[list(s), why] for s, why in o.meshes_pruned],
@@ -293,6 +301,7 @@ def run(name: str, scan: bool) -> dict:
                paper_compute_s=paper.compute_s,
                paper_communication_s=paper.communication_s + paper.resharding_s,
                paper_est_tflops=paper.flops / paper.total_s / gpus / 1e12,
+               paper_eq3_tflops=paper_flops(hidden, layers, batch) / paper.total_s / gpus / 1e12,
                paper_memory_gib=paper.peak_bytes_per_device / 2**30)
     return row
 
@@ -356,6 +365,8 @@ def run_pipeline(name: str) -> dict:
     est = autoshard.plan(step, *args, cluster=cluster, method=paper, batch_argnums=(1, 2))
     row["paper_price_s"] = time.perf_counter() - t0
     row["paper_pipeline_priced"] = pipeline_summary(est, cluster)
+    row["paper_pipeline_priced"]["eq3_tflops"] = paper_flops(hidden, layers, batch) / (
+        est.step_s * gpus * 1e12)
     print(est.explain(), file=sys.stderr, flush=True)
     search = PipeshardParallel(
         num_micro_batches=k, layer_option="manual", default_auto_sharding_option=quiet,
@@ -367,6 +378,8 @@ def run_pipeline(name: str) -> dict:
     row["plan_s"] = time.perf_counter() - t0
     row["load_average"] = os.getloadavg()[0]
     row["planned_pipeline"] = pipeline_summary(est, cluster)
+    row["planned_pipeline"]["eq3_tflops"] = paper_flops(hidden, layers, batch) / (
+        est.step_s * gpus * 1e12)
     print(est.explain(), file=sys.stderr, flush=True)
     return row
 
@@ -376,31 +389,40 @@ def why(r: dict) -> str:
     ratio = r["paper_step_s"] / r["step_s"]
     verdict = (f"chosen rated {ratio:.2f}x faster" if ratio >= 1
                else f"paper's plan rated {1 / ratio:.2f}x faster")
+    eq3 = f" ({r['paper_eq3_tflops']:.0f} eq. 3)" if "paper_eq3_tflops" in r else ""
     return (f"{r['paper_step_s']:.2f} s ({r['paper_compute_s']:.2f} + "
-            f"{r['paper_communication_s']:.2f}), {r['paper_est_tflops']:.0f} TFLOP/s, "
+            f"{r['paper_communication_s']:.2f}), {r['paper_est_tflops']:.0f}{eq3} TFLOP/s, "
             f"{r['paper_memory_gib']:.1f} GiB: {verdict}")
 
 
-def write(rows: list[dict]):
+def write(rows: list[dict], before: dict | None = None):
+    """Write cluster.json and cluster.md; ``before``: {"label": ..., "rows": [...]} of an
+    earlier run, kept in the json and compared row by row in the markdown."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     meta = {"jax": jax.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
             "cluster": "Cluster.a100_80gb(num_hosts = GPUs / 8)", "seq": SEQ, "vocab": VOCAB}
-    (RESULTS / "cluster.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    data = {"meta": meta, "rows": rows}
+    if before is not None:
+        data["before"] = before
+    (RESULTS / "cluster.json").write_text(json.dumps(data, indent=1))
     lines = ["# Megatron-LM Table 1 rows planned for described A100 clusters", "",
              f"`autoshard.plan` on abstract shapes, jax {meta['jax']}, {meta['cpus']} CPUs "
              "(shared), no GPU. Cluster: `Cluster.a100_80gb(GPUs / 8)` (312 TFLOP/s bf16 x 0.8, "
-             "80 GiB, NVLink 300 GB/s, 25 GB/s per GPU between nodes). Split = data x tensor "
+             "80 GiB, NVLink 300 GB/s, 25 GB/s per GPU between nodes: 8 NICs, 200 GB/s per "
+             "node). Split = data x tensor "
              "(+zero: weights and Adam state also split over the data axis named, gathered at "
-             "use). TFLOP/s per GPU = matrix-product FLOPs of the step (recompute included) / "
-             "estimated step time / GPUs. Plan s: wall time of `autoshard.plan` (trace + "
+             "use). TFLOP/s per GPU = matrix-product FLOPs of the step as traced (JAX's "
+             "recompute included) / estimated step time / GPUs; eq. 3: the paper's count "
+             "(`Objective.model_flops`, equal to the paper's formula for this model: the "
+             "traced count is 7-8% under it). Plan s: wall time of `autoshard.plan` (trace + "
              "plan) on this 2-core machine shared with other jobs (1-minute load average "
              "during the rows: "
              + ", ".join(f"{r['model']} {r['layers_as']} {r['load_average']:.1f}"
                          for r in rows if "load_average" in r) + ").", "",
              "| model | GPUs | layers as | plan s | mesh | split (data x tensor) | paper split "
-             "| est. step s (compute + comm) | est. TFLOP/s/GPU | paper TFLOP/s/GPU | memory "
-             "GiB/GPU | the paper's plan priced by the same model: step s (compute + comm), "
-             "TFLOP/s/GPU, memory |",
+             "| est. step s (compute + comm) | est. TFLOP/s/GPU traced (eq. 3) | paper "
+             "TFLOP/s/GPU (eq. 3) | memory GiB/GPU | the paper's plan priced by the same "
+             "model: step s (compute + comm), TFLOP/s/GPU traced (eq. 3), memory |",
              "|---|---:|---|---:|---|---|---|---|---:|---:|---:|---|"]
     for r in rows:
         if r["layers_as"] == "pipeline":
@@ -420,7 +442,7 @@ def write(rows: list[dict]):
                if "plan_s_without_cutoff" in r else "") + " "
             f"| {'x'.join(map(str, r['mesh']))} | {r['data']} x {r['tensor']}{zero} | {paper} "
             f"| {r['step_s']:.2f} ({r['compute_s']:.2f} + {r['communication_s']:.2f}) "
-            f"| {r['tflops']:.0f} | {r['paper_tflops']} | {r['memory_gib']:.1f}"
+            f"| {r['tflops']:.0f}{eq3_of(r)} | {r['paper_tflops']} | {r['memory_gib']:.1f}"
             f"{' (over 80 GiB)' if r['memory_gib'] > 80 else ''} "
             f"| {why(r) if 'paper_step_s' in r else unpriced(r, rows)} |")
     lines += ["", "Paper figures: " + SOURCE + ". The last column prices the paper's plan "
@@ -446,7 +468,79 @@ def write(rows: list[dict]):
               + ", ".join(f"{r['model']} {r['flops'] / r['paper_formula_flops']:.2f}"
                           for r in rows if "flops" in r) + "."]
     lines += pipeline_lines(rows)
+    if before is not None:
+        lines += moved_lines(rows, before)
     (RESULTS / "cluster.md").write_text("\n".join(lines) + "\n")
+
+
+def eq3_of(r: dict) -> str:
+    return f" ({r['eq3_tflops']:.0f})" if "eq3_tflops" in r else ""
+
+
+def _key(r: dict) -> tuple:
+    return r["model"], r["layers_as"]
+
+
+def moved_lines(rows: list[dict], before: dict) -> list[str]:
+    """Row by row: the estimates of an earlier run (``before``) beside this run's."""
+    old = {_key(r): r for r in before["rows"]}
+    lines = ["", f"## What moved: {before['label']}", "",
+             "Each row planned twice, by the code before and after (same script, same "
+             "machine); TFLOP/s per GPU as eq. 3 counts (the paper's formula / estimated step "
+             "time / GPUs), the paper's Table 1 figure beside them. Ratio = the paper's plan "
+             "priced by the same model / the planner's plan (> 1: the planner's rated faster).",
+             "Memory-bound s = compute s less the products' time at the preset's sustained "
+             f"{SUSTAINED / 1e12:.0f} TFLOP/s (the traced FLOPs / GPUs / that rate).",
+             "", "| model | layers as | mesh before -> after | est. step s before -> after "
+             "(compute + comm) | memory-bound s before -> after | eq. 3 TFLOP/s before -> "
+             "after | paper TFLOP/s | paper's plan step s before -> after | ratio before -> "
+             "after |",
+             "|---|---|---|---|---|---|---:|---|---|"]
+
+    def step_of(r):
+        if r["layers_as"] == "pipeline":
+            e = r["planned_pipeline"]
+            return e["step_s"], e["makespan_s"], e["apply_s"], None
+        return r["step_s"], r["compute_s"], r["communication_s"], r["mesh"]
+
+    def paper_of(r):
+        if r["layers_as"] == "pipeline":
+            return r["paper_pipeline_priced"]["step_s"]
+        return r.get("paper_step_s")
+
+    def eq3(r):
+        s = step_of(r)[0]
+        hidden, _, layers, gpus, batch = ROWS[r["model"]][:5]
+        return paper_flops(hidden, layers, batch) / s / gpus / 1e12
+
+    for r in rows:
+        b = old.get(_key(r))
+        if b is None or "skipped" in r or "skipped" in b:
+            continue
+        (s0, c0, m0, mesh0), (s1, c1, m1, mesh1) = step_of(b), step_of(r)
+        p0, p1 = paper_of(b), paper_of(r)
+        mesh = ("stage search" if mesh0 is None else
+                f"{'x'.join(map(str, mesh0))} -> {'x'.join(map(str, mesh1))}")
+        paper = f"{p0:.2f} -> {p1:.2f}" if p0 and p1 else "-"
+        ratio = f"{p0 / s0:.2f} -> {p1 / s1:.2f}" if p0 and p1 else "-"
+        memory = (f"{memory_bound_s(b):.2f} -> {memory_bound_s(r):.2f}"
+                  if r["layers_as"] != "pipeline" else "-")
+        lines.append(f"| {r['model']} | {r['layers_as']} | {mesh} | {s0:.2f} ({c0:.2f} + "
+                     f"{m0:.2f}) -> {s1:.2f} ({c1:.2f} + {m1:.2f}) | {memory} | {eq3(b):.0f} "
+                     f"-> {eq3(r):.0f} | {r['paper_tflops']} | {paper} | {ratio} |")
+    if any(r["layers_as"] == "pipeline" for r in rows):
+        lines += ["", "Pipeline rows: compute + comm read schedule + apply."]
+    lines += ["", *before.get("notes", [])]
+    return lines
+
+
+SUSTAINED = Cluster.a100_80gb(1).peak_flops * Cluster.a100_80gb(1).flops_efficiency
+"""FLOP/s the preset's compute term gives matrix products."""
+
+
+def memory_bound_s(r: dict) -> float:
+    """Seconds of a row's compute term not spent in matrix products."""
+    return r["compute_s"] - r["flops"] / r["gpus"] / SUSTAINED
 
 
 def unpriced(r: dict, rows: list[dict]) -> str:
@@ -478,7 +572,8 @@ def pipeline_lines(all_rows: list[dict]) -> list[str]:
              "replayed schedule plus the apply tasks. The micro-batch count is our choice "
              "(Table 1 gives none).", "",
              "| model | GPUs | micro-batches | plan | stages: layers on (hosts x GPUs), mesh | "
-             "est. step s (schedule + apply) | bubble | est. TFLOP/s/GPU | paper TFLOP/s/GPU "
+             "est. step s (schedule + apply) | bubble | est. TFLOP/s/GPU traced (eq. 3) | "
+             "paper TFLOP/s/GPU "
              "| memory GiB/GPU | plan s |",
              "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -497,7 +592,7 @@ def pipeline_lines(all_rows: list[dict]) -> list[str]:
             lines.append(
                 f"| {r['model']} | {r['gpus']} | {r['num_micro_batches']} | {label} | {stages} "
                 f"| {e['step_s']:.2f} ({e['makespan_s']:.2f} + {e['apply_s']:.2f}) "
-                f"| {e['bubble_fraction']:.1%} | {e['tflops']:.0f} | {r['paper_tflops']} "
+                f"| {e['bubble_fraction']:.1%} | {e['tflops']:.0f}{eq3_of(e)} | {r['paper_tflops']} "
                 f"| {e['memory_gib']:.1f} | {r[secs]:.0f} |")
     for r in rows:
         e = r.get("paper_pipeline_priced")
@@ -532,19 +627,37 @@ def main(argv=None):
     parser.add_argument("--rewrite", action="store_true", help="only rewrite cluster.md")
     parser.add_argument("--append", action="store_true",
                         help="keep the rows already in cluster.json, add these after them")
+    parser.add_argument("--out", type=Path, help="results directory (default: results/)")
+    parser.add_argument("--before", type=Path,
+                        help="cluster.json of an earlier run: kept and compared row by row")
+    parser.add_argument("--before-label", default="an earlier run",
+                        help="what the earlier run was (shown in the comparison)")
+    parser.add_argument("--before-notes", type=Path,
+                        help="text file: paragraphs shown under the comparison (why it moved)")
     args = parser.parse_args(argv)
+    global RESULTS
+    if args.out is not None:
+        RESULTS = args.out
+    saved = (json.loads((RESULTS / "cluster.json").read_text())
+             if args.rewrite or args.append else {})
+    before = saved.get("before")
+    if args.before is not None:
+        before = {"label": args.before_label,
+                  "rows": json.loads(args.before.read_text())["rows"]}
+        if args.before_notes is not None:
+            before["notes"] = args.before_notes.read_text().split("\n\n")
     if args.rewrite:
-        write(json.loads((RESULTS / "cluster.json").read_text())["rows"])
+        write(saved["rows"], before)
         return
     modes = [True, False] if args.both else [not args.unroll]
-    rows = json.loads((RESULTS / "cluster.json").read_text())["rows"] if args.append else []
+    rows = saved["rows"] if args.append else []
     if args.pipeline:
         for name in args.rows:
             if name in PIPELINE_ROWS:
                 rows = [r for r in rows if not (r["model"] == name
                                                 and r["layers_as"] == "pipeline")]
                 rows.append(run_pipeline(name))
-                write(rows)
+                write(rows, before)
         return
     for scan in modes:
         for name in args.rows:
@@ -553,7 +666,7 @@ def main(argv=None):
             rows.append(run(name, scan))
             print(json.dumps({k: v for k, v in rows[-1].items()
                               if not k.startswith("meshes")}), file=sys.stderr, flush=True)
-            write(rows)
+            write(rows, before)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,17 @@ intra-host link the rest of the ring uses: ``beta = max(inter / k, intra)`` in s
 with one device per host (a data axis across nodes beside a tensor axis inside them) keeps
 the per-device figure: each of the parallel rings has its own NIC. An axis straddling hosts
 unevenly counts ``k = 1`` (its worst group has a lone device in some host). Before, every
-crossing axis was one ring through one NIC.
+crossing axis was one ring through one NIC. The two rules price the same devices differently
+when they form one axis or two: an all-reduce of ``B`` bytes over 4 DGX A100 nodes as one
+32-wide axis is one ring, ``1.94 B / 200 GB/s``; over a (4, 8) mesh's two axes it is the
+phases, ``1.75 B / 300 GB/s + 1.5 B / 8 / 25 GB/s``, about 1.4x the ring (NCCL's flat ring over
+all NICs beats the phased algorithm for large messages). The planner prices both meshes and
+may choose either.
+
+**FLOPs reported** (``flops``). ``explain()`` shows the traced FLOPs (what the step runs) and,
+beside them, the model FLOPs as Megatron-LM's eq. 3 counts a step (3 x the forward plus the
+forward every remat recomputes), the count published TFLOP/s figures use. Neither enters the
+objective.
 
 **Compute.** A matrix product or convolution costs its FLOPs at the device's sustained rate
 (``flop_cost``; its operand reads and result write are inside that figure). A memory-bound op

@@ -19,7 +19,7 @@ A backward task whose micro-batch rows arrive split on dim 0 over some axes (its
 runs per device over them, auto over the other axes in the layouts its plan gives them, and
 keeps its accumulated gradients as partial sums over the batch axes: the stage's reduce task
 sums them once per step (``reduce``). It stays planned and reduces per micro-batch (with a
-note) when its plan takes the rows otherwise or running per device would communicate (an
+note) when its plan takes the rows otherwise or running per device would move rows (an
 operation without a per-row rule in ``_local.LocalEval``).
 
 If the planner fails on a task, the task falls back to data parallelism (``Specs``): a value

@@ -6,19 +6,21 @@ stages from the stage option, the same ``Partition`` of tasks); then, instead of
 
 * every sub-mesh is a slice of the cluster (consecutive devices, host by host): a sub-mesh
   inside one host is a one-host ``Cluster`` of its devices, a larger one whole hosts;
-* every task (``F``, ``B`` or ``Ba``/``Bw``, ``apply``) is traced as the runtime runs it and
-  planned by ``sharding.plan_auto`` on its sub-mesh's cluster: its links, FLOP/s and memory.
-  Tasks are planned in the runtime's order with its input pins (a value takes the layout it
-  already has on the sub-mesh, else its producer's where that sub-mesh has the same logical
-  shape), so on the devices at hand the priced plans are the compiled ones. A stage's first
-  task chooses the sub-mesh's logical shape unless the stage option fixes it (the runtime
-  uses a 1-D sub-mesh there); random-key folding per micro-batch is not priced;
+* every task (``F``, ``B`` or ``Ba``/``Bw``, ``apply``) is planned by ``tasks.plan_tasks``,
+  the runtime's own walk: traced as it runs, in the order values flow, with the input layouts
+  it would receive, on its sub-mesh's cluster (links, FLOP/s and memory); so on the devices
+  at hand the priced plans are the compiled ones. A stage's first task chooses the sub-mesh's
+  logical shape unless the stage option fixes it (the runtime uses a 1-D sub-mesh there);
+* ``interleaved_1f1b``: model stage ``s`` on sub-mesh ``s % (stages / virtual_stages)``, as
+  the runtime places it; a sub-mesh runs the apply tasks of all its stages and holds their
+  memory (each stage's peak summed: an upper bound);
 * a backward task whose micro-batch rows arrive split over batch axes is priced as the runtime
   runs it, per device over them (``reduce.without_batch_reductions``: its gradient reductions
   over them leave its plan; rows arriving split otherwise pay their reshard), and its stage's
   once-per-step reduction of those gradients is added to the stage's apply time
-  (``StageEstimate.reduce_bytes``/``reduce_s``); the runtime's fallback for a backward that
-  would communicate per device (an operation without a per-row rule) is not modelled;
+  (``StageEstimate.reduce_bytes``/``reduce_s``); a backward that would move rows per device
+  (an operation without a per-row rule) stays planned and reduces per micro-batch, as at run
+  time (``tasks.plan_tasks`` decides both);
 * a value read on another stage is copied once per micro-batch (``F``/``B`` outputs) or per
   step (``apply``): each sending device sends its shard (the producer plan's spec) over the
   link joining the two sub-meshes (inside a host, or between hosts); the copy is charged to

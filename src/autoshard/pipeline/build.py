@@ -344,13 +344,7 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
         method.stage_option, num_layers, len(devices) * virtual, program.num_micro_batches,
         layer_cost, cut_cost)
     num_stages = len(sizes)
-    if num_stages % virtual:
-        raise ValueError(
-            f"interleaved_1f1b with virtual_stages={virtual} needs a stage count divisible by "
-            f"{virtual}, but there are {num_stages} stages. Choose UniformStageOption("
-            f"num_stages=...) as a multiple of {virtual}.")
-    # Interleaved: model stage s runs on sub-mesh s % num_ranks.
-    num_ranks = num_stages // virtual
+    num_ranks = ranks_of(num_stages, virtual)  # interleaved: stage s on sub-mesh s % num_ranks
     sizes, logical, dicts = sizes[:num_ranks], logical[:num_ranks], dicts[:num_ranks]
     part = build_partition(closed, layer_of_fwd=layer_of, fwd_end=fwd_end,
                            stage_of_layer=stage_of_layer, batch_invars=program.batch_invars,
@@ -380,6 +374,16 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
                         schedule=method.pipeline_schedule if part.has_backward else "inference",
                         num_micro_batches=program.num_micro_batches)
     return part, plan, sizes, dicts
+
+
+def ranks_of(num_stages: int, virtual: int) -> int:
+    """Sub-meshes of ``num_stages`` model stages, ``virtual`` on each (interleaved_1f1b)."""
+    if num_stages % virtual:
+        raise ValueError(
+            f"interleaved_1f1b with virtual_stages={virtual} needs a stage count divisible by "
+            f"{virtual}, but there are {num_stages} stages. Choose UniformStageOption("
+            f"num_stages=...) as a multiple of {virtual}.")
+    return num_stages // virtual
 
 
 def virtual_of(method) -> int:

@@ -51,7 +51,7 @@ from ..cluster import GIB, Cluster
 from ..sharding.options import AutoShardingOption
 from ..sharding.plan import ShardingPlan
 from . import balance
-from .build import cut_program, virtual_of
+from .build import cut_program, ranks_of, virtual_of
 from .compile import shape_auto_option
 from .estimate import PipelineEstimate, StageEstimate
 from .layers import AutoLayerOption
@@ -95,12 +95,7 @@ def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
             option, num_layers, cluster if virtual == 1 else dataclasses.replace(
                 cluster, num_hosts=cluster.num_hosts * virtual))
     num_stages = max(stage_of_layer) + 1
-    if num_stages % virtual:
-        raise ValueError(
-            f"interleaved_1f1b with virtual_stages={virtual} needs a stage count divisible by "
-            f"{virtual}, but there are {num_stages} stages. Choose UniformStageOption("
-            f"num_stages=...) as a multiple of {virtual}.")
-    num_ranks = num_stages // virtual
+    num_ranks = ranks_of(num_stages, virtual)
     if virtual > 1:  # the ranks' sub-meshes, each holding `virtual` model stages
         _, ranks, rank_shapes = given_stages(
             dataclasses.replace(option, num_stages=num_ranks), num_layers, cluster)
@@ -300,9 +295,61 @@ class _Pricer:
             raise
 
     # The stage search ------------------------------------------------------------------------
-    def search_stages(self, option: AutoStageOption, num_layers: int, k: int):
+    def search_stages(self, option: AutoStageOption, num_layers: int, k: int,
+                      num_stages: int | None = None):
+        """(stage of each layer, placement) of the stage DP's best layout (with exactly
+        ``num_stages`` stages when given; None when that many have no layout)."""
+        found = self.stage_layout(option, num_layers, k, num_stages)
+        if found is None and num_stages is None:
+            shapes = submesh_shapes(option, self.cluster)
+            raise ValueError(
+                f"AutoStageOption found no stage layout for {self.cluster.describe()}: every "
+                f"candidate stage on sub-meshes {shapes} has no plan within the memory "
+                "budget, or the sub-mesh sizes cannot cover the devices exactly. " + FIXES)
+        return None if found is None else found[:2]
+
+    def stage_layout(self, option: AutoStageOption, num_layers: int, k: int,
+                     num_stages: int | None = None):
+        """The stage DP on planned stage times (each candidate planned once per pricer):
+        (stage of each layer, placement, logical mesh shape per stage, DP objective in
+        seconds), or None when no layout (of ``num_stages`` stages, when given) fits."""
         shapes = submesh_shapes(option, self.cluster)
         sizes = [math.prod(s) for s in shapes]
+        individual = option.layer_profile_mode == "individual"
+        budget = option.memory_budget_per_device
+        measured = self.measure_spans(option, num_layers)
+
+        def parts(i, j, c):
+            return ([measured[(x, x + 1, c)] for x in range(i, j)] if individual
+                    else [measured[(i, j, c)]])
+
+        def cost(i, j, c):
+            mem = sum(m[1] for m in parts(i, j, c))
+            limit = budget if budget is not None else self.cluster.memory_bytes
+            if limit is not None and mem > limit:
+                return math.inf
+            return sum(m[0] for m in parts(i, j, c))
+        obj, stages = stage_dp(num_layers, self.cluster.num_devices, sizes, cost, k,
+                               num_stages=num_stages)
+        if not stages:
+            return None
+        stage_of_layer = [s for s, (i, j, _) in enumerate(stages) for _ in range(i, j)]
+        placement, first, mesh = [], 0, []
+        for i, j, c in stages:
+            _, phys = self.sub_cluster(first, sizes[c])
+            placement.append(((first, sizes[c]), phys))
+            mesh.append(parts(i, j, c)[0][2])
+            first += sizes[c]
+        return stage_of_layer, placement, mesh, obj
+
+    def measure_spans(self, option: AutoStageOption, num_layers: int) -> dict:
+        """(i, j, sub-mesh choice) -> (F + B seconds, peak bytes, logical mesh shape) of
+        layers ``[i, j)`` planned as one stage on that sub-mesh (inf when it has no plan
+        within the memory budget); planned once per pricer and option."""
+        key = ("spans", repr(option), num_layers)
+        if key in self.cache:
+            return self.cache[key]
+        shapes = submesh_shapes(option, self.cluster)
         individual = option.layer_profile_mode == "individual"
         spans = ([(i, i + 1) for i in range(num_layers)] if individual else
                  [(i, j) for i in range(num_layers) for j in range(i + 1, num_layers + 1)])
@@ -317,33 +364,13 @@ class _Pricer:
                 try:
                     sp = self.plan_stage_on(part, s, sub, option_c)
                     measured[(i, j, c)] = (sum(v for kd, v in sp.times.items()
-                                               if kd != "apply"), sp.peak_bytes)
+                                               if kd != "apply"), sp.peak_bytes, sp.mesh_shape)
                 except ValueError as err:
                     if "memory" not in str(err):
                         raise
-                    measured[(i, j, c)] = (math.inf, math.inf)
-
-        def cost(i, j, c):
-            parts = ([measured[(x, x + 1, c)] for x in range(i, j)] if individual
-                     else [measured[(i, j, c)]])
-            mem = sum(b for _, b in parts)
-            limit = budget if budget is not None else self.cluster.memory_bytes
-            if limit is not None and mem > limit:
-                return math.inf
-            return sum(t for t, _ in parts)
-        _, stages = stage_dp(num_layers, self.cluster.num_devices, sizes, cost, k)
-        if not stages:
-            raise ValueError(
-                f"AutoStageOption found no stage layout for {self.cluster.describe()}: every "
-                f"candidate stage on sub-meshes {shapes} has no plan within the memory "
-                "budget, or the sub-mesh sizes cannot cover the devices exactly. " + FIXES)
-        stage_of_layer = [s for s, (i, j, _) in enumerate(stages) for _ in range(i, j)]
-        placement, first = [], 0
-        for _, _, c in stages:
-            _, phys = self.sub_cluster(first, sizes[c])
-            placement.append(((first, sizes[c]), phys))
-            first += sizes[c]
-        return stage_of_layer, placement
+                    measured[(i, j, c)] = (math.inf, math.inf, None)
+        self.cache[key] = measured
+        return measured
 
     def plan_stage_on(self, part, s, sub, overrides) -> _StagePlans:
         """Times of stage ``s``'s F and B planned on ``sub``, and the peak memory of every

@@ -36,7 +36,7 @@ __version__ = "0.1.0"
 
 # The pipeline (layers, stages, schedules, its runtime) loads on first use of one of its names,
 # so that ``import autoshard`` costs little beyond ``import jax``.
-_PIPELINE = ("AutoLayerOption", "AutoStageOption", "ManualLayerOption", "ManualStageOption",
+_PIPELINE = ("AutoLayerOption", "AutoParallel", "AutoStageOption", "ManualLayerOption", "ManualStageOption",
              "PipeshardParallel", "UniformStageOption")
 
 if TYPE_CHECKING:
@@ -46,13 +46,15 @@ if TYPE_CHECKING:
     from .pipeline import ManualStageOption as ManualStageOption
     from .pipeline import PipeshardParallel as PipeshardParallel
     from .pipeline import UniformStageOption as UniformStageOption
+    from .pipeline.auto import AutoParallel as AutoParallel
 
 
 def __getattr__(name: str):
     if name in _PIPELINE:
         from . import pipeline
+        from .pipeline import auto
 
-        value = getattr(pipeline, name)
+        value = getattr(auto if name == "AutoParallel" else pipeline, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'autoshard' has no attribute {name!r}")
@@ -63,6 +65,7 @@ def __dir__():
 
 __all__ = [
     "AutoLayerOption",
+    "AutoParallel",
     "AutoShardingOption",
     "DataLoader",
     "AutoStageOption",

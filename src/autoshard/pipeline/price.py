@@ -74,12 +74,15 @@ from .taskfn import task_fn
 from .tasks import FIXES, Target, plan_task, plan_tasks, task_costs, task_signature
 
 
-def price_pipeline(method, program, cluster: Cluster) -> PipelineEstimate:
-    """``method`` (a PipeshardParallel) planned and priced on ``cluster`` (see module doc)."""
+def price_pipeline(method, program, cluster: Cluster, *,
+                   cache: dict | None = None) -> PipelineEstimate:
+    """``method`` (a PipeshardParallel) planned and priced on ``cluster`` (see module doc).
+    ``cache``: task plans of an earlier pricing of ``program`` to reuse (``_Pricer.cache``;
+    keyed by everything a plan depends on)."""
     cut = cut_program(program, method)
     num_layers = cut.num_layers
     k = program.num_micro_batches
-    pricer = _Pricer(method, program, cut, cluster)
+    pricer = _Pricer(method, program, cut, cluster, cache=cache)
     notes = []
     option = method.stage_option
     virtual = virtual_of(method)  # interleaved: model stage s on sub-mesh s % (stages / virtual)
@@ -184,11 +187,11 @@ class _StagePlans:
 class _Pricer:
     """Plans tasks of a partition on sub-mesh clusters; caches identical tasks."""
 
-    def __init__(self, method, program, cut, cluster):
+    def __init__(self, method, program, cut, cluster, cache: dict | None = None):
         self.method, self.program, self.cluster = method, program, cluster
         self.cut = cut
         self.option(None, {})  # a bad default_auto_sharding_option fails here
-        self.cache: dict = {}
+        self.cache: dict = {} if cache is None else cache
         self.walk_cache: dict = {}  # plans of identical tasks in the walk (plan_tasks)
         self.notes: list[str] = []
 
@@ -329,8 +332,13 @@ class _Pricer:
             if limit is not None and mem > limit:
                 return math.inf
             return sum(m[0] for m in parts(i, j, c))
+        dph = self.cluster.devices_per_host
+
+        def placeable(n, first):  # inside one host, or whole hosts (sub_cluster_of)
+            return (n <= dph and first // dph == (first + n - 1) // dph
+                    or n % dph == 0 and first % dph == 0)
         obj, stages = stage_dp(num_layers, self.cluster.num_devices, sizes, cost, k,
-                               num_stages=num_stages)
+                               num_stages=num_stages, placeable=placeable)
         if not stages:
             return None
         stage_of_layer = [s for s, (i, j, _) in enumerate(stages) for _ in range(i, j)]
@@ -346,7 +354,7 @@ class _Pricer:
         """(i, j, sub-mesh choice) -> (F + B seconds, peak bytes, logical mesh shape) of
         layers ``[i, j)`` planned as one stage on that sub-mesh (inf when it has no plan
         within the memory budget); planned once per pricer and option."""
-        key = ("spans", repr(option), num_layers)
+        key = ("spans", repr(option), num_layers, self.cluster)
         if key in self.cache:
             return self.cache[key]
         shapes = submesh_shapes(option, self.cluster)

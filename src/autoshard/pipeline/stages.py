@@ -163,7 +163,9 @@ def cut_seconds(num_bytes: float, n: int, m: int, *, alpha: float = DEFAULT_ALPH
 
 def stage_dp(num_layers: int, num_devices: int, sizes: Sequence[int],
              cost: Callable[[int, int, int], float], num_micro_batches: int,
-             boundary: Callable[[int, int, int], float] | None = None
+             boundary: Callable[[int, int, int], float] | None = None,
+             num_stages: int | None = None,
+             placeable: Callable[[int, int], bool] | None = None
              ) -> tuple[float, list[tuple[int, int, int]]]:
     """Best cut of layers into stages on sub-meshes using exactly ``num_devices`` devices.
 
@@ -172,9 +174,11 @@ def stage_dp(num_layers: int, num_devices: int, sizes: Sequence[int],
     of the values crossing the cut before layer ``j`` from sub-mesh choice ``k`` to ``k2``
     (both ways in training; ``cut_seconds``), added to the time of the stage that ends at
     ``j``. Returns the objective ``sum(times) + (num_micro_batches - 1) * max(times)`` and
-    the stages ``(i, j, k)``.
+    the stages ``(i, j, k)``. ``num_stages``: exactly that many stages (None: any number;
+    not with ``boundary``). ``placeable``: as in ``stage_dp_table`` (not with ``boundary``).
     """
     if boundary is not None:
+        assert num_stages is None and placeable is None, "searched without cut costs only"
         return _stage_dp_cuts(num_layers, num_devices, sizes, cost, num_micro_batches,
                               boundary)
     table = np.full((num_layers, num_layers + 1, len(sizes)), math.inf)
@@ -182,11 +186,14 @@ def stage_dp(num_layers: int, num_devices: int, sizes: Sequence[int],
         for j in range(i + 1, num_layers + 1):
             for k in range(len(sizes)):
                 table[i, j, k] = cost(i, j, k)
-    return stage_dp_table(table, sizes, num_devices, num_micro_batches)
+    return stage_dp_table(table, sizes, num_devices, num_micro_batches,
+                          num_stages=num_stages, placeable=placeable)
 
 
 def stage_dp_table(cost: np.ndarray, sizes: Sequence[int], num_devices: int,
-                   num_micro_batches: int, max_following: np.ndarray | None = None
+                   num_micro_batches: int, max_following: np.ndarray | None = None,
+                   num_stages: int | None = None,
+                   placeable: Callable[[int, int], bool] | None = None
                    ) -> tuple[float, list[tuple[int, int, int]]]:
     """``stage_dp`` on a cost array, optionally limiting how many stages may follow each one.
 
@@ -198,6 +205,9 @@ def stage_dp_table(cost: np.ndarray, sizes: Sequence[int], num_devices: int,
     ``<= tmax`` is found, over the number of stages too; the objective of that cut is
     ``sum + (num_micro_batches - 1) * max``, and candidates stop once ``num_micro_batches *
     tmax`` (a lower bound of any cut whose slowest stage is ``tmax``) reaches the best.
+    ``num_stages``: only cuts into exactly that many stages (None: any number).
+    ``placeable(n, first)``: whether a sub-mesh of ``n`` devices may start at device ``first``
+    (stages take consecutive devices in order; None: anywhere).
     Returns the objective and the stages ``(i, j, k)`` (``(inf, [])`` when none fits).
     """
     cost = np.asarray(cost, dtype=np.float64)
@@ -230,14 +240,18 @@ def stage_dp_table(cost: np.ndarray, sizes: Sequence[int], num_devices: int,
                 cand = f[i + 1:, :num_devices + 1 - n, :big_s] + t[i, i + 1:, None, :]
                 j = cand.argmin(axis=0)
                 val = np.take_along_axis(cand, j[None], axis=0)[0]
+                if placeable is not None:  # the stage starts at device num_devices - d
+                    ok = np.array([placeable(n, num_devices - d)
+                                   for d in range(n, num_devices + 1)])
+                    val = np.where(ok[:, None], val, math.inf)
                 cur = f[i, n:, 1:]
                 better = val < cur
                 f[i, n:, 1:] = np.where(better, val, cur)
                 k = which[i, i + 1:][j, np.arange(big_s)[None, :]]
                 arg[i, n:, 1:, 0] = np.where(better, j + i + 1, arg[i, n:, 1:, 0])
                 arg[i, n:, 1:, 1] = np.where(better, k, arg[i, n:, 1:, 1])
-        s = int(f[0, num_devices].argmin())
-        if not np.isfinite(f[0, num_devices, s]):
+        s = int(f[0, num_devices].argmin()) if num_stages is None else num_stages
+        if s > big_s or not np.isfinite(f[0, num_devices, s]):
             continue
         stages, i, d = [], 0, num_devices
         while i < num_layers:

@@ -1,0 +1,382 @@
+"""``AutoParallel``: the method that chooses tensor, pipeline and data parallelism itself.
+
+Contract (as DESIGN.md states one for every method):
+
+* **Input**: a traced step (``Program``) and either the devices at hand (``parallelize``) or
+  a described ``Cluster`` (``autoshard.plan``). The candidates, all priced by the one cost
+  model, on the cluster (on devices: ``Cluster.from_devices`` of them):
+
+  - one stage: ``ShardParallel``'s plan on the whole mesh (its own mesh search: data,
+    tensor and ZeRO-style splits, micro-batches as gradient accumulation);
+  - ``s`` stages for every ``s`` from 2 to the layer count (``max_num_stages``): the stage
+    dynamic program (``AutoStageOption``: layer ranges x sub-meshes, each range planned on
+    each sub-mesh, its apply task included, ranges over the memory budget excluded) run for
+    exactly ``s`` stages; the ``num_priced`` layouts of least DP objective are then priced
+    in full as ``PipeshardParallel(stage_option=ManualStageOption(...))``: every task
+    planned by ``tasks.plan_tasks`` (as the runtime plans it) and the schedule replayed.
+
+* **Choice**: the candidate of least estimated step time whose memory per device fits the
+  cluster; ties go to fewer stages.
+* **Output**: ``autoshard.plan`` returns an ``AutoEstimate`` (``explain()``: every candidate
+  with its estimated step time and memory, or why it was dropped, then the chosen plan's own
+  explanation). ``parallelize`` runs the chosen method: ``ShardParallel(plan=...)`` with the
+  priced plan, or ``PipeshardParallel`` with the priced stages, sub-meshes and logical
+  shapes, so the compiled task plans are the priced ones.
+* **Errors**: when no candidate fits, one ``ValueError`` names the smallest memory per device
+  found (and by which candidate), the cluster's, the largest arrays, and which of more
+  devices, more micro-batches, remat or a pipeline would fit (the planner's rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from ..cluster import GIB, Cluster
+from ..methods._base import ParallelMethod
+from ..methods._mesh import resolve_devices
+from ..methods._methods import ShardParallel
+from ..sharding.options import AutoShardingOption
+from ..sharding.plan import ShardingPlan
+from .build import cut_program
+from .estimate import PipelineEstimate
+from .layers import AutoLayerOption, ManualLayerOption
+from .method import PipeshardParallel
+from .price import _Pricer, price_pipeline
+from .schedules import SCHEDULES, traits
+from .stages import AutoStageOption, ManualStageOption
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One split ``AutoParallel`` compared."""
+
+    num_stages: int
+    """Pipeline stages (1: ``ShardParallel`` on the whole mesh)."""
+    step_s: float
+    """Estimated seconds per step (inf when it has no plan within the memory)."""
+    memory_bytes: int | None
+    """Estimated peak bytes per device (None when not priced)."""
+    search_s: float | None = None
+    """The stage DP's objective (``sum + (micro-batches - 1) * max`` of stage F+B times)."""
+    split: str = ""
+    """The split in words: mesh shape, or per stage its layers and sub-mesh."""
+    dropped: str = ""
+    """Why it was not chosen when it could not be (no plan within the memory, not priced)."""
+    estimate: Any = None
+    """Its ``ShardingPlan`` or ``PipelineEstimate`` (None when not priced)."""
+    method: Any = None
+    """The method that runs it (``ShardParallel(plan=...)`` or ``PipeshardParallel``)."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.dropped and math.isfinite(self.step_s)
+
+    def describe(self) -> str:
+        what = ("1 stage: ShardParallel on the whole mesh" if self.num_stages == 1 else
+                f"{self.num_stages} stages")
+        found = (f"step {self.step_s:.4g} s, memory {self.memory_bytes / GIB:.3g} GiB per device"
+                 if self.memory_bytes is not None and math.isfinite(self.step_s) else "")
+        dp = f", stage DP objective {self.search_s:.4g} s" if self.search_s is not None else ""
+        why = f"; dropped: {self.dropped}" if self.dropped else ""
+        split = f" ({self.split})" if self.split else ""
+        return f"{what}{split}: {found or 'not priced'}{dp}{why}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoEstimate:
+    """What ``autoshard.plan`` returns for ``AutoParallel``: every candidate and the choice."""
+
+    cluster: str
+    """``Cluster.describe()`` of the cluster priced."""
+    candidates: tuple[Candidate, ...]
+    """Every split compared, by stage count."""
+    chosen: Candidate
+    """The fastest that fits."""
+    planning_s: float = 0.0
+    """Seconds the search took."""
+
+    @property
+    def estimate(self) -> ShardingPlan | PipelineEstimate:
+        """The chosen plan's own estimate."""
+        return self.chosen.estimate
+
+    @property
+    def method(self) -> ParallelMethod:
+        """The method that runs the chosen plan."""
+        return self.chosen.method
+
+    @property
+    def num_stages(self) -> int:
+        return self.chosen.num_stages
+
+    @property
+    def step_s(self) -> float:
+        return self.chosen.step_s
+
+    @property
+    def peak_bytes_per_device(self) -> int:
+        return self.chosen.memory_bytes
+
+    def explain(self) -> str:
+        c = self.chosen
+        fitting = sorted((x for x in self.candidates if x.fits), key=lambda x: x.step_s)
+        runner_up = next((x for x in fitting if x is not c), None)
+        why = (f"the fastest of {len(fitting)} that fit memory" + (
+            f", {runner_up.step_s / c.step_s:.3g}x faster than the next "
+            f"({runner_up.num_stages} stage{'s' if runner_up.num_stages > 1 else ''})"
+            if runner_up else ""))
+        lines = [f"AutoParallel priced for {self.cluster} in {self.planning_s:.3g} s: "
+                 f"{len(self.candidates)} candidates compared",
+                 *[f"  {'*' if x is c else '-'} {x.describe()}" for x in self.candidates],
+                 f"  chosen: {c.num_stages} stage{'s' if c.num_stages > 1 else ''}, {why}",
+                 ""]
+        return "\n".join(lines) + self.estimate.explain()
+
+
+@dataclass(frozen=True, eq=False)
+class AutoParallel(ParallelMethod):
+    """Chooses tensor, pipeline and data parallelism itself: ``ShardParallel`` on the whole
+    mesh or a pipeline of 2 or more stages on sub-meshes, whichever is priced fastest within
+    the memory (module doc: the contract)."""
+
+    devices: Any = None
+    """None (all devices), a list of devices, or a Mesh (its devices in order)."""
+    num_micro_batches: int = 1
+    """Micro-batches per step: streamed through a pipeline's stages, or accumulated by the
+    whole-mesh plan."""
+    default_auto_sharding_option: Any = None
+    """Planner options for the whole-mesh plan and every stage (an ``AutoShardingOption``)."""
+    layer_option: Any = None
+    """How the forward is cut into layers for the stages: ``"manual"`` (at
+    ``mark_pipeline_boundary`` calls), ``ManualLayerOption`` or ``AutoLayerOption``; None:
+    ``AutoLayerOption(layer_num=4)``."""
+    pipeline_schedule: str = "1f1b"
+    """Schedule of the pipeline candidates (not ``interleaved_1f1b``)."""
+    submesh_physical_shape_space: str = "power_of_two"
+    """Sub-mesh shapes the stage search tries (``AutoStageOption``'s field)."""
+    submesh_logical_shape_space: str = "single_node_model_parallel"
+    """Logical shapes the stage search tries (``AutoStageOption``'s field)."""
+    max_num_stages: int | None = None
+    """Most pipeline stages tried; None: one per layer."""
+    num_priced: int = 3
+    """Stage counts priced in full (those of least stage DP objective)."""
+    plan: Any = None
+    """A choice made earlier (``autoshard.plan(..., method=AutoParallel(...))``'s
+    ``AutoEstimate``): run it on the devices without searching again."""
+
+    def __post_init__(self):
+        self._validate_common()
+        if self.num_micro_batches is None:
+            object.__setattr__(self, "num_micro_batches", 1)
+        if self.pipeline_schedule not in SCHEDULES or traits(self.pipeline_schedule).virtual:
+            raise ValueError(
+                f"AutoParallel.pipeline_schedule ({self.pipeline_schedule!r}) must be one of "
+                f"{tuple(s for s in SCHEDULES if not traits(s).virtual)} (the stage search "
+                "places one model stage per sub-mesh).")
+        for name in ("max_num_stages", "num_priced"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"AutoParallel.{name} ({v!r}) must be a positive int.")
+        if self.plan is not None and not isinstance(self.plan, AutoEstimate):
+            raise TypeError(f"AutoParallel.plan ({type(self.plan).__name__}) must be the "
+                            "AutoEstimate that autoshard.plan(..., method=AutoParallel()) "
+                            "returns.")
+        if self.plan is not None and self.plan.method.micro_batches != self.num_micro_batches:
+            raise ValueError(
+                f"AutoParallel.plan was made with num_micro_batches="
+                f"{self.plan.method.micro_batches} but this method has "
+                f"{self.num_micro_batches}. Pass the same num_micro_batches.")
+        opt = self.default_auto_sharding_option
+        if opt is not None and not isinstance(opt, AutoShardingOption):
+            raise TypeError(f"default_auto_sharding_option ({opt!r}) must be an "
+                            "autoshard.AutoShardingOption.")
+        layer = self.layer_option
+        if layer is None:
+            layer = AutoLayerOption(layer_num=4)
+        elif layer == "manual":
+            layer = ManualLayerOption()
+        elif not isinstance(layer, ManualLayerOption | AutoLayerOption):
+            raise TypeError(f"layer_option ({layer!r}) must be 'manual', ManualLayerOption() "
+                            "or AutoLayerOption(layer_num=...).")
+        object.__setattr__(self, "layer_option", layer)
+        self.stage_option()  # a bad sub-mesh space fails here
+
+    def stage_option(self) -> AutoStageOption:
+        return AutoStageOption(submesh_physical_shape_space=self.submesh_physical_shape_space,
+                               submesh_logical_shape_space=self.submesh_logical_shape_space)
+
+    def pipeline(self, stage_option) -> PipeshardParallel:
+        """The pipeline method of this one's options with ``stage_option``."""
+        return PipeshardParallel(
+            devices=self.devices, num_micro_batches=self.num_micro_batches,
+            default_auto_sharding_option=self.default_auto_sharding_option,
+            pipeline_schedule=self.pipeline_schedule, layer_option=self.layer_option,
+            stage_option=stage_option)
+
+    # The two entry points ------------------------------------------------------------------------
+    def plan_for(self, program, cluster: Cluster) -> AutoEstimate:
+        if self.plan is not None:
+            raise ValueError("autoshard.plan: the method already carries a choice "
+                             "(AutoParallel(plan=...)); its estimate is plan.explain(). Pass "
+                             "AutoParallel() to search again.")
+        return choose(self, program, cluster)
+
+    def compile_executable(self, program, call):
+        devices = resolve_devices(self.devices)[0]
+        if self.plan is not None:
+            chosen = dataclasses.replace(self.plan.method, devices=self.devices)
+        else:
+            chosen = call.agree(program, lambda: choose(self, program, Cluster.from_devices(
+                devices)).method)
+        return chosen.compile_executable(program, call)
+
+
+def choose(method: AutoParallel, program, cluster: Cluster) -> AutoEstimate:
+    """Every candidate of ``method`` priced on ``cluster``; the fastest that fits (module
+    doc)."""
+    t0 = time.perf_counter()
+    candidates = [_whole_mesh(method, program, cluster)]
+    candidates += _pipelines(method, program, cluster)
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        raise _no_fit(method, program, cluster, candidates)
+    chosen = min(fitting, key=lambda c: (c.step_s, c.num_stages))
+    return AutoEstimate(cluster=cluster.describe(), candidates=tuple(candidates),
+                        chosen=chosen, planning_s=time.perf_counter() - t0)
+
+
+def _whole_mesh(method: AutoParallel, program, cluster: Cluster) -> Candidate:
+    shard = ShardParallel(devices=method.devices, num_micro_batches=method.num_micro_batches,
+                          auto_sharding_option=method.default_auto_sharding_option)
+    try:
+        plan = shard.plan_for(program, cluster)
+    except (ValueError, RuntimeError) as err:
+        if "memory" not in str(err):
+            raise
+        return Candidate(num_stages=1, step_s=math.inf, memory_bytes=None,
+                         dropped=_first_sentence(err))
+    o = plan.objective
+    return Candidate(num_stages=1, step_s=o.total_s, memory_bytes=o.peak_bytes_per_device,
+                     split=f"mesh {'x'.join(map(str, plan.mesh_shape))}", estimate=plan,
+                     method=dataclasses.replace(shard, plan=plan))
+
+
+def _pipelines(method: AutoParallel, program, cluster: Cluster) -> list[Candidate]:
+    option = method.stage_option()
+    search = method.pipeline(option)
+    cut = cut_program(program, search)
+    top = min(cut.num_layers, method.max_num_stages or cut.num_layers)
+    if top < 2:
+        return []
+    pricer = _Pricer(search, program, cut, cluster)
+    k = program.num_micro_batches
+    layouts, out = {}, {}
+    for s in range(2, top + 1):
+        found = pricer.stage_layout(option, cut.num_layers, k, num_stages=s)
+        if found is None:
+            out[s] = Candidate(num_stages=s, step_s=math.inf, memory_bytes=None,
+                               dropped="no layout: every cut into this many stages has a "
+                                       "stage without a plan within the memory, or the "
+                                       "sub-mesh sizes cannot cover the devices")
+        else:
+            layouts[s] = found
+    ranked = sorted(layouts, key=lambda s: (layouts[s][3], s))
+    for rank, s in enumerate(ranked):
+        stage_of_layer, placement, mesh, obj = layouts[s]
+        manual = ManualStageOption(
+            forward_stage_layer_ids=[[i for i, x in enumerate(stage_of_layer) if x == t]
+                                     for t in range(s)],
+            submesh_physical_shapes=[phys for _, phys in placement],
+            submesh_logical_shapes=[tuple(m) for m in mesh],
+            submesh_autosharding_option_dicts=[{} for _ in range(s)])
+        split = "; ".join(
+            f"layers {_span(stage_of_layer, t)} on {phys[0]}x{phys[1]} as "
+            f"{'x'.join(map(str, m))}" for t, ((_, phys), m) in enumerate(zip(
+                placement, mesh, strict=True)))
+        if rank >= method.num_priced:
+            out[s] = Candidate(num_stages=s, step_s=math.inf, memory_bytes=None,
+                               search_s=obj, split=split,
+                               dropped=f"not priced in full (num_priced={method.num_priced}: "
+                                       "the stage counts of least DP objective are)")
+            continue
+        runner = method.pipeline(manual)
+        try:
+            with warnings.catch_warnings():  # idle-stage warnings: the chosen one's come at run
+                warnings.simplefilter("ignore")
+                est = price_pipeline(runner, program, cluster, cache=pricer.cache)
+        except ValueError as err:
+            if "memory" not in str(err):
+                raise
+            out[s] = Candidate(num_stages=s, step_s=math.inf, memory_bytes=None,
+                               search_s=obj, split=split, dropped=_first_sentence(err))
+            continue
+        out[s] = Candidate(num_stages=s, step_s=est.step_s,
+                           memory_bytes=est.peak_bytes_per_device, search_s=obj, split=split,
+                           estimate=est, method=runner)
+    return [out[s] for s in sorted(out)]
+
+
+def _span(stage_of_layer, t) -> str:
+    ids = [i for i, x in enumerate(stage_of_layer) if x == t]
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+
+
+def _first_sentence(err: Exception) -> str:
+    text = str(err)
+    return text if len(text) < 300 else text[:297] + "..."
+
+
+def _no_fit(method: AutoParallel, program, cluster: Cluster, candidates) -> ValueError:
+    """One error for a cluster too small: each candidate's memory planned without the limit,
+    the smallest of them, and what would fit (the planner's rule on the whole mesh)."""
+    from ..grad_accum import loop_costs
+    from ..sharding.graph import build_graph
+    from ..sharding.planner import _largest_inputs, _what_would_fit
+
+    free = dataclasses.replace(cluster, memory_bytes=None)
+    again = _unlimited(method, program, free, [c.num_stages for c in candidates])
+    found = []
+    for c in again:
+        if c.memory_bytes is not None:
+            found.append((c.memory_bytes, c.num_stages, c.split))
+    graph = build_graph(program.closed, list(program.in_paths), list(program.out_paths),
+                        loop_costs(program.closed, program.batch_invars,
+                                   program.num_micro_batches))
+    budget = cluster.memory_bytes
+    tried = ", ".join(f"{s} stage{'s' if s > 1 else ''}" for s in sorted(
+        {c.num_stages for c in candidates}))
+    if not found:
+        return ValueError(
+            f"AutoParallel found no plan within the memory of {cluster.describe()} "
+            f"({budget:,} B per device) for any candidate ({tried}), nor without the limit. "
+            f"The largest arrays: {_largest_inputs(graph)}. Use more devices, more "
+            "num_micro_batches, or remat.")
+    smallest, stages, split = min(found)
+    whole = next((m for m, s, _ in found if s == 1), None)
+    mesh = again[0].estimate.mesh_shape if again[0].estimate is not None else (
+        cluster.num_devices,)
+    advice = _what_would_fit(graph, mesh, whole or smallest, budget)
+    each = "; ".join(f"{s} stage{'s' if s > 1 else ''}: {m:,} B" for m, s, _ in sorted(
+        found, key=lambda x: x[1]))
+    return ValueError(
+        f"AutoParallel found no plan within the memory of {cluster.describe()} ({budget:,} B "
+        f"per device): the smallest estimate found is {smallest:,} B per device "
+        f"({stages} stage{'s' if stages > 1 else ''}{f', {split}' if split else ''}; planned "
+        f"without the limit; each candidate: {each}). The largest arrays: "
+        f"{_largest_inputs(graph)}. " + advice)
+
+
+def _unlimited(method, program, free: Cluster, stage_counts) -> list[Candidate]:
+    """The candidates again on ``free`` (the cluster without its memory limit), for their
+    memory only."""
+    whole = _whole_mesh(method, program, free)
+    quick = dataclasses.replace(method, num_priced=len(stage_counts))
+    return [whole] + _pipelines(quick, program, free)
+
+
+__all__ = ["AutoEstimate", "AutoParallel", "Candidate"]

@@ -173,3 +173,19 @@ def test_the_stage_dp_for_a_fixed_stage_count_and_placeable_sub_meshes():
                                placeable=placeable)
         assert got == pytest.approx(best), s
         assert len(stages) == (s if np.isfinite(best) else 0)
+
+
+def test_the_stage_search_options_are_an_auto_stage_option():
+    with pytest.raises(TypeError, match=r"stage_option \('auto'\) must be an "
+                                        r"autoshard.AutoStageOption"):
+        autoshard.AutoParallel(stage_option="auto")
+    with pytest.raises(ValueError, match=r"profile=True\) is not supported"):
+        autoshard.AutoParallel(stage_option=autoshard.AutoStageOption(profile=True))
+    # a search restricted to one-host sub-meshes of 4 devices: both stages on one each
+    est = autoshard.plan(step, *args(), method=method(stage_option=autoshard.AutoStageOption(
+        submesh_physical_shape_space="manual", manually_specified_submeshes=[(1, 4)])),
+        cluster=slow_two_hosts(Cluster.a100_80gb(num_hosts=2, devices_per_host=4)))
+    assert [c.num_stages for c in est.candidates] == [1, 2, 3, 4]
+    assert [c.fits for c in est.candidates] == [True, True, False, False]
+    assert "no layout" in est.candidates[2].dropped
+    assert [s.devices for s in est.estimate.stages] == [(0, 4), (4, 4)]

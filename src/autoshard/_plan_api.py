@@ -64,13 +64,20 @@ def plan(fun: Callable, *args, method: ParallelMethod | None = None,
     planned on its sub-mesh of ``cluster`` and the schedule is replayed with those times: the
     result is a ``pipeline.price.PipelineEstimate`` (``explain()``: stages, sub-meshes, task
     plans and times, the bubble, memory per stage).
+
+    With ``AutoParallel(...)`` the whole-mesh plan and pipelines of every stage count are
+    priced as above and the fastest that fits memory is chosen: the result is a
+    ``pipeline.auto.AutoEstimate`` (``explain()``: every candidate's step time and memory,
+    the choice and why, then the chosen plan's explanation); ``AutoParallel(plan=result)``
+    runs that choice on the devices.
     """
     if not callable(fun):
         raise TypeError(f"autoshard.plan expects a function, got {fun!r}.")
     method = ShardParallel() if method is None else method
     if not isinstance(method, ParallelMethod):
         raise TypeError(f"method ({method!r}) must be a ParallelMethod such as "
-                        "autoshard.ShardParallel() or PipeshardParallel(...).")
+                        "autoshard.ShardParallel(), PipeshardParallel(...) or "
+                        "AutoParallel().")
     if cluster is None:
         cluster = Cluster.from_devices(resolve_devices(method.devices)[0])
     if not isinstance(cluster, Cluster):

@@ -157,10 +157,9 @@ class AutoParallel(ParallelMethod):
     ``AutoLayerOption(layer_num=4)``."""
     pipeline_schedule: str = "1f1b"
     """Schedule of the pipeline candidates (not ``interleaved_1f1b``)."""
-    submesh_physical_shape_space: str = "power_of_two"
-    """Sub-mesh shapes the stage search tries (``AutoStageOption``'s field)."""
-    submesh_logical_shape_space: str = "single_node_model_parallel"
-    """Logical shapes the stage search tries (``AutoStageOption``'s field)."""
+    stage_option: Any = None
+    """The stage search's options (an ``AutoStageOption``: sub-mesh shapes, logical shapes,
+    layer profile mode, memory budget); None: ``AutoStageOption()``."""
     max_num_stages: int | None = None
     """Most pipeline stages tried; None: one per layer."""
     num_priced: int = 3
@@ -204,11 +203,15 @@ class AutoParallel(ParallelMethod):
             raise TypeError(f"layer_option ({layer!r}) must be 'manual', ManualLayerOption() "
                             "or AutoLayerOption(layer_num=...).")
         object.__setattr__(self, "layer_option", layer)
-        self.stage_option()  # a bad sub-mesh space fails here
-
-    def stage_option(self) -> AutoStageOption:
-        return AutoStageOption(submesh_physical_shape_space=self.submesh_physical_shape_space,
-                               submesh_logical_shape_space=self.submesh_logical_shape_space)
+        stage = AutoStageOption() if self.stage_option is None else self.stage_option
+        if not isinstance(stage, AutoStageOption):
+            raise TypeError(f"AutoParallel.stage_option ({stage!r}) must be an "
+                            "autoshard.AutoStageOption (the stage search's options).")
+        if stage.profile:
+            raise ValueError("AutoParallel prices stages with the cost model: "
+                             "AutoStageOption(profile=True) is not supported here. Pass "
+                             "AutoStageOption(profile=False).")
+        object.__setattr__(self, "stage_option", stage)
 
     def pipeline(self, stage_option) -> PipeshardParallel:
         """The pipeline method of this one's options with ``stage_option``."""
@@ -267,7 +270,7 @@ def _whole_mesh(method: AutoParallel, program, cluster: Cluster) -> Candidate:
 
 
 def _pipelines(method: AutoParallel, program, cluster: Cluster) -> list[Candidate]:
-    option = method.stage_option()
+    option = method.stage_option
     search = method.pipeline(option)
     cut = cut_program(program, search)
     top = min(cut.num_layers, method.max_num_stages or cut.num_layers)

@@ -99,6 +99,20 @@ ROWS = {
     "18.4B": (6144, 48, 40, 256, 1024, (8, 1), 135),
     "39.1B": (8192, 64, 48, 512, 1536, (8, 2), 138),
 }
+AUTO_ROWS = {
+    **ROWS,
+    "76.1B": (10240, 80, 60, 1024, 1792, (8, 4), 140),
+    "145.6B": (12288, 96, 80, 1536, 2304, (8, 8), 148),
+    "310.1B": (16384, 128, 96, 1920, 2160, (8, 16), 155),
+    "529.6B": (20480, 128, 105, 2520, 2520, (8, 35), 163),
+    "1T": (25600, 160, 128, 3072, 3072, (8, 64), 163),
+    "GPT-3 175B": (12288, 96, 96, 1024, 1536, None, None),
+}
+"""Rows ``--auto`` plans with ``AutoParallel``: Table 1's (rows 6-10 as the paper lists
+them) and GPT-3 175B on 1,024 GPUs (issue 24's extra row; no split or TFLOP/s published for
+it at that size)."""
+AUTO_TIME_LIMIT_S = 300
+"""A row whose planning takes longer is stopped; its time is recorded instead."""
 PIPELINE_ROWS = {"39.1B"}
 PIPELINE_LAYERS = 8
 """Pipeline layers the 48 transformer layers are grouped into (a boundary every 6)."""
@@ -384,6 +398,90 @@ def run_pipeline(name: str) -> dict:
     return row
 
 
+def run_auto(name: str) -> dict:
+    """The row planned by ``AutoParallel``: the whole-mesh plan and pipelines of 2 or more
+    stages (sub-meshes of a quarter, half or all the hosts ... whole hosts; layer times
+    planned per pipeline layer), the fastest that fits chosen."""
+    hidden, heads, layers, gpus, batch, split, paper_tflops = AUTO_ROWS[name]
+    k, group = PIPELINE_MICRO_BATCHES, -(-layers // PIPELINE_LAYERS)
+    hosts = gpus // 8
+    row = {"model": name, "hidden": hidden, "heads": heads, "layers": layers, "gpus": gpus,
+           "batch": batch, "paper_split": split, "paper_tflops": paper_tflops,
+           "num_micro_batches": k, "pipeline_layers": -(-layers // group)}
+    step = make_step(False, layers_per_boundary=group)
+    args = abstract_args(hidden, heads, layers, batch, scan=False)
+    shapes = sorted({(h, 8) for d in (1, 2, 4, 8) if hosts % d == 0 for h in [hosts // d]})
+    method = autoshard.AutoParallel(
+        num_micro_batches=k, layer_option="manual",
+        default_auto_sharding_option=AutoShardingOption(show_progress=False),
+        stage_option=AutoStageOption(submesh_physical_shape_space="manual",
+                                     manually_specified_submeshes=shapes,
+                                     layer_profile_mode="individual"))
+    t0 = time.perf_counter()
+    est = autoshard.plan(step, *args, cluster=Cluster.a100_80gb(hosts), method=method,
+                         batch_argnums=(1, 2))
+    row["plan_s"] = time.perf_counter() - t0
+    row["load_average"] = os.getloadavg()[0]
+    row["chosen_stages"] = est.num_stages
+    row["step_s"] = est.step_s
+    row["memory_gib"] = est.peak_bytes_per_device / 2**30
+    row["eq3_tflops"] = paper_flops(hidden, layers, batch) / (est.step_s * gpus * 1e12)
+    row["candidates"] = [{"stages": c.num_stages, "step_s": c.step_s, "split": c.split,
+                          "memory_gib": None if c.memory_bytes is None else
+                          c.memory_bytes / 2**30, "dropped": c.dropped}
+                         for c in est.candidates]
+    row["explain"] = est.explain()
+    print(est.explain(), file=sys.stderr, flush=True)
+    return row
+
+
+def auto_row_in_subprocess(name: str) -> dict:
+    """``run_auto(name)`` in a child process stopped after ``AUTO_TIME_LIMIT_S``."""
+    import subprocess
+
+    t0 = time.perf_counter()
+    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import cluster; print(json.dumps(cluster.run_auto({name!r})))")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=AUTO_TIME_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        return {"model": name, "plan_s": time.perf_counter() - t0,
+                "stopped": f"planning stopped after {AUTO_TIME_LIMIT_S} s"}
+    if done.returncode:
+        return {"model": name, "plan_s": time.perf_counter() - t0,
+                "error": done.stderr.strip().splitlines()[-1] if done.stderr else "failed"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def write_auto(rows: list[dict]):
+    """cluster_auto.json and cluster_auto.md: the rows ``AutoParallel`` planned."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "cluster_auto.json").write_text(json.dumps({"rows": rows}, indent=1))
+    lines = ["# Table 1 rows planned by AutoParallel", "",
+             f"`autoshard.plan(..., method=AutoParallel(...))`, {platform.machine()}, "
+             f"{os.cpu_count()} CPUs (shared). Step unrolled with a pipeline boundary every "
+             f"layers / {PIPELINE_LAYERS} layers, {PIPELINE_MICRO_BATCHES} micro-batches, "
+             f"sub-meshes of hosts / (1, 2, 4, 8) whole hosts; rows stopped after "
+             f"{AUTO_TIME_LIMIT_S} s of planning.", "",
+             "| model | GPUs | paper (t, p) | chosen | step s | eq. 3 TFLOP/s | paper | "
+             "GiB | candidates (stages: step s) | plan s |",
+             "|---|---:|---|---|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        if "step_s" not in r:
+            lines.append(f"| {r['model']} | {AUTO_ROWS[r['model']][3]} | | "
+                         f"{r.get('stopped') or r.get('error')} | | | | | | "
+                         f"{r['plan_s']:.0f} |")
+            continue
+        cands = "; ".join(f"{c['stages']}: {c['step_s']:.3g}" for c in r["candidates"]
+                          if c["step_s"] is not None and c["step_s"] < float("inf"))
+        lines.append(f"| {r['model']} | {r['gpus']} | {r['paper_split']} | "
+                     f"{r['chosen_stages']} stage(s) | {r['step_s']:.3g} | "
+                     f"{r['eq3_tflops']:.0f} | {r['paper_tflops']} | {r['memory_gib']:.1f} | "
+                     f"{cands} | {r['plan_s']:.0f} |")
+    (RESULTS / "cluster_auto.md").write_text("\n".join(lines) + "\n")
+
+
 def why(r: dict) -> str:
     """The paper's plan priced by the model, beside the planner's choice."""
     ratio = r["paper_step_s"] / r["step_s"]
@@ -634,6 +732,8 @@ def main(argv=None):
                         help="what the earlier run was (shown in the comparison)")
     parser.add_argument("--before-notes", type=Path,
                         help="text file: paragraphs shown under the comparison (why it moved)")
+    parser.add_argument("--auto", nargs="+", choices=list(AUTO_ROWS),
+                        help="plan these rows with AutoParallel (cluster_auto.{json,md})")
     args = parser.parse_args(argv)
     global RESULTS
     if args.out is not None:
@@ -648,6 +748,12 @@ def main(argv=None):
             before["notes"] = args.before_notes.read_text().split("\n\n")
     if args.rewrite:
         write(saved["rows"], before)
+        return
+    if args.auto:
+        rows = []
+        for name in args.auto:
+            rows.append(auto_row_in_subprocess(name))
+            write_auto(rows)
         return
     modes = [True, False] if args.both else [not args.unroll]
     rows = saved["rows"] if args.append else []

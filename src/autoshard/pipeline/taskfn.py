@@ -1,6 +1,6 @@
 """The functions a pipeline task runs: its equations with the accumulation into its
 accumulators (``task_fn``), per device over its batch axes (``local_task``), outputs pinned
-(``pinned``); and what looks inside them (``collectives_in``)."""
+(``pinned``); and which equations communicate (``is_collective``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from ..grad_accum import fold_keys
 from ..ir._compat import Literal
 from ..ir._jaxpr import Env
 from ..ir._local import LocalEval, R, split
-from ..ir._walk import all_eqns
 
 
 def spec_of(s) -> P:
@@ -51,9 +50,9 @@ _COLLECTIVES = ("psum", "all_gather", "all_to_all", "ppermute", "reduce_scatter"
                 "pmin")
 
 
-def collectives_in(jaxpr) -> set[str]:
-    """Names of the collective primitives in ``jaxpr``, at any depth."""
-    return {e.primitive.name for e in all_eqns(jaxpr) if e.primitive.name.startswith(_COLLECTIVES)}
+def is_collective(eqn) -> bool:
+    """Whether ``eqn`` is a collective (a sum, gather or exchange over mesh axes)."""
+    return eqn.primitive.name.startswith(_COLLECTIVES)
 
 
 def local_task(eqns, invars, outvars, acc, consts, random, rows, axes, size, mesh,
@@ -101,4 +100,4 @@ def local_task(eqns, invars, outvars, acc, consts, random, rows, axes, size, mes
     return run, in_specs, out_specs
 
 
-__all__ = ["collectives_in", "local_task", "pinned", "spec_of", "task_fn"]
+__all__ = ["is_collective", "local_task", "pinned", "spec_of", "task_fn"]

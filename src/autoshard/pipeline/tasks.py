@@ -7,7 +7,7 @@ apply tasks) and decides how each runs (a ``TaskPlan``): the layouts its inputs 
 producer's, or first reader's, carried over where the sub-mesh holds the same shards device
 for device), its plan (``plan_task``, on its target's costs), whether a backward task runs
 per device over the batch axes its rows arrive split over (``row_axes``/``rows_taken``, and
-not where the per-device run would move rows), ZeRO-2 apply tasks, a manual option's pins.
+not where the per-device run would communicate more than a scalar), ZeRO-2 apply tasks, a manual option's pins.
 The caller's ``realize`` gets each ``TaskPlan``: the runtime compiles it on its sub-mesh
 (``compile.CompiledTask``), the pricing of a described cluster prices it (``price``), the
 stage profiler compiles and times a candidate stage's. So the plan that was priced is the
@@ -33,6 +33,7 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 from ..cluster import Cluster
+from ..ir._walk import all_eqns
 from ..sharding import plan_auto
 from ..sharding.cost import CostModel
 from ..sharding.options import AutoShardingOption
@@ -40,7 +41,7 @@ from ..sharding.plan import ShardingPlan, spec_axes
 from .layouts import carried, step_aliases
 from .partition import Partition, Task
 from .reduce import acc_dtype, stacked_spec, without_batch_reductions
-from .taskfn import collectives_in, local_task, pinned, spec_of, task_fn
+from .taskfn import is_collective, local_task, pinned, spec_of, task_fn
 from .zero import gather_once, zero_apply
 
 
@@ -256,7 +257,7 @@ def plan_tasks(part: Partition, targets: Sequence[Target], split: bool, options:
     ``select(kind, task)`` False: the task is left out, e.g. a candidate stage's neighbours
     when profiling it), and a backward task whose micro-batch rows arrive
     split over some axes runs per device over them (``row_axes``/``rows_taken``; not where
-    that would move rows). Apply tasks run ZeRO-2 where their option asks (``zero``). Between
+    that would communicate more than a scalar). Apply tasks run ZeRO-2 where their option asks (``zero``). Between
     the backward and apply tasks come the finalised gradients, the sums spanning stages
     (replicated on every sub-mesh), the whole-batch inputs (as the batch arrives) and the
     joined values (in their source's layout)."""
@@ -436,7 +437,7 @@ def _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving, p
                 option, target):
     """(function, input specs, output specs, plan, reduced specs) of a backward task run per
     device over ``axes``, the other axes as its plan lays them out; a note why not when the
-    plan takes the rows otherwise or the per-device run would move rows."""
+    plan takes the rows otherwise or the per-device run would communicate more than a scalar."""
     n, n_acc = len(invars), len(acc)
     entry = P(axes if len(axes) > 1 else axes[0])
     if plan is not None:
@@ -465,13 +466,15 @@ def _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving, p
     shapes += [jax.ShapeDtypeStruct((groups,) + tuple(v.aval.shape), acc_dtype(v.aval.dtype))
                for v in acc]
     shapes += [jax.ShapeDtypeStruct((), jnp.int32)] if random else []
-    # Rows gathered or exchanged mean an operation without a per-row rule: the planned task
-    # does better. Sums (a loss, BatchNorm statistics) the planned task makes too.
-    moves = {c for c in collectives_in(jax.make_jaxpr(run)(*shapes).jaxpr)
-             if c.startswith(("all_gather", "all_to_all", "ppermute"))}
-    if moves:
+    # Communication per micro-batch inside the per-device run (rows gathered for an operation
+    # without a per-row rule, statistics summed over the rows): the planned task does better.
+    # A scalar summed (a loss, a count) costs nothing to speak of and is allowed.
+    talks = {e.primitive.name for e in all_eqns(jax.make_jaxpr(run)(*shapes).jaxpr)
+             if is_collective(e) and any(math.prod(getattr(v.aval, "shape", ())) > 1
+                                         for v in e.invars)}
+    if talks:
         return (f"{t.name}: accumulated values reduced per micro-batch (run per device over "
-                f"{axes} it would move rows: {', '.join(sorted(moves))})")
+                f"{axes} it would communicate: {', '.join(sorted(talks))})")
     return run, in_specs, out_specs, plan, reduced
 
 

@@ -10,29 +10,97 @@ from __future__ import annotations
 
 import numpy as np
 
+from .fusion import BITCASTS, FOLDED, fusion_charges
 from .problem import Problem, value_bytes
 from .spec import shards
 from .strategy import itemsize
 
 
 def liveness(prob: Problem) -> list[tuple[int, int, int]]:
-    """(value id, first node, last node) of every value; inputs live for the whole program."""
+    """(value id, first node, last node) of every value that takes memory of its own.
+
+    As XLA allocates them:
+
+    * inputs are arguments, allocated for the whole step; outputs live from their producer to
+      the end;
+    * a donated input and the output that replaces it (``Graph.memo["aliases"]``, the
+      planner's ``aliases``) share one buffer: the output takes memory of its own only while
+      the input is still read after the output exists;
+    * a value XLA never writes to memory takes none (``materialized``): its readers read the
+      values it is computed from, which stay live until its last reader.
+    """
     g = prob.graph
+    kept = materialized(prob)
     end = {v.id: v.producer for v in g.values}
-    for node in g.nodes:
+    for node in reversed(g.nodes):
         if node.kind == "output":
             continue
         for u in node.operands:
             if u is not None:
                 end[u] = max(end[u], node.id)
+        if node.outputs and not any(kept[v] for v in node.outputs):
+            last = max(end[v] for v in node.outputs)  # its readers read its operands
+            for u in node.operands:
+                if u is not None:
+                    end[u] = max(end[u], last)
     last = len(g.nodes)
+    aliased = {}
+    for i, o in g.memo.get("aliases", ()):
+        vi = g.nodes[g.inputs[i]].outputs[0]
+        vo = g.nodes[g.outputs[o]].operands[0]
+        if vo is not None and vo != vi:
+            aliased[vo] = end[vi]   # the input's last read: the output takes its buffer after
     for node_id in g.outputs:
         u = g.nodes[node_id].operands[0]
-        end[u] = last
+        if u is not None:
+            end[u] = last
     for node_id in g.inputs:
         end[g.nodes[node_id].outputs[0]] = last
-    return [(v.id, 0 if g.nodes[v.producer].kind == "input" else v.producer, end[v.id])
-            for v in g.values]
+    spans = []
+    for v in g.values:
+        if not kept[v.id]:
+            continue
+        first = 0 if g.nodes[v.producer].kind == "input" else v.producer
+        stop = end[v.id]
+        if v.id in aliased and g.nodes[v.producer].kind != "input":
+            stop = min(stop, aliased[v.id])
+            if stop < first:
+                continue
+        spans.append((v.id, first, stop))
+    return spans
+
+
+def materialized(prob: Problem) -> list[bool]:
+    """Per value: whether XLA writes it to memory.
+
+    Not written: the values of a fusion group that only the group reads (``fusion``: one
+    kernel reads the group's external inputs and writes what is read outside it) and the
+    members of a group of bitcasts (a reshape of a buffer is the same buffer). Everything
+    else is: products' operand prologues (XLA's CPU backend copies a transposed operand into
+    the layout its matrix product wants) and values a strategy may reduce over devices (the
+    collective splits the kernel; e.g. a bias gradient's sum before the update reads it).
+    """
+    g = prob.graph
+    key = ("materialized", tuple(prob.ctx.mesh_shape))
+    memo = g.memo.get(key)
+    if memo is not None:
+        return memo
+    kept = [True] * len(g.values)
+    charges = g.memo.get("fusion")
+    if charges is None:   # the same groups the compute term prices (mesh independent)
+        charges = g.memo["fusion"] = fusion_charges(g, prob.free)
+    for node_id, charge in charges.items():
+        node = g.nodes[node_id]
+        if charge is FOLDED and node.kind not in BITCASTS:
+            continue  # a prologue folded into a product's read: XLA's CPU copies it
+        if any(kind in REDUCING_KINDS for st in prob.strategies[node_id]
+               for kind, _, _ in st.collectives):
+            continue  # a reduction over devices ends the kernel: its operand is written
+        for j, v in enumerate(node.outputs):
+            if j not in charge.writes:
+                kept[v] = False
+    g.memo[key] = kept
+    return kept
 
 
 WORKSPACE_KINDS = {"conv_general_dilated"}
@@ -63,13 +131,15 @@ def _copied_operands(node) -> list[int]:
 
 
 def _transients(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
-    """(first node, last node, variable, bytes per strategy) of every layout copy.
+    """(first node, last node, variable, bytes per strategy) of every buffer no value names.
 
-    XLA computes a copy as soon as its operand exists (it depends on nothing else), so the
-    copy lives from the operand's producer (an input's: its first use) to the convolution: read
-    from XLA's buffer assignment, the transposed forward images of the weight-gradient
-    convolutions, and the swapped kernels of the input-gradient ones, are made in the forward
-    pass and held through the backward, next to the images themselves.
+    Layout copies: XLA computes a copy as soon as its operand exists (it depends on nothing
+    else), so the copy lives from the operand's producer (an input's: its first use) to the
+    convolution: read from XLA's buffer assignment, the transposed forward images of the
+    weight-gradient convolutions, and the swapped kernels of the input-gradient ones, are
+    made in the forward pass and held through the backward, next to the images themselves.
+
+    Partial sums (``_partials``): a reduction's result is a new buffer beside its operand.
     """
     g, found = prob.graph, []
     mesh = prob.ctx.mesh_shape
@@ -88,6 +158,44 @@ def _transients(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
             found.append((first, node.id, prob.var(node.id),
                           [size // shards(st.in_specs[p], mesh)
                            for st in prob.strategies[node.id]]))
+    return found + _partials(prob)
+
+
+REDUCING_KINDS = ("all-reduce", "reduce-scatter")
+"""Collectives whose operand, the partial sums, is a buffer of its own beside the result."""
+
+
+def _partials(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
+    """The partial sums a strategy reduces: (first node, last node, variable, bytes).
+
+    A strategy whose output is reduced (``Strategy.collectives``) first computes partial sums
+    of the output's per-device size (a reduce-scatter's: ``group`` times it), and the
+    reduction writes a new buffer: both are live where it runs, one point. XLA merges the
+    reductions only the update and the outputs read (``Problem.combined``: weight gradients)
+    into one, after the last of them is computed: there every gradient is held twice
+    (partials and reduced results). Before that point the partial sums stand for the results
+    (the value's own span), after it the results.
+    """
+    g, mesh = prob.graph, prob.ctx.mesh_shape
+    merged_at = max(prob.combined, default=0)
+    found = []
+    for node in g.nodes:
+        strategies = prob.strategies[node.id]
+        if not node.outputs or not any(kind in REDUCING_KINDS for s in strategies
+                                       for kind, _, _ in s.collectives):
+            continue
+        v = g.values[node.outputs[0]]
+        size = itemsize(v.dtype) * int(np.prod(v.shape, dtype=np.int64))
+        sizes = []
+        for s in strategies:
+            group = max((int(np.prod([mesh[a] for a in axes])) if kind == "reduce-scatter"
+                         else 1 for kind, axes, _ in s.collectives if kind in REDUCING_KINDS),
+                        default=0)
+            sizes.append(group * size // shards(s.out_specs[0], mesh))
+        if not any(sizes):
+            continue
+        at = max(node.id, merged_at) if node.id in prob.combined else node.id
+        found.append((at, at, prob.var(node.id), sizes))
     return found
 
 

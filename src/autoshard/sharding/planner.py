@@ -139,6 +139,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     options = [_shape_option(option, shape, cluster) for shape in shapes]
     graph = build_graph(closed_jaxpr, list(in_paths), list(out_paths), top_mults)
     graph.memo["roles"] = eqn_roles(closed_jaxpr)  # for Objective.model_flops
+    graph.memo["aliases"] = tuple(aliases)  # donated state shares its buffer (memory.liveness)
     pruned = _prune(graph, shapes, options, devices_per_host)
     warned: set[str] = set()
     tried, best, best_ilp, errors = [], None, None, []

@@ -59,7 +59,9 @@ def test_every_python_block_is_tested_here():
     """A block added to the README needs a check below (or a mpirun marker)."""
     in_process = [h for h, how, _ in blocks() if not how]
     assert in_process == ["Quickstart", "Pipeline parallelism (`PipeshardParallel`)",
-                          "Planning for a cluster you do not have", "Custom partitioning rules",
+                          "Planning for a cluster you do not have",
+                          "Choosing tensor, pipeline and data parallelism (`AutoParallel`)",
+                          "Custom partitioning rules",
                           "Micro-batches: what accumulated steps return",
                           "JAX `custom_partitioning`",
                           "Alpa: pipeline parallelism (`tests/pipeline_parallel`)",
@@ -112,6 +114,16 @@ def test_pipeline_block_trains_like_jit_and_prints_text(tmp_path, monkeypatch, c
     assert "bubble 4 rank-time (20.0% of all rank time idle)" in printed
     assert "PipelineAudit(" not in printed and "Simulation(" not in printed
     assert "no divergence" in printed and "DIVERGENCE" not in printed
+
+
+def test_auto_parallel_block_picks_a_stage_per_host_on_a_slow_link(capsys):
+    scope = run(block("Choosing tensor, pipeline"), "AutoParallel")
+    est = scope["estimate"]
+    assert est.num_stages == 2                     # one stage per host of the slow link
+    fits = [c for c in est.candidates if not c.dropped]
+    assert est.step_s == min(c.step_s for c in fits) and len(fits) >= 3
+    printed = capsys.readouterr().out
+    assert "chosen: 2 stages" in printed and "1 stage" in printed
 
 
 def test_planning_block_plans_256_devices_and_saves_the_plan(tmp_path, monkeypatch, capsys):

@@ -255,12 +255,12 @@ def plan_tasks(part: Partition, targets: Sequence[Target], split: bool, options:
     ``plan_task`` on its target's costs (``once(name, closed, mesh, option, plan)`` wraps the
     call, e.g. planning on one process; ``cache`` keeps the plans of identical tasks;
     ``select(kind, task)`` False: the task is left out, e.g. a candidate stage's neighbours
-    when profiling it), and a backward task whose micro-batch rows arrive
-    split over some axes runs per device over them (``row_axes``/``rows_taken``; not where
-    that would communicate more than a scalar). Apply tasks run ZeRO-2 where their option asks (``zero``). Between
-    the backward and apply tasks come the finalised gradients, the sums spanning stages
-    (replicated on every sub-mesh), the whole-batch inputs (as the batch arrives) and the
-    joined values (in their source's layout)."""
+    when profiling it), and a backward task whose micro-batch rows arrive split over some
+    axes runs per device over them (``row_axes``/``rows_taken``; not where that would
+    communicate more than a scalar). Apply tasks run ZeRO-2 where their option asks
+    (``zero``). Between the backward and apply tasks come the finalised gradients, the sums
+    spanning stages (replicated on every sub-mesh), the whole-batch inputs (as the batch
+    arrives) and the joined values (in their source's layout)."""
     layouts = Layouts()
     consts = set(part.jaxpr.constvars)
     fallback = Specs(part, targets, part.mb_rows)

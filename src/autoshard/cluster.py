@@ -68,12 +68,15 @@ class Cluster:
     intra_host_bandwidth: float = 1 / cost.DEFAULT_BETA_S_PER_BYTE
     """Bytes/s per device and direction between devices of one host (NVLink, ...)."""
     intra_host_latency_s: float = cost.DEFAULT_ALPHA_S
-    """Seconds of latency of one collective inside a host."""
+    """Seconds of latency of one ring step (hop) between devices of a host: a collective over
+    ``n`` devices of one host pays ``n - 1`` of them per ring pass (``sharding.cost``,
+    "Ring latency")."""
     inter_host_bandwidth: float = 1 / cost.INTER_HOST_BETA_S_PER_BYTE
     """Bytes/s per device and direction between hosts (a host's network links / its devices):
     an axis with ``k`` devices in each host crosses hosts at ``k`` times this."""
     inter_host_latency_s: float = cost.INTER_HOST_ALPHA_S
-    """Seconds of latency of one collective across hosts."""
+    """Seconds of latency of one ring step (hop) between hosts: a ring over ``h`` hosts makes
+    ``h - 1`` of them per pass (its other hops are inside hosts)."""
     name: str = "custom"
     """What the numbers describe, shown by ``explain()``."""
 
@@ -127,8 +130,10 @@ class Cluster:
 
     @classmethod
     def _preset(cls, name: str, num_hosts: int, devices_per_host: int) -> Cluster:
+        # Per ring hop: NCCL's tuning model for its Simple protocol (the one large messages
+        # use) on A100-era releases, ring over NVLink 3.4 us, over the network 9.6 us.
         return cls(num_hosts=num_hosts, devices_per_host=devices_per_host,
-                   intra_host_latency_s=5e-6, inter_host_latency_s=10e-6,
+                   intra_host_latency_s=3.4e-6, inter_host_latency_s=9.6e-6,
                    name=f"{name}, {num_hosts} x {devices_per_host}", **_PRESETS[name])
 
     @classmethod
@@ -190,16 +195,19 @@ class Cluster:
         return self.inter_host_bandwidth * self.devices_per_host
 
     def mesh_costs(self, mesh_shape: Sequence[int]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """(alpha, beta) per axis: latency in s and inverse bandwidth in s/byte of its link.
+        """(alpha, beta) per axis: latency in s of one ring pass over it and inverse bandwidth
+        in s/byte of its link.
 
-        An axis crossing hosts is priced on the NICs of the devices it has in each host
-        (``sharding.cost.crossing_beta``).
+        A ring pass over an axis of ``n`` devices makes ``n - 1`` hops, ``hosts - 1`` of them
+        between hosts (``sharding.cost.ring_pass_latency``); an axis crossing hosts is priced on
+        the NICs of the devices it has in each host (``sharding.cost.crossing_beta``).
         """
         crosses = self.axis_crosses_hosts(mesh_shape)
         shape = tuple(mesh_shape)
         dph = self.devices_per_host if self.num_hosts > 1 else None
-        alpha = tuple(self.inter_host_latency_s if c else self.intra_host_latency_s
-                      for c in crosses)
+        alpha = tuple(cost.ring_pass_latency(
+            shape[a], cost.axis_devices_per_host(shape, a, dph) if c else shape[a],
+            self.intra_host_latency_s, self.inter_host_latency_s) for a, c in enumerate(crosses))
         beta = tuple(cost.crossing_beta(1.0 / self.inter_host_bandwidth,
                                         1.0 / self.intra_host_bandwidth,
                                         cost.axis_devices_per_host(shape, a, dph))

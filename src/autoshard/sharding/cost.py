@@ -7,6 +7,26 @@ Every constant of the model lives here, and every pricing decision is written do
 collective (as in Alpa): all-reduce ``2(n-1)/n``, all-gather and reduce-scatter ``(n-1)/n``,
 all-to-all ``(n-1)/n^2``.
 
+**Ring latency** (``ring_pass_latency``, ``Cluster.mesh_costs``). A ``Cluster``'s latencies
+are per ring hop, and an axis's ``alpha`` is the latency of one ring pass over it: ``n - 1``
+hops for ``n`` devices, ``hosts - 1`` of them between hosts and the rest inside hosts. This is
+NCCL's own latency model (``ncclTopoTuneModel``: a ring makes ``n - 1`` steps per pass,
+``nodes - 1`` of them over the network) with its Simple-protocol hop figures, the protocol
+large messages use (A100-era releases: 3.4 us over NVLink, 9.6 us over the network). Before,
+a collective paid one latency whatever its size, so a ring over 512 GPUs (511 hops a pass)
+cost what a ring over 2 does. One pass is charged per collective of any kind. The ring is the
+algorithm chosen because it is the only one NCCL has for all-gather and reduce-scatter, the
+collectives of ZeRO's weight gathers and gradient scatters (every layer, every step, on
+data-parallel meshes over every GPU). An all-reduce is charged one pass as well, not the
+ring's two: inside a host (NCCL's tree is a chain there) that reads ``n - 1`` hops low (24 us
+on 8 A100s); across hosts NCCL runs small all-reduces as a tree (``2 log2(hosts)`` network
+hops, fewer than one pass) and large ones are bandwidth-bound, so one pass lies between the
+two. (Two passes for an all-reduce would need a latency per collective kind, which the
+merged-reduction terms of the ILP, paying each axis's ``alpha`` once, and Alpa's units, one
+``alpha`` per collective of any kind, do not have.) NCCL's fixed base latency (8.4 us per
+call) is not counted. Constants given as ``mesh_alpha`` are one collective's latency, as in
+Alpa.
+
 **One hierarchical rule for several axes** (``CostModel.collective_steps``). A collective over
 several axes runs one phase per axis, the fastest link first on the whole array, each slower
 axis on what the faster ones left: an all-reduce over (hosts, GPUs of a host) is a
@@ -49,9 +69,19 @@ forward every remat recomputes), the count published TFLOP/s figures use. Neithe
 objective.
 
 **Compute.** A matrix product or convolution costs its FLOPs at the device's sustained rate
-(``flop_cost``; its operand reads and result write are inside that figure). A memory-bound op
+(``flop_cost``), or its bytes, whichever is slower (below, "Roofline"). A memory-bound op
 costs the bytes it touches at the memory bandwidth (``byte_cost``); each rule prices an op
 alone (an element-wise op: its output bytes).
+
+**Roofline** (``fusion.Roofline``, applied with the fusion pass). A product costs
+``max(FLOPs / (peak x efficiency), bytes / memory bandwidth)`` per device, the roofline
+model (Williams, Waterman and Patterson, CACM 2009) that cuBLAS's and XLA's GEMMs reach:
+the bytes are its operands as the strategy cuts them, read once, and its result, written
+once (not when a fusion group takes the result as its epilogue: the group writes it). Before,
+every product ran at the sustained FLOP rate with its memory traffic free, so products of low
+arithmetic intensity (attention's ``batch x heads x seq x seq`` scores and their gradients:
+about ``head dim`` FLOPs per byte against an A100's 125 at 80% of peak, or a small per-device
+slice of a split product) were priced faster than the memory lets them run.
 
 **Fusion** (``fusion.fuse_memory_bound``, applied to every problem). XLA fuses chains of
 element-wise ops, the layout ops between them (broadcast, transpose, reshape, convert) and the
@@ -322,6 +352,15 @@ def axis_devices_per_host(mesh_shape: tuple[int, ...], axis: int,
     return k if n % k == 0 else 1
 
 
+def ring_pass_latency(num_devices: int, devices_per_host: int, intra_s: float,
+                      inter_s: float) -> float:
+    """Latency of one ring pass over an axis of ``num_devices``, ``devices_per_host`` of them in
+    each host (``num_devices``: one host): ``n - 1`` hops, ``hosts - 1`` of them between hosts
+    (NCCL's ring latency: ``(nsteps - nInterSteps) * intra + nInterSteps * inter`` per pass)."""
+    hosts = max(1, num_devices // max(1, devices_per_host))
+    return (num_devices - hosts) * intra_s + (hosts - 1) * inter_s
+
+
 def crossing_beta(inter_beta: float, intra_beta: float, devices_per_host: int) -> float:
     """Inverse bandwidth of an axis crossing hosts with ``devices_per_host`` of its devices in
     each host: NCCL's ring runs over their NICs together, and no faster than the intra-host
@@ -425,4 +464,5 @@ def _beats(si, ci, sj, cj, *, tie_wins: bool) -> bool:
 
 __all__ = ["CostModel", "alpa_collective_cost", "array_bytes", "axis_crosses_hosts",
            "axis_devices_per_host", "bytes_per_device", "byte_cost", "crossing_beta",
+           "ring_pass_latency",
            "device_speed", "dim_shards", "dominated_meshes", "flop_cost", "ClusterCosts"]

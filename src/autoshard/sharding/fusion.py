@@ -4,7 +4,9 @@ The rules price a memory-bound op by the bytes of its own output (``cost.byte_co
 every element-wise op ran as its own kernel. XLA fuses them: a chain of element-wise ops, the
 layout ops between them and the reductions they feed run as one kernel that reads its
 external inputs and writes its external outputs once. ``fuse_memory_bound`` re-prices the
-members of each fusion group that way (the rule and why: ``cost``'s docstring, "Fusion").
+members of each fusion group that way (the rule and why: ``cost``'s docstring, "Fusion"), and
+prices each matrix product on the roofline: the larger of its FLOP time and the time of the
+bytes it reads and writes (``cost``'s docstring, "Roofline").
 
 A group is found once per graph (it does not depend on the mesh): fusible nodes joined along
 their producer-consumer edges, only between nodes at the same *depth* (the number of
@@ -48,6 +50,13 @@ class Charge:
     """Output positions read outside the group (written to memory once)."""
 
 
+@dataclass(frozen=True)
+class Roofline(Charge):
+    """A matrix product's bytes: its operand reads and its result write (none when a fusion
+    group takes the result as its epilogue and writes it). The product costs the larger of
+    its FLOP time and these bytes' time (``cost``'s docstring, "Roofline")."""
+
+
 FOLDED = Charge((), ())
 """A prologue folded into a product, or a member of a bitcast-only group: nothing to pay."""
 
@@ -89,6 +98,7 @@ def fusion_charges(graph: Graph, free: set[int]) -> dict[int, Charge]:
         if member[node.id]:
             groups.setdefault(root(node.id), []).append(node.id)
     charges = {n: FOLDED for n in folded}
+    epilogue: set[int] = set()  # products whose result a fusion group reads as its epilogue
     for group, ids in groups.items():
         if all(nodes[i].kind in BITCASTS for i in ids):
             charges.update((i, FOLDED) for i in ids)
@@ -106,6 +116,7 @@ def fusion_charges(graph: Graph, free: set[int]) -> dict[int, Charge]:
                         graph.values[u].shape) == 0:
                     continue
                 if nodes[p].kind in PRODUCTS and readers[p] == {i} and not has_reduction:
+                    epilogue.add(p)
                     continue  # the product's epilogue (bias, activation, residual add)
                 seen.add(u)
                 reads.append(pos)
@@ -113,6 +124,11 @@ def fusion_charges(graph: Graph, free: set[int]) -> dict[int, Charge]:
                       if any(not (member[c] and root(c) == group)
                              for c, _ in consumers_of(graph, consumers, v))]
             charges[i] = Charge(tuple(reads), tuple(writes))
+    for node in nodes:  # the roofline's bytes of each product (``Roofline``)
+        if node.kind in PRODUCTS:
+            reads = tuple(p for p, u in enumerate(node.operands) if u is not None
+                          and graph.values[u].producer not in free)
+            charges[node.id] = Roofline(reads, () if node.id in epilogue else (0,))
     return charges
 
 
@@ -142,14 +158,20 @@ def fuse_memory_bound(prob: Problem) -> None:
         if new is None:
             node = g.nodes[node_id]
             outs = [g.values[v] for v in node.outputs]
-            new = replaced[(id(strategies), charge)] = [dataclasses.replace(s, compute_s=sum(
-                byte_cost(nbytes(node.in_avals[p]), shards(s.in_specs[p], mesh))
-                for p in charge.reads if s.in_specs[p] is not None) + sum(
-                byte_cost(nbytes(outs[j]), shards(s.out_specs[j], mesh))
-                for j in charge.writes)) for s in strategies]
+            new = replaced[(id(strategies), charge)] = [dataclasses.replace(
+                s, compute_s=_charged_s(node, outs, s, charge, mesh)) for s in strategies]
         prob.strategies[node_id] = new
     prob.keepalive.extend(replaced.values())
 
 
-__all__ = ["BITCASTS", "Charge", "FUSIBLE", "PROLOGUE", "REDUCTIONS", "fuse_memory_bound",
-           "fusion_charges"]
+def _charged_s(node, outs, s, charge: Charge, mesh) -> float:
+    """Seconds strategy ``s`` of ``node`` pays under ``charge``: its bytes at the memory
+    bandwidth, or for a product (``Roofline``) the larger of that and its FLOP time."""
+    touched = sum(byte_cost(nbytes(node.in_avals[p]), shards(s.in_specs[p], mesh))
+                  for p in charge.reads if s.in_specs[p] is not None) + sum(
+        byte_cost(nbytes(outs[j]), shards(s.out_specs[j], mesh)) for j in charge.writes)
+    return max(s.compute_s, touched) if isinstance(charge, Roofline) else touched
+
+
+__all__ = ["BITCASTS", "Charge", "FUSIBLE", "PROLOGUE", "REDUCTIONS", "Roofline",
+           "fuse_memory_bound", "fusion_charges"]

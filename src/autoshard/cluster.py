@@ -16,7 +16,8 @@ Measured numbers replace the presets field by field::
                                    flops_efficiency=0.7)
 
 Bandwidths are per device and per direction, in bytes per second (what a ring all-reduce's
-bus bandwidth measures, e.g. ``nccl-tests``' ``busbw``); latencies are seconds per collective.
+bus bandwidth measures, e.g. ``nccl-tests``' ``busbw``); latencies are seconds per ring hop
+(a collective over an axis pays one ring pass: ``sharding.cost``, "Ring latency").
 The inter-host figure is per device: a host's network bandwidth is ``inter_host_bandwidth *
 devices_per_host`` (a DGX A100: 8 NICs of 25 GB/s, one per GPU). An axis crossing hosts with
 ``k`` of its devices in each host rings through their ``k`` NICs together (NCCL puts one

@@ -1,0 +1,136 @@
+"""Pricing a pipeline plans each distinct task once (issue 26, item 8).
+
+A 39.1B-like step in miniature (an embedding layer, identical transformer-like blocks, a head;
+Adam; a pipeline boundary after each) is priced on a small described cluster by the stage
+search (``AutoStageOption``) and by ``AutoParallel``. Every call of the planner is counted:
+no task is planned twice on the same sub-mesh with the same options and input layouts (the
+identical middle layers once per sub-mesh), and the estimates equal those of the pricing with
+every cache turned off.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import autoshard
+from autoshard import Cluster
+from autoshard.pipeline import price, tasks
+
+HIDDEN, VOCAB, ROWS, NUM_BLOCKS = 32, 64, 16, 4
+TX = optax.adam(1e-3)
+QUIET = autoshard.AutoShardingOption(show_progress=False)
+
+
+def norm(x):
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+
+def loss(p, tokens, targets):
+    x = p["embed"][tokens]
+    autoshard.mark_pipeline_boundary()
+    for i in range(NUM_BLOCKS):
+        b = p[f"block{i}"]
+        x = x + jnp.tanh(norm(x) @ b["up"]) @ b["down"]
+        autoshard.mark_pipeline_boundary()
+    logits = norm(x) @ p["head"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:, None], 1))
+
+
+def step(p, opt, tokens, targets):
+    g = autoshard.grad(loss)(p, tokens, targets)
+    updates, opt = TX.update(g, opt, p)
+    return optax.apply_updates(p, updates), opt
+
+
+def shapes():
+    f32 = jnp.float32
+    params = {"embed": jax.ShapeDtypeStruct((VOCAB, HIDDEN), f32),
+              "head": jax.ShapeDtypeStruct((HIDDEN, VOCAB), f32),
+              **{f"block{i}": {"up": jax.ShapeDtypeStruct((HIDDEN, 4 * HIDDEN), f32),
+                               "down": jax.ShapeDtypeStruct((4 * HIDDEN, HIDDEN), f32)}
+                 for i in range(NUM_BLOCKS)}}
+    tokens = jax.ShapeDtypeStruct((ROWS,), jnp.int32)
+    return params, jax.eval_shape(TX.init, params), tokens, tokens
+
+
+CLUSTER = Cluster.a100_80gb(num_hosts=2, devices_per_host=2)
+STAGES = autoshard.AutoStageOption(submesh_physical_shape_space="manual",
+                                   manually_specified_submeshes=[(1, 2), (2, 2)],
+                                   layer_profile_mode="individual")
+
+
+class _NoCache(dict):
+    """A cache that keeps nothing: every task planned again."""
+
+    def __setitem__(self, key, value):
+        pass
+
+    def setdefault(self, key, default=None):
+        return _NoCache()
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The key of every planner call of the pricing (all a plan depends on)."""
+    calls = []
+    real = tasks.plan_auto
+
+    def plan_auto(closed, **kw):
+        calls.append((str(closed), kw["num_devices"], repr(kw["option"]),
+                      repr(kw["fixed_in_specs"]), tuple(kw["axis_names"] or ()),
+                      kw["cluster"], tuple(kw["batch_invars"]), tuple(kw["aliases"])))
+        return real(closed, **kw)
+    monkeypatch.setattr(tasks, "plan_auto", plan_auto)
+    return calls
+
+
+def uncached(monkeypatch):
+    real = price._Pricer.__init__
+
+    def init(self, *args, **kw):
+        real(self, *args, **kw)
+        self.cache = _NoCache()
+    monkeypatch.setattr(price._Pricer, "__init__", init)
+    monkeypatch.setattr(tasks, "_cached", lambda cache, key, planned: planned)
+
+
+def plan(method):
+    return autoshard.plan(step, *shapes(), cluster=CLUSTER, method=method,
+                          batch_argnums=(2, 3))
+
+
+def test_the_stage_search_plans_each_distinct_task_once(counted, monkeypatch):
+    method = autoshard.PipeshardParallel(num_micro_batches=2, layer_option="manual",
+                                         default_auto_sharding_option=QUIET,
+                                         stage_option=STAGES)
+    est = plan(method)
+    once = list(counted)
+    assert len(once) == len(set(once)), "a task planned twice with the same key"
+    # the 4 identical blocks' forward tasks: planned once per sub-mesh, not once per block
+    searched = [c for c in once if c[4] == () and "dot_general" in c[0]]
+    assert len({c[0] for c in searched}) < len(searched) + NUM_BLOCKS
+    counted.clear()
+    uncached(monkeypatch)
+    again = plan(method)
+    assert len(counted) > len(once) + NUM_BLOCKS  # the caches saved planner calls ...
+    assert again.explain() == est.explain()  # ... and changed nothing
+    assert again.step_s == est.step_s
+
+
+def test_auto_parallel_plans_each_distinct_task_once(counted, monkeypatch):
+    method = autoshard.AutoParallel(num_micro_batches=2, layer_option="manual",
+                                    default_auto_sharding_option=QUIET, stage_option=STAGES,
+                                    num_priced=2)
+    est = plan(method)
+    once = list(counted)
+    assert len(once) == len(set(once)), "a task planned twice with the same key"
+    counted.clear()
+    uncached(monkeypatch)
+    again = plan(method)
+    assert len(counted) > len(once)
+    assert [(c.num_stages, c.step_s, c.memory_bytes, c.split, c.dropped)
+            for c in again.candidates] == [(c.num_stages, c.step_s, c.memory_bytes, c.split,
+                                            c.dropped) for c in est.candidates]
+    assert again.estimate.explain() == est.estimate.explain()

@@ -8,6 +8,7 @@ import pytest
 
 import autoshard
 from autoshard.sharding import hlo
+from autoshard.sharding.audit import DIVERGENCE_MIN_MEMORY
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from models import make_case, make_state, train_step  # noqa: E402
@@ -83,7 +84,11 @@ def test_compiled_memory_within_the_estimate(kind):
     opt = autoshard.AutoShardingOption(show_progress=False)
     f = autoshard.parallelize(train_step, method=autoshard.ShardParallel(auto_sharding_option=opt))
     a = f.get_executable(make_state(model, x), (x, y)).audit()
-    assert a.memory_ratio() <= 1.10, a.explain()
+    # Programs of a few KB: XLA's fixed buffers (scalars, tuples, layout copies of tiny
+    # weights) are not arrays of the program; the audit ignores what is under
+    # DIVERGENCE_MIN_MEMORY bytes apart, and so does this check.
+    assert (a.memory_ratio() <= 1.10
+            or a.compiled_memory - a.predicted_memory < DIVERGENCE_MIN_MEMORY), a.explain()
 
 
 SUITE = Path(__file__).parent.parent.parent / "benchmarks"

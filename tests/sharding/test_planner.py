@@ -258,7 +258,11 @@ def test_memory_rows_are_added_where_the_plan_goes_over_the_budget(monkeypatch):
     monkeypatch.setattr(solver, "memory_rows", first_point_only)
     args, budget = _mlp_args(batch=64, hidden=256), 700_000
     monkeypatch.setattr(solver, "MEMORY_ROUNDS", 0)
-    blind = _plan(args, logical_mesh_shape=(8,), memory_budget_per_device=budget)
+    # Without rounds the plan goes over the budget: that is no plan, and the error says by
+    # how much (a budget is met or refused, never silently missed).
+    with pytest.raises(ValueError, match=r"x the budget, [\d,]+ B over"):
+        _plan(args, logical_mesh_shape=(8,), memory_budget_per_device=budget)
+    blind = _plan(args, logical_mesh_shape=(8,), memory_tradeoff=0.0)
     assert blind.objective.peak_bytes_per_device > budget
     monkeypatch.setattr(solver, "MEMORY_ROUNDS", 4)
     plan = _plan(args, logical_mesh_shape=(8,), memory_budget_per_device=budget)

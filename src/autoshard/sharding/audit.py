@@ -13,7 +13,10 @@ A compiled program *diverges* from its plan when its collective bytes fall outsi
 ``BYTES_RATIO_RANGE`` times the predicted ones or its memory exceeds ``MEMORY_RATIO_MAX`` times
 the estimate, by more than a few bytes (``DIVERGENCE_MIN_BYTES``, ``DIVERGENCE_MIN_MEMORY``):
 then the plan's costs do not describe what runs (e.g. XLA left a planned split undone and
-every device computes the whole array). ``Audit.divergences()`` names each one,
+every device computes the whole array). A plan made under ``memory_budget_per_device``
+whose compiled memory exceeds ``BUDGET_RATIO_MAX`` times the budget diverges too
+(``Audit.budget_miss()``: by how much, and the budget that would fit). ``Audit.divergences()``
+names each one,
 ``explain()`` reports them, and ``AUTOSHARD_AUDIT=1`` warns at the first call.
 """
 
@@ -36,6 +39,9 @@ MEMORY_RATIO_MAX = 1.25
 DIVERGENCE_MIN_MEMORY = 16384
 """Bytes per device by which compiled memory must exceed the estimate to diverge: XLA's
 fixed buffers (tuples, scalars, alignment) outweigh the arrays of programs that small."""
+BUDGET_RATIO_MAX = 1.02
+"""Compiled memory per device above this multiple of ``memory_budget_per_device`` misses the
+budget (a divergence: the plan's estimate fitted it)."""
 DIVERGENCE_HINT = ("the compiled program is not the one the planner costed: compare "
                    "ex.plan.explain() with ex.get_hlo_text() (ex.dump_debug_info(dir) writes "
                    "both) and report it with the step that produced it")
@@ -72,6 +78,8 @@ class Audit:
     """XLA's allocation per device: arguments + outputs + temporaries - aliased."""
     has_prediction: bool
     """False for methods that predict nothing (DataParallel, ZeRO, manual specs)."""
+    memory_budget: int | None = None
+    """The plan's ``memory_budget_per_device`` (None: planned without one)."""
 
     @property
     def predicted_bytes(self) -> int:
@@ -90,6 +98,19 @@ class Audit:
         if not self.predicted_memory:
             return None
         return self.compiled_memory / self.predicted_memory
+
+    def budget_miss(self) -> str | None:
+        """How far the compiled program goes over the plan's memory budget, and what would
+        fit; None when it has no budget or keeps within ``BUDGET_RATIO_MAX`` of it."""
+        budget, compiled = self.memory_budget, self.compiled_memory
+        if budget is None or compiled <= BUDGET_RATIO_MAX * budget:
+            return None
+        refit = int(budget * budget / compiled)
+        return (f"compiled memory per device is {compiled / budget:.3f}x "
+                f"memory_budget_per_device ({compiled:,} B against {budget:,} B, "
+                f"{compiled - budget:,} B over; the estimate was "
+                f"{self.predicted_memory or 0:,} B): plan with a budget of about {refit:,} B "
+                f"to fit {budget:,} B, or raise it to {compiled:,} B")
 
     def within(self, tolerance: float = 0.10) -> bool:
         """Compiled bytes at most ``1 + tolerance`` times the predicted ones, memory likewise.
@@ -117,6 +138,8 @@ class Audit:
             found.append(f"compiled memory per device is {mem:.2f}x the estimate "
                          f"({self.compiled_memory:,} B against {self.predicted_memory:,} B; at "
                          f"most {MEMORY_RATIO_MAX}x expected)")
+        if (miss := self.budget_miss()) is not None:
+            found.append(miss)
         return tuple(found)
 
     def _bytes_divergence(self) -> str | None:
@@ -157,6 +180,9 @@ class Audit:
         if self.predicted_memory:
             mem += (f", estimated {self.predicted_memory:,} B (ratio "
                     f"{self.memory_ratio():.2f})")
+        if self.memory_budget is not None:
+            mem += (f", budget {self.memory_budget:,} B (compiled "
+                    f"{self.compiled_memory / self.memory_budget:.3f}x)")
         lines.append(mem)
         lines.extend(verdict_lines(self.divergences(), self.has_prediction))
         return "\n".join(lines)
@@ -216,4 +242,6 @@ def audit(plan: ShardingPlan, hlo_text: str, compiled_memory: int, *,
     return Audit(rows=tuple(rows), unpredicted=unpredicted if has_prediction else (),
                  predicted_memory=(plan.objective.peak_bytes_per_device
                                    if has_prediction else None),
-                 compiled_memory=int(compiled_memory), has_prediction=has_prediction)
+                 compiled_memory=int(compiled_memory), has_prediction=has_prediction,
+                 memory_budget=(plan.objective.memory_budget_per_device
+                                if has_prediction else None))

@@ -266,4 +266,39 @@ def live_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
         size = sizes[choice[r]] if len(sizes) > choice[r] else max(sizes)
         delta[a] += size
         delta[b + 1] -= size
+    return np.cumsum(delta)[:n] + reshard_bytes(prob, choice)
+
+
+def reshard_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
+    """Bytes per device at every program point of the resharded copies ``choice`` makes.
+
+    A consumer that needs a value in another spec than its producer's reads a copy (the
+    result of an all-gather, all-to-all or local slice). XLA makes one copy per (value, spec)
+    for all the consumers that need it, so it lives from the first of them to the last: a
+    parameter gathered for the forward pass is held for the backward one (XLA does not gather
+    it twice). The ILP's memory rows cannot see these (they depend on two choices at once);
+    ``solver.solve_ilp`` lowers a row's bound by the copies its plan holds there.
+    """
+    g, mesh = prob.graph, prob.ctx.mesh_shape
+    spans: dict[tuple[int, object], list[int]] = {}
+    for node in g.nodes:
+        s = prob.strategies[node.id][choice[prob.var(node.id)]]
+        for p, u in enumerate(node.operands):
+            if u is None or p >= len(s.in_specs) or s.in_specs[p] is None:
+                continue
+            v = g.values[u]
+            if v.producer in prob.free:
+                continue
+            dst = s.in_specs[p]
+            if prob.value_spec(u, choice[prob.var(v.producer)]) == dst:
+                continue
+            span = spans.setdefault((u, dst), [node.id, node.id])
+            span[0], span[1] = min(span[0], node.id), max(span[1], node.id)
+    n = len(g.nodes) + 1
+    delta = np.zeros(n + 1)
+    for (u, dst), (a, b) in spans.items():
+        v = g.values[u]
+        size = itemsize(v.dtype) * int(np.prod(v.shape, dtype=np.int64)) // shards(dst, mesh)
+        delta[a] += size
+        delta[b + 1] -= size
     return np.cumsum(delta)[:n]

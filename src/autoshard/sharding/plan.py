@@ -92,6 +92,9 @@ class Objective:
     """The same objective for pure data parallel on the same mesh, for comparison."""
     peak_bytes_per_device: int | None = None
     """Estimated peak memory per device."""
+    memory_budget_per_device: int | None = None
+    """The budget the plan was made under (``AutoShardingOption.memory_budget_per_device``
+    or the cluster's memory); ``Audit`` checks the compiled program against it."""
     solver_status: str = "optimal"
     """'optimal', 'node limit: best incumbent (gap g)' (a deterministic stop) or 'time limit:
     best incumbent (gap g)' (a wall-clock stop, warned about)."""
@@ -227,7 +230,9 @@ class ShardingPlan:
             if o.data_parallel_s is not None:
                 lines.append(f"  pure data parallel on the same mesh: {o.data_parallel_s * 1e3:.4f} ms")
             if o.peak_bytes_per_device is not None:
-                lines.append(f"  estimated peak memory per device: {o.peak_bytes_per_device:,} B")
+                lines.append(f"  estimated peak memory per device: {o.peak_bytes_per_device:,} B"
+                             + (f" (budget {o.memory_budget_per_device:,} B)"
+                                if o.memory_budget_per_device is not None else ""))
             lines.extend(self._estimate_lines())
         for note in self.notes:
             lines.append(f"  note: {note}")

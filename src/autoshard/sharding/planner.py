@@ -244,7 +244,7 @@ def _finish(best, tried, pruned, option, batch_invars, axis_names, graph) -> Sha
         meshes_tried=tuple((tuple(s), o) for s, o in tried),
         meshes_pruned=tuple((tuple(s), why) for s, why in pruned.items()),
         flops=program_flops(graph), model_flops=model_flops(graph, graph.memo["roles"]),
-        alpa_units=alpa)
+        alpa_units=alpa, memory_budget_per_device=option.memory_budget_per_device)
     notes = list(plan.notes)
     if len(tried) > 1:
         notes.append("meshes tried: " + ", ".join(f"{s} {o * 1e3:.4f} ms" for s, o in tried))
@@ -391,7 +391,11 @@ def _no_plan_error(errors, option, graph) -> Exception:
     if budget is None:
         return errors[0][1]
     smallest = None
-    for prob, _ in errors:  # the same problem without the budget: its peak estimate
+    for prob, err in errors:  # the plan that went over, or the problem without the budget
+        if isinstance(err, solver.OverBudget):
+            if smallest is None or err.peak_bytes < smallest[0]:
+                smallest = (err.peak_bytes, err.mesh_shape)
+            continue
         try:
             sol = build_and_solve(prob, time_limit_s=option.solver_time_limit_s,
                                   memory_budget=None, node_limit=option.solver_node_limit)
@@ -401,8 +405,11 @@ def _no_plan_error(errors, option, graph) -> Exception:
         if smallest is None or peak < smallest[0]:
             smallest = (peak, prob.ctx.mesh_shape)
     largest = _largest_inputs(graph)
-    found = (f"the smallest estimate found is {smallest[0]:,} B per device (mesh {smallest[1]}, "
-             "planned without the budget)" if smallest else "no plan was found even without it")
+    found = (f"the smallest estimate found is {smallest[0]:,} B per device (mesh {smallest[1]}: "
+             f"{smallest[0] / budget:.3f}x the budget, "
+             f"{smallest[0] - budget:,} B {'over' if smallest[0] > budget else 'under'})"
+             if smallest
+             else "no plan was found even without it")
     advice = (_what_would_fit(graph, smallest[1], smallest[0], budget) if smallest else
               "Raise the budget, use more devices, or shrink the model or batch (gradient "
               "accumulation: num_micro_batches).")

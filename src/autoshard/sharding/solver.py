@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .build import merged_latency, merged_reductions
-from .memory import live_bytes, memory_rows
+from .memory import live_bytes, memory_rows, reshard_bytes
 from .problem import Problem
 from .spec import axis_place
 from .strategy import itemsize
@@ -27,12 +27,22 @@ OBJECTIVE_SCALE = 1e6
 CUTOFF_MIN_COLUMNS = 2_000
 """ILPs with fewer columns are solved outright even under a cutoff: the LP bound would cost
 about as much as the solve, and the solved cost is what ``explain()`` lists per mesh."""
-MEMORY_ROUNDS = 4
-"""Times the ILP is solved again with rows at the points where its plan went over budget."""
+MEMORY_ROUNDS = 12
+"""Most times the ILP is solved again with rows at the points where its plan went over budget;
+a plan still over it then is no plan (``solve_ilp`` says by how much)."""
 MEMORY_POINTS_PER_ROUND = 8
 """Rows added per round: the points furthest over the budget."""
 MOVED = ("elsewhere",)
 """A place different from any other: prices moving a split (all-to-all)."""
+
+
+class OverBudget(ValueError):
+    """No plan within the memory budget: ``peak_bytes`` is the estimate of the last one tried
+    (the ILP's rows fitted it, the resharded copies it holds did not)."""
+
+    def __init__(self, peak_bytes: int, mesh_shape, message: str):
+        super().__init__(message)
+        self.peak_bytes, self.mesh_shape = peak_bytes, tuple(mesh_shape)
 
 
 @dataclass
@@ -321,22 +331,42 @@ def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:
     t_solve = time.perf_counter()
     res = milp(c * OBJECTIVE_SCALE, integrality=integrality, bounds=bounds,
                constraints=constraints, options=options)
+    last_over = None   # (peak, where) of the last plan that went over the budget
     for _ in range(MEMORY_ROUNDS if memory_budget is not None else 0):
         # The budget rows sample the program; where the plan found goes over at a point
         # they skipped, that point gets its row and the ILP is solved again.
         if res.x is None:
             break
-        live = live_bytes(prob, {r: int(np.argmax(res.x[col0[r]:col0[r] + K[r]]))
-                                 for r in roots})
+        choice = {r: int(np.argmax(res.x[col0[r]:col0[r] + K[r]])) for r in roots}
+        live = live_bytes(prob, choice)
+        last_over = (int(live.max()), int(np.argmax(live)))
         over = np.flatnonzero(live > memory_budget)
         if not len(over):
             break
         worst = np.sort(over[np.argsort(-live[over], kind="stable")[:MEMORY_POINTS_PER_ROUND]])
+        # The rows hold what one strategy choice decides; the resharded copies this plan
+        # holds at those points come off their bound (a choice of two ends at once).
+        copies = reshard_bytes(prob, choice)[worst]
         constraints.append(LinearConstraint(memory_rows(prob, col0, K, total, points=worst),
-                                            -np.inf, float(memory_budget)))
+                                            -np.inf, float(memory_budget) - copies))
         info["memory_rounds"] = info.get("memory_rounds", 0) + 1
         res = milp(c * OBJECTIVE_SCALE, integrality=integrality, bounds=bounds,
                    constraints=constraints, options=options)
+    if memory_budget is not None and res.x is not None:
+        live = live_bytes(prob, {r: int(np.argmax(res.x[col0[r]:col0[r] + K[r]]))
+                                 for r in roots})
+        last_over = (int(live.max()), int(np.argmax(live))) if live.max() > memory_budget \
+            else None
+    if memory_budget is not None and last_over is not None:
+        # Still over after the rounds, or the rows that took the copies off made it
+        # infeasible: no plan, and by how much the last one missed.
+        peak, at = last_over
+        where = prob.graph.nodes[min(at, len(prob.graph.nodes) - 1)].where
+        raise OverBudget(peak, prob.ctx.mesh_shape,
+            f"No plan on mesh {prob.ctx.mesh_shape} fits memory_budget_per_device "
+            f"({memory_budget:,} B): the closest plan found needs {peak:,} B per device at "
+            f"{where} ({peak / memory_budget:.3f}x the budget, {peak - memory_budget:,} B "
+            f"over). Raise the budget to {peak:,} B or more.")
     hit_clock = time.perf_counter() - t_solve >= 0.95 * time_limit_s
     if res.x is None:
         if res.status == 2:

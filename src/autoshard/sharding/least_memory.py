@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from . import solver
-from .memory import live_bytes, memory_rows, peak_bytes
+from .memory import live_bytes, memory_rows
 from .solver import Ilp, Solution
 
 MIN_SAVING = 0.01
@@ -38,7 +38,9 @@ def least_memory(ilp: Ilp, first: Solution, tradeoff: float) -> Solution:
     if tradeoff <= 0 or not first.choice or first.objective_s <= 0:
         return first
     t0 = time.perf_counter()
-    live = live_bytes(prob, first.choice)
+    # Compared as the ILP's rows see a plan (values and buffers of one choice each): the
+    # resharded copies come with the time the objective already prices.
+    live = live_bytes(prob, first.choice, copies=False)
     first_peak = float(live.max()) if len(live) else 0.0
     if first_peak <= 0:
         return first
@@ -50,7 +52,7 @@ def least_memory(ilp: Ilp, first: Solution, tradeoff: float) -> Solution:
     if res.x is None:
         return first
     choice = {r: int(np.argmax(res.x[ilp.col0[r]:ilp.col0[r] + ilp.K[r]])) for r in ilp.roots}
-    peak = peak_bytes(prob, choice)
+    peak = int(live_bytes(prob, choice, copies=False).max())
     objective = solver.evaluate(prob, choice, ilp.edges)
     if (peak > first_peak * (1 - MIN_SAVING)
             or objective > (1 + tradeoff) * first.objective_s * (1 + 1e-9)):

@@ -252,8 +252,9 @@ def peak_bytes(prob: Problem, choice: dict[int, int]) -> int:
     return int(live.max()) if len(live) else 0
 
 
-def live_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
-    """Estimated live bytes per device at every program point under ``choice``."""
+def live_bytes(prob: Problem, choice: dict[int, int], *, copies: bool = True) -> np.ndarray:
+    """Estimated live bytes per device at every program point under ``choice``; without the
+    resharded copies (``reshard_bytes``) when ``copies`` is False (what the ILP's rows see)."""
     spans = liveness(prob)
     n = len(prob.graph.nodes) + 1
     delta = np.zeros(n + 1)
@@ -266,7 +267,8 @@ def live_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
         size = sizes[choice[r]] if len(sizes) > choice[r] else max(sizes)
         delta[a] += size
         delta[b + 1] -= size
-    return np.cumsum(delta)[:n] + reshard_bytes(prob, choice)
+    live = np.cumsum(delta)[:n]
+    return live + reshard_bytes(prob, choice) if copies else live
 
 
 def reshard_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:

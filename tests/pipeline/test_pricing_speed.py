@@ -8,6 +8,8 @@ identical middle layers once per sub-mesh), and the estimates equal those of the
 every cache turned off.
 """
 
+from collections import Counter
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -108,12 +110,11 @@ def test_the_stage_search_plans_each_distinct_task_once(counted, monkeypatch):
     est = plan(method)
     once = list(counted)
     assert len(once) == len(set(once)), "a task planned twice with the same key"
-    # the 4 identical blocks' forward tasks: planned once per sub-mesh, not once per block
-    searched = [c for c in once if c[4] == () and "dot_general" in c[0]]
-    assert len({c[0] for c in searched}) < len(searched) + NUM_BLOCKS
     counted.clear()
     uncached(monkeypatch)
     again = plan(method)
+    # without the caches the identical blocks are planned once per block on each sub-mesh
+    assert max(Counter(counted).values()) >= NUM_BLOCKS
     assert len(counted) > len(once) + NUM_BLOCKS  # the caches saved planner calls ...
     assert again.explain() == est.explain()  # ... and changed nothing
     assert again.step_s == est.step_s

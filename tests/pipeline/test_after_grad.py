@@ -174,10 +174,15 @@ def test_random_value_from_the_batch_read_after_the_gradient_is_an_error():
 def test_plan_prices_the_update_on_the_whole_batch_as_it_runs():
     params, batch = _params_batch()
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, batch))
-    est = autoshard.plan(metrics_step, *shapes, method=_method(4),
+    # the sub-meshes' logical shape given: unset, the runtime runs a 1-D sub-mesh and the
+    # pricing lets the stage's first plan choose (see pipeline/price.py)
+    method = PipeshardParallel(num_micro_batches=4, layer_option="manual", blocking=True,
+                               stage_option=UniformStageOption(num_stages=2,
+                                                               submesh_logical_shape=(4,)))
+    est = autoshard.plan(metrics_step, *shapes, method=method,
                          cluster=autoshard.Cluster.from_devices(jax.devices()))
     priced = {name: plan for s in est.stages for name, plan in s.plans}
-    ex = autoshard.parallelize(metrics_step, method=_method(4)).get_executable(params, batch)
+    ex = autoshard.parallelize(metrics_step, method=method).get_executable(params, batch)
     compiled = {t.task.name: t.plan for t in [*ex.tasks.values(), *ex.apply]}
     # the metrics run in the last stage's apply task, on the joined logits and the whole
     # labels, taken in the layouts the runtime gives them: priced as compiled

@@ -49,9 +49,9 @@ def plan(memory_bytes):
 
 
 def test_stage_search_cuts_where_the_optimizer_state_does_not_fit():
-    whole = plan(None)   # one stage on both devices: Adam's state whole on each (~4.3 MiB)
+    whole = plan(None)   # one stage on both devices: Adam's state whole on each (~3.3 MiB)
     assert [(s.layers, s.devices) for s in whole.stages] == [((0, 1, 2, 3), (0, 2))]
-    budget = 4 * 2**20
+    budget = 3 * 2**20
     assert whole.stages[0].memory_bytes > budget
     cut = plan(budget)
     assert len(cut.stages) == 2 and all(s.memory_bytes <= budget for s in cut.stages)
@@ -61,4 +61,4 @@ def test_stage_search_cuts_where_the_optimizer_state_does_not_fit():
 
 def test_no_layout_within_the_memory_is_the_searchs_error_not_an_apply_tasks():
     with pytest.raises(ValueError, match=r"AutoStageOption found no stage layout"):
-        plan(3 * 2**20)
+        plan(2 * 2**20)

@@ -192,9 +192,7 @@ class _Pricer:
         self.cut = cut
         self.option(None, {})  # a bad default_auto_sharding_option fails here
         self.cache: dict = {} if cache is None else cache
-        # plans of identical tasks in the walk (plan_tasks), shared by the pricings sharing
-        # ``cache`` (AutoParallel's candidates): keyed by everything a plan depends on
-        self.walk_cache: dict = self.cache.setdefault("walk", {})
+        self.walk_cache: dict = {}  # plans of identical tasks in the walk (plan_tasks)
         self.notes: list[str] = []
 
     def sub_cluster(self, first: int, n: int) -> tuple[Cluster, tuple[int, int]]:

@@ -101,3 +101,27 @@ def assert_trees_close(a, b, rtol=1e-4, atol=1e-5):
     assert len(la) == len(lb)
     for x, y in zip(la, lb, strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def marked_mlp_step(p, batch):
+    """SGD on a tanh MLP with a pipeline boundary after every hidden layer (one layer each)."""
+    def loss(p):
+        x = batch["x"]
+        for i in range(len(p)):
+            x = x @ p[f"w{i}"]
+            if i < len(p) - 1:
+                x = jnp.tanh(x)
+                autoshard.mark_pipeline_boundary()
+        return jnp.mean((x - batch["y"]) ** 2)
+    g = autoshard.grad(loss)(p)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+
+def marked_mlp_args(widths, rows=16, scale=0.3):
+    """Parameters ``w0, w1, ...`` of ``widths`` and a batch of ``rows`` for marked_mlp_step."""
+    keys = jax.random.split(jax.random.key(0), len(widths))
+    params = {f"w{i}": jax.random.normal(keys[i], (a, b)) * scale
+              for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True))}
+    batch = {"x": jax.random.normal(keys[-1], (rows, widths[0])),
+             "y": jnp.ones((rows, widths[-1]))}
+    return params, batch

@@ -5,38 +5,23 @@ import dataclasses
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import autoshard
 from autoshard import Cluster
 from autoshard.sharding import AutoShardingOption
+from models import marked_mlp_args, marked_mlp_step
 
 QUIET = AutoShardingOption(show_progress=False)
 
 
-def step(p, batch):
-    def loss(p):
-        x = batch["x"]
-        for i in range(len(p)):
-            x = x @ p[f"w{i}"]
-            if i < len(p) - 1:
-                x = jnp.tanh(x)
-                autoshard.mark_pipeline_boundary()
-        return jnp.mean((x - batch["y"]) ** 2)
-    g = autoshard.grad(loss)(p)
-    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+step = marked_mlp_step
 
 
 def args(widths=(64, 512, 512, 512, 64), rows=16):
     """A deep MLP: large weights, small activations (a cut between stages moves little)."""
-    keys = jax.random.split(jax.random.key(0), len(widths))
-    params = {f"w{i}": jax.random.normal(keys[i], (a, b)) * 0.05
-              for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True))}
-    batch = {"x": jax.random.normal(keys[-1], (rows, widths[0])),
-             "y": jnp.ones((rows, widths[-1]))}
-    return params, batch
+    return marked_mlp_args(widths, rows, scale=0.05)
 
 
 def method(**kw):

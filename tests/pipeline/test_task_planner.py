@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 import autoshard
 from autoshard.pipeline import tasks
 from autoshard.sharding import AutoShardingOption
+from models import marked_mlp_args, marked_mlp_step
 
 OPTION = AutoShardingOption(logical_mesh_shape=(4,), show_progress=False)
 
@@ -64,28 +65,6 @@ def test_a_sub_mesh_is_costed_as_its_devices():
 
 
 # The runtime and the pricing plan every task alike ---------------------------------------------
-def _mlp_step(p, batch):
-    def loss(p):
-        x = batch["x"]
-        for i in range(len(p)):
-            x = x @ p[f"w{i}"]
-            if i < len(p) - 1:
-                x = jnp.tanh(x)
-                autoshard.mark_pipeline_boundary()
-        return jnp.mean((x - batch["y"]) ** 2)
-    g = autoshard.grad(loss)(p)
-    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
-
-
-def _mlp_args(widths=(8, 32, 32, 32, 4), rows=16):
-    keys = jax.random.split(jax.random.key(0), len(widths))
-    params = {f"w{i}": jax.random.normal(keys[i], (a, b)) * 0.3
-              for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True))}
-    batch = {"x": jax.random.normal(keys[-1], (rows, widths[0])),
-             "y": jnp.ones((rows, widths[-1]))}
-    return params, batch
-
-
 @pytest.mark.parametrize("schedule, budget", [
     ("gpipe", None), ("1f1b", None), ("zero_bubble", None), ("interleaved_1f1b", None),
     ("1f1b", 9_000)])
@@ -101,14 +80,14 @@ def test_pricing_and_the_runtime_plan_every_task_alike(schedule, budget):
         default_auto_sharding_option=AutoShardingOption(
             show_progress=False, memory_budget_per_device=budget),
         **({"virtual_stages": 2} if interleaved else {}))
-    params, batch = _mlp_args()
-    run = autoshard.parallelize(_mlp_step, method=method)
+    params, batch = marked_mlp_args((8, 32, 32, 32, 4))
+    run = autoshard.parallelize(marked_mlp_step, method=method)
     new = run(params, batch)
     ran = run.get_last_executable().task_plans
-    want = jax.jit(_mlp_step)(params, batch)
+    want = jax.jit(marked_mlp_step)(params, batch)
     for k in params:
         np.testing.assert_allclose(new[k], want[k], rtol=1e-5, atol=1e-6)
-    est = autoshard.plan(_mlp_step, params, batch, method=method,
+    est = autoshard.plan(marked_mlp_step, params, batch, method=method,
                          cluster=autoshard.Cluster.from_devices(jax.devices()))
     priced = {name: p for stage in est.stages for name, p in stage.plans}
     stages = range(4 if interleaved else 2)

@@ -44,7 +44,7 @@ from ..sharding.options import AutoShardingOption
 from ..sharding.plan import ShardingPlan
 from .build import cut_program
 from .estimate import PipelineEstimate
-from .layers import AutoLayerOption, ManualLayerOption
+from .layers import layer_option_of
 from .method import PipeshardParallel
 from .price import _Pricer, price_pipeline
 from .schedules import SCHEDULES, traits
@@ -194,14 +194,7 @@ class AutoParallel(ParallelMethod):
         if opt is not None and not isinstance(opt, AutoShardingOption):
             raise TypeError(f"default_auto_sharding_option ({opt!r}) must be an "
                             "autoshard.AutoShardingOption.")
-        layer = self.layer_option
-        if layer is None:
-            layer = AutoLayerOption(layer_num=4)
-        elif layer == "manual":
-            layer = ManualLayerOption()
-        elif not isinstance(layer, ManualLayerOption | AutoLayerOption):
-            raise TypeError(f"layer_option ({layer!r}) must be 'manual', ManualLayerOption() "
-                            "or AutoLayerOption(layer_num=...).")
+        layer = layer_option_of(self.layer_option, default_layers=4)
         object.__setattr__(self, "layer_option", layer)
         stage = AutoStageOption() if self.stage_option is None else self.stage_option
         if not isinstance(stage, AutoStageOption):

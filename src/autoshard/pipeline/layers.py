@@ -199,5 +199,18 @@ def _cut_bytes(pre, idx) -> list[int]:
     return out
 
 
+def layer_option_of(layer, default_layers: int):
+    """A method's ``layer_option`` as an option: ``'manual'`` is ``ManualLayerOption()``, None
+    ``AutoLayerOption(layer_num=default_layers)``; anything else but an option is an error."""
+    if layer is None:
+        return AutoLayerOption(layer_num=default_layers)
+    if layer == "manual":
+        return ManualLayerOption()
+    if not isinstance(layer, ManualLayerOption | AutoLayerOption):
+        raise TypeError(f"layer_option ({layer!r}) must be 'manual', ManualLayerOption() "
+                        "or AutoLayerOption(layer_num=...).")
+    return layer
+
+
 __all__ = ["AutoLayerOption", "ManualLayerOption", "auto_layers", "check_no_nested_markers",
-           "least_max_layer", "manual_layers"]
+           "layer_option_of", "least_max_layer", "manual_layers"]

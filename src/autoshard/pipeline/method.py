@@ -10,7 +10,7 @@ from typing import Any
 from ..methods._methods import ManualShardingOption, ParallelMethod
 from .build import method_devices, plan_partition
 from .compile import make_submeshes, stage_auto_option
-from .layers import AutoLayerOption, ManualLayerOption
+from .layers import layer_option_of
 from .manual import submesh_axis_names
 from .price import price_pipeline
 from .runtime import PipelineExecutable
@@ -62,14 +62,7 @@ class PipeshardParallel(ParallelMethod):
         v = self.virtual_stages
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"virtual_stages ({v!r}) must be a positive int.")
-        layer = self.layer_option
-        if layer is None:
-            layer = AutoLayerOption(layer_num=2)
-        elif layer == "manual":
-            layer = ManualLayerOption()
-        elif not isinstance(layer, ManualLayerOption | AutoLayerOption):
-            raise TypeError(f"layer_option ({layer!r}) must be 'manual', ManualLayerOption() "
-                            "or AutoLayerOption(layer_num=...).")
+        layer = layer_option_of(self.layer_option, default_layers=2)
         stage = self.stage_option
         if stage is None or stage == "uniform":
             stage = UniformStageOption()

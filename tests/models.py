@@ -125,3 +125,17 @@ def marked_mlp_args(widths, rows=16, scale=0.3):
     batch = {"x": jax.random.normal(keys[-1], (rows, widths[0])),
              "y": jnp.ones((rows, widths[-1]))}
     return params, batch
+
+
+def assert_priced_plans_are_compiled(priced_stages, ran) -> None:
+    """Every task the pipeline runtime compiled (``ran``: task name -> plan) was priced
+    (``priced_stages``: an estimate's stages) with the same mesh, layouts and objective."""
+    import pytest
+
+    priced = {name: p for stage in priced_stages for name, p in stage.plans}
+    assert sorted(priced) == sorted(ran)
+    for name, plan in ran.items():
+        got = priced[name]
+        assert got.mesh_shape == plan.mesh_shape, name
+        assert got.in_specs == plan.in_specs and got.out_specs == plan.out_specs, name
+        assert got.objective.total_s == pytest.approx(plan.objective.total_s), name

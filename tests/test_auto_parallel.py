@@ -11,7 +11,7 @@ import pytest
 import autoshard
 from autoshard import Cluster
 from autoshard.sharding import AutoShardingOption
-from models import marked_mlp_args, marked_mlp_step
+from models import assert_priced_plans_are_compiled, marked_mlp_args, marked_mlp_step
 
 QUIET = AutoShardingOption(show_progress=False)
 
@@ -94,13 +94,7 @@ def test_priced_task_plans_are_the_ones_the_runtime_compiles():
     run = autoshard.parallelize(step, method=method(plan=est))
     run(params, batch)
     ran = run.get_last_executable().task_plans
-    priced = {name: p for stage in est.estimate.stages for name, p in stage.plans}
-    assert sorted(priced) == sorted(ran)
-    for name, plan in ran.items():
-        got = priced[name]
-        assert got.mesh_shape == plan.mesh_shape, name
-        assert got.in_specs == plan.in_specs and got.out_specs == plan.out_specs, name
-        assert got.objective.total_s == pytest.approx(plan.objective.total_s), name
+    assert_priced_plans_are_compiled(est.estimate.stages, ran)
 
 
 def test_a_cluster_too_small_names_the_smallest_memory_and_what_would_fit():

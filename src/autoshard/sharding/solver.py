@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .build import merged_latency, merged_reductions
+from .cost import byte_cost, flop_cost
 from .memory import live_bytes, memory_rows, reshard_bytes
 from .problem import Problem
 from .spec import axis_place
@@ -62,13 +63,75 @@ class Solution:
         return self.choice[prob.var(node_id)]
 
 
+MEMO_MAX_BYTES = 512 * 2**20
+"""Most bytes the resharding costs shared across ILPs (``_Memo``) hold before an ILP starts:
+the pairwise edge matrices' data plus ``MEMO_ENTRY_BYTES`` per memoised cost or matrix. Over
+it, the cost models memoised first are dropped until it fits (an ILP being built keeps what
+it uses). 512 MiB holds the matrices of every sub-mesh of a Table 1 pipeline search."""
+MEMO_ENTRY_BYTES = 160
+"""What one memoised entry costs besides a matrix's data: its dict slot and key tuple (the
+specs in a key are shared with the strategies, not copied)."""
+
+
+@dataclass
+class _Tables:
+    """What one cost model's ILPs share: resharding costs and pairwise edge matrices."""
+
+    costs: dict = field(default_factory=dict)
+    """(src spec, dst spec, shape, itemsize) -> ``CostModel.reshard`` seconds."""
+    matrices: dict = field(default_factory=dict)
+    """(src specs, dst specs, shape, itemsize) -> exact pairwise cost matrix, or None where the
+    per-axis terms are exact."""
+    matrix_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.matrix_bytes + MEMO_ENTRY_BYTES * (len(self.costs) + len(self.matrices))
+
+
+class _Memo:
+    """Resharding costs shared across ILPs, per cost model (and device speed).
+
+    ``CostModel.reshard`` and the pairwise matrices built from it are pure functions of the
+    frozen ``CostModel`` and the specs, so the same mesh planned again (another candidate of a
+    mesh search, the forward, backward and apply tasks of a pipeline stage, the stages of one
+    sub-mesh shape) prices them once. Bounded by ``max_bytes`` (checked when an ILP starts)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.tables: dict = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tables.values())
+
+    def tables_of(self, cost) -> _Tables:
+        # The device speed is in the key too: the costs read none today, but a rule that
+        # prices a local step as compute would read it, and a stale memo would be silent.
+        key = (cost, flop_cost(1.0, 1), byte_cost(1.0, 1))
+        while self.tables and self.nbytes > self.max_bytes:
+            del self.tables[next(iter(self.tables))]  # the oldest cost model first
+        found = self.tables.get(key)
+        if found is None:
+            found = self.tables[key] = _Tables()
+        return found
+
+    def clear(self):
+        self.tables.clear()
+
+
+MEMO = _Memo(MEMO_MAX_BYTES)
+"""The resharding costs every ILP of this process shares (``MEMO.clear()`` empties it)."""
+
+
 class _Edges:
     """Edge costs grouped by (producer var, consumer var, spec maps)."""
 
     def __init__(self, prob: Problem):
         self.prob = prob
         self.cache: dict = {}
-        self.reshard_cache: dict = {}
+        self.shared = MEMO.tables_of(prob.ctx.cost)
+        self.reshard_cache: dict = self.shared.costs
         self.forbidden: list[int] = []
         self.groups: dict = {}
         self.pairs: dict = {}
@@ -465,8 +528,9 @@ def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
             # unrolled layer) are priced once.
             srcs = tuple(a.out_specs[out_index] for a in src_list)
             dsts = tuple(b.in_specs[p] for b in dst_list)
-            content = ("pair specs", srcs, dsts, value.shape, isize)
-            mat = edges.cache.get(content, False)
+            content = (srcs, dsts, value.shape, isize)
+            shared = edges.shared
+            mat = shared.matrices.get(content, False)
             if mat is False:
                 cost = prob.ctx.cost
                 mat = np.array([[edges.reshard(a, b, value.shape, isize) for b in dsts]
@@ -475,7 +539,9 @@ def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
                                       for b in dsts] for a in srcs])
                 if np.allclose(mat, per_axis, rtol=1e-9, atol=0.0):
                     mat = None
-                edges.cache[content] = mat
+                else:
+                    shared.matrix_bytes += mat.nbytes
+                shared.matrices[content] = mat
             edges.cache[key] = mat
         pairwise = mat is not None
     if pairwise:

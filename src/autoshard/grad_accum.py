@@ -172,18 +172,28 @@ def loop_costs(closed, batch_invars: Sequence[bool], num_micro_batches: int,
         # reduction, m sources share it (a tied embedding's two gradients)
         seen, sources, todo = set(), [], [v]
         while todo:
-            i = producer.get(todo.pop())
+            u = todo.pop()
+            i = producer.get(u)
             if i is None or i in seen or i not in in_loop:
                 continue
             seen.add(i)
             if pre[i].primitive.name in LINEAR:
                 todo += [u for u in pre[i].invars if isinstance(u, Var) and u in per_batch]
-            else:
+            elif not _stacked_output(pre[i], u):
                 sources.append(i)
         for i in seen:
             share = 1.0 / len(sources) if i in sources else 1.0
             comm[i] = min(comm.get(i, share), share)
     return {i: (k, comm[i] if deferred and i in comm else k) for i in looped}
+
+
+def _stacked_output(eqn, var) -> bool:
+    """Whether ``var`` is a scan's stacked output (one slice per iteration, e.g. the gradient
+    of a scanned input): its rows are the micro-batch's own, no partial sum the scan makes;
+    a scan's partial sums are its accumulated carries (a weight's gradient)."""
+    if eqn.primitive.name != "scan":
+        return False
+    return var in eqn.outvars[eqn.params["num_carry"]:]
 
 
 def loop_bytes(closed, plan, num_micro_batches: int) -> int:

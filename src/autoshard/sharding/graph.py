@@ -23,10 +23,15 @@ from typing import Any
 import numpy as np
 from jax.extend import core
 
+from ..ir._prims import ADDS, LINEAR
 from ..ir._walk import IDENTITIES, INLINE_CALLS, Walker, eqn_site, site
 
 WHILE_TRIPS = 1
 """Iterations assumed for a while loop (unknown statically)."""
+
+SUM_LINEAR = LINEAR | {"split", "slice"}
+"""A sum over devices can be taken after these: what an accumulated carry's increment passes
+through after the ops that make its partial sums (``_Builder._accumulated``)."""
 
 Ref = Any  # a value id (int) or a jax Literal
 
@@ -164,6 +169,10 @@ class _Builder(Walker):
         self.g = g
         self.mult = 1.0
         self.top_mults = top_mults
+        self.once: dict[int, float] = {}
+        """Node id -> times per step it runs outside the scan whose carry accumulates its
+        result (``_accumulated``): a deferred reduction of it runs that often, not once per
+        iteration."""
 
     def run_eqns(self, eqns, env, path=(), indices=None):
         if path or not self.top_mults:
@@ -177,8 +186,11 @@ class _Builder(Walker):
             finally:
                 self.mult = 1.0
             if comm != mult:
+                # The equation's gradients are summed on each device and reduced after the
+                # micro-batch loop: its collectives run comm/mult as often as it does, and
+                # those of a gradient a scan accumulates in its carry once after the scan.
                 for node in self.g.nodes[first:]:
-                    node.comm_mult = node.mult * comm / mult
+                    node.comm_mult = self.once.get(node.id, node.mult) * comm / mult
 
     def literal(self, lit):
         return lit
@@ -244,7 +256,9 @@ class _Builder(Walker):
             slices.append(node.outputs[0])
         self._sites(path, slices, prefix="xs")
         inner = self.mult * length
+        first = len(g.nodes)
         outs = self._inner(inner, body.jaxpr, body.consts, list(consts) + carry + slices, path)
+        self._accumulated(carry, outs[:ncar], first)
         self._close_loop(carry, outs[:ncar], inner, "scan carry")
         stacked = []
         for ref in outs[ncar:]:
@@ -255,6 +269,28 @@ class _Builder(Walker):
                               "scan stacked output")
             stacked.append(node.outputs[0])
         return carry + stacked
+
+    def _accumulated(self, carry_values, new_refs, first: int):
+        """Mark the body nodes whose results a carry accumulates (``new = carry + increment``,
+        a weight's gradient summed over the iterations): the ops that make the increment's
+        partial sums (dots, reductions) and the linear ops after them. Summed on each device,
+        the increment is reduced once after the loop (``top_mults``' deferred reductions)."""
+        g = self.g
+        for value_id, ref in zip(carry_values, new_refs, strict=False):
+            if not isinstance(ref, int) or g.values[ref].producer < first:
+                continue
+            node = g.nodes[g.values[ref].producer]
+            if node.kind not in ADDS or value_id not in node.operands:
+                continue
+            todo = [u for u in node.operands if u is not None and u != value_id]
+            self.once[node.id] = self.mult
+            while todo:
+                producer = g.nodes[g.values[todo.pop()].producer]
+                if producer.id < first or producer.id in self.once:
+                    continue
+                self.once[producer.id] = self.mult
+                if producer.kind in SUM_LINEAR:
+                    todo += [u for u in producer.operands if u is not None]
 
     def _while(self, eqn, ins, path):
         p = eqn.params

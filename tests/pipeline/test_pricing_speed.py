@@ -135,3 +135,28 @@ def test_auto_parallel_plans_each_distinct_task_once(counted, monkeypatch):
             for c in again.candidates] == [(c.num_stages, c.step_s, c.memory_bytes, c.split,
                                             c.dropped) for c in est.candidates]
     assert again.estimate.explain() == est.estimate.explain()
+
+
+def test_pricing_skips_the_data_parallel_comparison(monkeypatch):
+    """Priced task plans skip ``plan_auto``'s pure data-parallel comparison (no task plan's
+    ``explain()`` shows it there); every estimate is what it is with the comparison made."""
+    from autoshard.sharding import planner
+    calls = []
+    real_dp = planner._data_parallel_objective
+    monkeypatch.setattr(planner, "_data_parallel_objective",
+                        lambda *a: calls.append(1) or real_dp(*a))
+    method = autoshard.PipeshardParallel(num_micro_batches=2, layer_option="manual",
+                                         default_auto_sharding_option=QUIET,
+                                         stage_option=STAGES)
+    est = plan(method)
+    assert calls == []
+    real = tasks.plan_auto
+    monkeypatch.setattr(tasks, "plan_auto",
+                        lambda closed, **kw: real(closed, **{**kw, "compare_data_parallel": True}))
+    compared = plan(method)
+    assert len(calls) > 0
+    assert compared.explain() == est.explain() and compared.step_s == est.step_s
+    for mine, theirs in zip(est.stages, compared.stages, strict=True):
+        for (name, p), (_, q) in zip(mine.plans, theirs.plans, strict=True):
+            assert p.objective.data_parallel_s is None and q.objective.data_parallel_s is not None
+            assert p.in_specs == q.in_specs and p.objective.total_s == q.objective.total_s, name

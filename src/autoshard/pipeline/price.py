@@ -218,7 +218,7 @@ class _Pricer:
             return self.cache[key]
         plan = plan_task(closed, task.name, num_devices=sub.num_devices, option=option,
                          batch=batch, aliases=aliases, fixed=fixed_in, cluster=sub,
-                         axis_names=axis_names, notes=self.notes)
+                         axis_names=axis_names, notes=self.notes, compare_data_parallel=False)
         self.cache[key] = plan
         return plan
 
@@ -285,7 +285,7 @@ class _Pricer:
             sp.peak_bytes = max(sp.peak_bytes, plan.objective.peak_bytes_per_device or 0)
 
         plan_tasks(part, targets, split, options, program=self.program, realize=price,
-                   cache=self.walk_cache)
+                   cache=self.walk_cache, compare_data_parallel=False)
         return out
 
     def _plan_or_fail(self, part, t, sub, mesh, overrides, s, **kw):

@@ -48,10 +48,12 @@ from .zero import gather_once, zero_apply
 def plan_task(closed, name: str, *, num_devices: int, option: AutoShardingOption,
               batch: Sequence[bool], aliases: Sequence[tuple[int, int]], fixed=None,
               cluster: Cluster | None = None, axis_names=None,
-              notes: list[str] | None = None) -> ShardingPlan:
+              notes: list[str] | None = None,
+              compare_data_parallel: bool = True) -> ShardingPlan:
     """The plan of task ``name`` (its traced function ``closed``) on ``num_devices`` devices
     with the costs of ``cluster`` (None: the cost model's defaults); ``fixed``: per input the
-    PartitionSpec it arrives in, or None. A fallback to an unpinned plan appends to ``notes``."""
+    PartitionSpec it arrives in, or None. A fallback to an unpinned plan appends to ``notes``.
+    ``compare_data_parallel``: ``plan_auto``'s (False when the plan is only priced)."""
     n_args = len(closed.in_avals)
 
     def plan(fixed_in_specs):
@@ -60,7 +62,8 @@ def plan_task(closed, name: str, *, num_devices: int, option: AutoShardingOption
             in_paths=[f"{name}.in{i}" for i in range(n_args)],
             out_paths=[f"{name}.out{i}" for i in range(len(closed.out_avals))],
             batch_invars=list(batch), aliases=list(aliases), cluster=cluster,
-            axis_names=axis_names, fixed_in_specs=fixed_in_specs)
+            axis_names=axis_names, fixed_in_specs=fixed_in_specs,
+            compare_data_parallel=compare_data_parallel)
     if fixed is None or all(s is None for s in fixed):
         return plan(None)
     try:
@@ -244,7 +247,8 @@ def task_order(part: Partition, split: bool) -> list[tuple[str, Task]]:
 def plan_tasks(part: Partition, targets: Sequence[Target], split: bool, options: Sequence,
                *, program, realize: Callable[[TaskPlan], None], manual=None, given=None,
                once=None, cache: dict | None = None,
-               select: Callable[[str, Task], bool] | None = None) -> Layouts:
+               select: Callable[[str, Task], bool] | None = None,
+               compare_data_parallel: bool = True) -> Layouts:
     """Plan every task of ``part``, stage ``s``'s on ``targets[s]`` with ``options[s]`` (an
     ``AutoShardingOption``; None: data parallel), in the order values flow, and hand each
     ``TaskPlan`` to ``realize`` (the runtime compiles it, the pricing prices it).
@@ -260,7 +264,8 @@ def plan_tasks(part: Partition, targets: Sequence[Target], split: bool, options:
     communicate more than a scalar). Apply tasks run ZeRO-2 where their option asks
     (``zero``). Between the backward and apply tasks come the finalised gradients, the sums
     spanning stages (replicated on every sub-mesh), the whole-batch inputs (as the batch
-    arrives) and the joined values (in their source's layout)."""
+    arrives) and the joined values (in their source's layout). ``compare_data_parallel``:
+    ``plan_auto``'s (the pricing passes False: no task plan's ``explain()`` is shown there)."""
     layouts = Layouts()
     consts = set(part.jaxpr.constvars)
     fallback = Specs(part, targets, part.mb_rows)
@@ -298,7 +303,8 @@ def plan_tasks(part: Partition, targets: Sequence[Target], split: bool, options:
         if pins is None and manual is not None:
             pins = manual.output_pins(t)
         tp = _decide(kind, t, part, target, option, arriving, rows=rows, fallback=fallback,
-                     aliases=aliases, pins=pins, gathered=gathered, once=once, cache=cache)
+                     aliases=aliases, pins=pins, gathered=gathered, once=once, cache=cache,
+                     compare_data_parallel=compare_data_parallel)
         if note:
             tp.note = note
         realize(tp)
@@ -339,7 +345,8 @@ def task_signature(t: Task, part: Partition, random: bool):
 
 
 def _decide(kind, t: Task, part: Partition, target: Target, option, arriving, *, rows,
-            fallback, aliases=(), pins=None, gathered=(), once=None, cache=None) -> TaskPlan:
+            fallback, aliases=(), pins=None, gathered=(), once=None, cache=None,
+            compare_data_parallel=True) -> TaskPlan:
     """How task ``t`` runs on ``target``: traced, planned (inputs pinned to ``arriving``),
     per device over its batch axes where it can, else as planned, else data parallel."""
     random = kind != "apply" and t.draws_random
@@ -371,7 +378,7 @@ def _decide(kind, t: Task, part: Partition, target: Target, option, arriving, *,
             got = plan_task(closed, t.name, num_devices=math.prod(target.mesh_shape),
                             option=option, batch=batch, aliases=list(aliases) + acc_aliases,
                             fixed=fixed, cluster=target.cluster, axis_names=target.axis_names,
-                            notes=notes)
+                            notes=notes, compare_data_parallel=compare_data_parallel)
             return got, notes[0] if notes else note
         planned = attempt if once is None else once(t.name, closed, target.mesh, option,
                                                     attempt)

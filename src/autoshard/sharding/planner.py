@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from . import solver
 from .alpa_units import alpa_objective
-from .build import COMBINED_KINDS, build_problem, data_parallel_variant, merged_latency
+from .build import COMBINED_KINDS, build_problem, data_parallel_variant, merge_group, merged_latency
 from .cost import ClusterCosts, CostModel, device_speed, dominated_meshes
 from .flops import eqn_roles, model_flops
 from .graph import Graph, build_graph
@@ -79,7 +79,8 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
               devices_per_host: int | None = None,
               cluster: ClusterCosts | None = None,
               fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
-              top_mults: dict[int, tuple[float, float]] | None = None) -> ShardingPlan:
+              top_mults: dict[int, tuple[float, float]] | None = None,
+              compare_data_parallel: bool = True) -> ShardingPlan:
     """Plan every array of ``closed_jaxpr`` over ``num_devices`` devices (no devices needed).
 
     ``fixed_in_specs``: per input, the PartitionSpec it arrives in (over ``axis_names``, or
@@ -95,6 +96,11 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     that cross hosts cost the inter-host link. ``cluster`` (an ``autoshard.Cluster``) gives
     the links, FLOP/s and memory instead: its links price every axis where it lies, its
     device's speed the compute term, its memory the budget (unless the option sets one).
+
+    ``compare_data_parallel``: also solve pure data parallel on the chosen mesh, the figure
+    ``explain()`` shows beside the plan (``Objective.data_parallel_s``; a second, easier ILP).
+    Callers that only price the plan (a pipeline's tasks, candidates of a search) pass False:
+    every other field of the plan is the same, ``data_parallel_s`` is None.
 
     Meshes that cannot win are not solved: a mirror of a mesh whose axes all cost no more
     (``cost.dominated_meshes``), a mesh on which the state alone cannot fit the budget, and a
@@ -203,7 +209,8 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             if not errors:
                 raise _state_too_large(pruned, option.memory_budget_per_device, graph)
             raise _no_plan_error(errors, options[0], graph)
-        plan = _finish(best, tried, pruned, option, batch_invars, axis_names, graph)
+        plan = _finish(best, tried, pruned, option, batch_invars, axis_names, graph,
+                       compare_data_parallel)
     return plan if cluster is None else dataclasses.replace(plan, cluster=cluster.describe())
 
 
@@ -228,10 +235,12 @@ def _fixed_specs(fixed_in_specs, closed_jaxpr, names):
     return out
 
 
-def _finish(best, tried, pruned, option, batch_invars, axis_names, graph) -> ShardingPlan:
+def _finish(best, tried, pruned, option, batch_invars, axis_names, graph,
+            compare_data_parallel: bool = True) -> ShardingPlan:
     shape, prob, sol = best
     names = _axis_names(axis_names, shape)
-    dp = (best[2].objective_s if option.force_data_parallel or not graph.nodes
+    dp = (None if not compare_data_parallel
+          else best[2].objective_s if option.force_data_parallel or not graph.nodes
           else _data_parallel_objective(prob, batch_invars, option))
     plan = make_plan(prob, sol, names, dp_objective=dp)
     alpa = None
@@ -474,7 +483,7 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
         c, n = collectives.get(key, (0.0, 0.0))
         collectives[key] = (c + cost_s, n + count)
 
-    latency_paid: set[int] = set()
+    latency_paid: set[tuple] = set()
     comm = merged_latency(prob, sol.choice)
     for node in g.nodes:
         k = sol.k(prob, node.id)
@@ -485,9 +494,11 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
             dtype = g.values[node.outputs[0]].dtype if node.outputs else ""
             cost_s = ctx.cost.collective(kind, axes, num_bytes)
             if node.id in prob.combined and kind in COMBINED_KINDS:
-                # Merged by XLA: one latency per axis, charged to the first reduction over it.
-                cost_s -= ctx.cost.latency(tuple(a for a in axes if a in latency_paid))
-                latency_paid.update(axes)
+                # Merged by XLA: one latency per axis (per run of its merge group), charged
+                # to the first reduction over it.
+                group = merge_group(prob, node.id)
+                cost_s -= ctx.cost.latency(tuple(a for a in axes if (a, group) in latency_paid))
+                latency_paid.update((a, group) for a in axes)
             add(kind, axes, num_bytes, cost_s * node.comm_times, node.where, node.comm_times,
                 dtype)
         # Every node is pinned, followers included: a value XLA may place by itself is a

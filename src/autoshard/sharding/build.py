@@ -77,9 +77,10 @@ def _combine_tail_reductions(prob: Problem) -> None:
     """
     g, cost = prob.graph, prob.ctx.cost
     feeds_chain = _feeds_chain(g)
+    feeds_body = _feeds_chain_in_body(g)
     replaced: dict[int, list] = {}  # one new list per shared list: repeated layers share it
     for node in g.nodes:
-        if feeds_chain[node.id] or node.kind in LOOP_KINDS:
+        if node.kind in LOOP_KINDS or (feeds_body if node.body >= 0 else feeds_chain)[node.id]:
             continue
         strategies = prob.strategies[node.id]
         if not any(k in COMBINED_KINDS for s in strategies for k, _, _ in s.collectives):
@@ -102,6 +103,31 @@ def _feeds_chain(g: Graph) -> list[bool]:
         feeds_chain[node.id] = any(g.nodes[c].kind in CHAIN_KINDS or feeds_chain[c]
                                    for c, _ in consumers[node.id] if c > node.id)
     return feeds_chain
+
+
+def _feeds_chain_in_body(g: Graph) -> list[bool]:
+    """Per node in a loop body: whether its result feeds a heavy op or a loop boundary in the
+    same iteration of its body. The reductions that feed only the body's carries and stacked
+    outputs (a weight's gradient accumulated over the iterations) are independent of each other
+    within an iteration, and XLA merges them there into one per iteration (``merge_group``)."""
+    consumers = g.consumers()
+    feeds = [False] * len(g.nodes)
+    for node in reversed(g.nodes):
+        if node.body < 0:
+            continue
+        feeds[node.id] = any(
+            g.nodes[c].kind not in ("carry_back", "ys") and (
+                g.nodes[c].body != node.body or g.nodes[c].kind in CHAIN_KINDS or feeds[c])
+            for c, _ in consumers[node.id] if c > node.id)
+    return feeds
+
+
+def merge_group(prob: Problem, node_id: int) -> tuple[int, float]:
+    """(loop body, times it runs per step) within which a merged reduction shares its
+    latency: the step (-1, once) for the gradients after the backward pass, each iteration of
+    a loop body for the reductions of one iteration (``_combine_tail_reductions``)."""
+    node = prob.graph.nodes[node_id]
+    return (-1, 1.0) if node.body < 0 else (node.body, node.comm_times)
 
 
 def _prefer_reduce_scatter(prob: Problem) -> None:
@@ -130,28 +156,36 @@ def _prefer_reduce_scatter(prob: Problem) -> None:
     prob.keepalive.extend(replaced.values())
 
 
-def merged_reductions(prob: Problem) -> dict[int, list[tuple[int, list[int]]]]:
-    """Mesh axis -> (ILP variable, its strategies that reduce over the axis) of the merged
-    reductions (``Problem.combined``): the axis's latency is paid once if any is chosen."""
-    members: dict[int, list[tuple[int, list[int]]]] = {}
+def merged_reductions(prob: Problem) -> dict[tuple, list[tuple[int, list[int]]]]:
+    """(mesh axis, ``merge_group``) -> (ILP variable, its strategies that reduce over the
+    axis) of the merged reductions (``Problem.combined``): the axis's latency is paid once per
+    run of the group if any is chosen (``merged_alpha``)."""
+    members: dict[tuple, list[tuple[int, list[int]]]] = {}
     seen = set()
     for node_id in sorted(prob.combined):
         r = prob.var(node_id)
-        if r in seen:
+        group = merge_group(prob, node_id)
+        if (r, group) in seen:
             continue
-        seen.add(r)
+        seen.add((r, group))
         for a in prob.ctx.cost.live_axes():
             ks = [k for k, s in enumerate(prob.strategies[node_id])
                   if any(kind in COMBINED_KINDS and a in axes for kind, axes, _ in s.collectives)]
             if ks:
-                members.setdefault(a, []).append((r, ks))
+                members.setdefault((a,) + group, []).append((r, ks))
     return members
 
 
+def merged_alpha(prob: Problem, key: tuple) -> float:
+    """Seconds a ``merged_reductions`` key costs when used: its axis's alpha per run."""
+    a, _, times = key
+    return prob.ctx.cost.alpha[a] * times
+
+
 def merged_latency(prob: Problem, choice: dict[int, int]) -> float:
-    """The latency the merged reductions of a plan pay: each axis's alpha once, if used."""
-    alpha = prob.ctx.cost.alpha
-    return sum(alpha[a] for a, members in merged_reductions(prob).items()
+    """The latency the merged reductions of a plan pay: each axis's alpha once per group run,
+    if used."""
+    return sum(merged_alpha(prob, key) for key, members in merged_reductions(prob).items()
                if any(choice[r] in ks for r, ks in members))
 
 

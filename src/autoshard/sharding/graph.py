@@ -62,6 +62,9 @@ class Node:
     comm_mult: float | None = None
     """Times the node's own collectives run per step when not ``mult`` (a gradient summed
     over micro-batches on each device is reduced once, after the loop)."""
+    body: int = -1
+    """The innermost loop body (scan body, while body or condition) the node runs in, -1
+    outside every loop: XLA merges independent reductions within one body's iteration."""
 
     @property
     def comm_times(self) -> float:
@@ -169,6 +172,7 @@ class _Builder(Walker):
         self.g = g
         self.mult = 1.0
         self.top_mults = top_mults
+        self.num_bodies = 0
         self.once: dict[int, float] = {}
         """Node id -> times per step it runs outside the scan whose carry accumulates its
         result (``_accumulated``): a deferred reduction of it runs that often, not once per
@@ -218,12 +222,19 @@ class _Builder(Walker):
         self._sites(path, [r for r in outs if isinstance(r, int)])
         return outs
 
-    def _inner(self, mult, jaxpr, consts, ins, path):
+    def _inner(self, mult, jaxpr, consts, ins, path, loop: bool = True):
+        """Walk a loop body (``loop``) or a branch; a body's nodes get a new ``Node.body``."""
         outer, self.mult = self.mult, mult
+        first = len(self.g.nodes)
         try:
             return self.walk(jaxpr, consts, ins, path)
         finally:
             self.mult = outer
+            if loop:
+                for node in self.g.nodes[first:]:
+                    if node.body < 0:  # nested bodies were numbered first
+                        node.body = self.num_bodies
+                self.num_bodies += 1
 
     def _carries(self, init_refs, where: str) -> list[int]:
         g, values = self.g, []
@@ -309,7 +320,8 @@ class _Builder(Walker):
         ops = ins[1:]
         branch_outs = [
             [_materialize(g, r, self.mult)
-             for r in self._inner(self.mult, br.jaxpr, br.consts, ops, path + (b,))]
+             for r in self._inner(self.mult, br.jaxpr, br.consts, ops, path + (b,),
+                                  loop=False)]
             for b, br in enumerate(eqn.params["branches"])]
         outs = []
         for j, var in enumerate(eqn.outvars):

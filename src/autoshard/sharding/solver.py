@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .build import merged_latency, merged_reductions
+from .build import merged_alpha, merged_latency, merged_reductions
 from .cost import byte_cost, flop_cost
 from .memory import live_bytes, memory_rows, reshard_bytes
 from .problem import Problem
@@ -317,9 +317,9 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
             add_terms(nub, rv, dst_dims, None, 1.0)
             add_terms(nub, ru, src_dims, None, -1.0)
             nub += 1
-    for a, members in merged_reductions(prob).items():  # z_a >= x_rk of merged reductions
+    for key, members in merged_reductions(prob).items():  # z_a >= x_rk of merged reductions
         z = ncols + len(c_extra)
-        c_extra.append(prob.ctx.cost.alpha[a])
+        c_extra.append(merged_alpha(prob, key))
         for r, ks in members:
             ub_rows.extend([nub] * (len(ks) + 1)), ub_vals.extend([1.0] * len(ks) + [-1.0])
             ub_cols.extend([col0[r] + k for k in ks] + [z])

@@ -291,6 +291,7 @@ def run(name: str, scan: bool) -> dict:
                model_flops=getattr(o, "model_flops", 0.0),
                eq3_tflops=paper_flops(hidden, layers, batch) / o.total_s / gpus / 1e12,
                memory_gib=o.peak_bytes_per_device / 2**30,
+               sustained_flops=cluster.peak_flops * cluster.flops_efficiency,
                meshes_tried=[[list(s), v] for s, v in o.meshes_tried],
                meshes_pruned=[[list(s), why] for s, why in o.meshes_pruned],
                solver_status=o.solver_status, cluster=plan.cluster)
@@ -505,9 +506,8 @@ def write(rows: list[dict], before: dict | None = None):
     (RESULTS / "cluster.json").write_text(json.dumps(data, indent=1))
     lines = ["# Megatron-LM Table 1 rows planned for described A100 clusters", "",
              f"`autoshard.plan` on abstract shapes, jax {meta['jax']}, {meta['cpus']} CPUs "
-             "(shared), no GPU. Cluster: `Cluster.a100_80gb(GPUs / 8)` (312 TFLOP/s bf16 x 0.8, "
-             "80 GiB, NVLink 300 GB/s, 25 GB/s per GPU between nodes: 8 NICs, 200 GB/s per "
-             "node). Split = data x tensor "
+             f"(shared), no GPU. Cluster: `Cluster.a100_80gb(GPUs / 8)` ({PRESET}). "
+             "Split = data x tensor "
              "(+zero: weights and Adam state also split over the data axis named, gathered at "
              "use). TFLOP/s per GPU = matrix-product FLOPs of the step as traced (JAX's "
              "recompute included) / estimated step time / GPUs; eq. 3: the paper's count "
@@ -587,8 +587,10 @@ def moved_lines(rows: list[dict], before: dict) -> list[str]:
              "machine); TFLOP/s per GPU as eq. 3 counts (the paper's formula / estimated step "
              "time / GPUs), the paper's Table 1 figure beside them. Ratio = the paper's plan "
              "priced by the same model / the planner's plan (> 1: the planner's rated faster).",
-             "Memory-bound s = compute s less the products' time at the preset's sustained "
-             f"{SUSTAINED / 1e12:.0f} TFLOP/s (the traced FLOPs / GPUs / that rate).",
+             "Memory-bound s = compute s less the products' time at the sustained FLOP/s "
+             "of the preset each run used (the traced FLOPs / GPUs / that rate: "
+             f"{sustained(before['rows'][0]) / 1e12:.0f} before, {SUSTAINED / 1e12:.0f} "
+             "after).",
              "", "| model | layers as | mesh before -> after | est. step s before -> after "
              "(compute + comm) | memory-bound s before -> after | eq. 3 TFLOP/s before -> "
              "after | paper TFLOP/s | paper's plan step s before -> after | ratio before -> "
@@ -634,11 +636,23 @@ def moved_lines(rows: list[dict], before: dict) -> list[str]:
 
 SUSTAINED = Cluster.a100_80gb(1).peak_flops * Cluster.a100_80gb(1).flops_efficiency
 """FLOP/s the preset's compute term gives matrix products."""
+_A100 = Cluster.a100_80gb(1)
+PRESET = (f"{_A100.peak_flops / 1e12:g} TFLOP/s bf16 x {_A100.flops_efficiency:g}, "
+          f"{_A100.memory_bandwidth / 1e12:g} TB/s memory, 80 GiB, NVLink "
+          f"{_A100.intra_host_bandwidth / 1e9:g} GB/s, {_A100.inter_host_bandwidth / 1e9:g} GB/s "
+          f"per GPU between nodes: 8 NICs, {_A100.host_network_bandwidth / 1e9:g} GB/s per node")
+"""The preset's figures, as the results' header states them."""
+
+
+def sustained(r: dict) -> float:
+    """The sustained FLOP/s of the preset a row was planned with (rows from before it was
+    recorded: 0.8 of 312 TFLOP/s)."""
+    return r.get("sustained_flops", 312e12 * 0.8)
 
 
 def memory_bound_s(r: dict) -> float:
     """Seconds of a row's compute term not spent in matrix products."""
-    return r["compute_s"] - r["flops"] / r["gpus"] / SUSTAINED
+    return r["compute_s"] - r["flops"] / r["gpus"] / sustained(r)
 
 
 def unpriced(r: dict, rows: list[dict]) -> str:

@@ -181,9 +181,12 @@ class CostModel:
         # Pure data parallel never reshards: batch-split or replicated values only, joined by
         # the all-reduces of reductions over the batch.
         dp = option.force_data_parallel
+        # ZeRO-2 under pure data parallel (prefer_reduce_scatter): the updated parameters,
+        # computed on the shards of reduce-scattered gradients, are all-gathered back.
+        zero = dp and option.prefer_reduce_scatter
         return cls(tuple(mesh_shape), tuple(alpha), tuple(beta),
-                   option.allow_all_gather and not dp, option.allow_all_to_all and not dp,
-                   devices_per_host)
+                   option.allow_all_gather and (not dp or zero),
+                   option.allow_all_to_all and not dp, devices_per_host)
 
     @property
     def num_devices(self) -> int:

@@ -5,37 +5,45 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jax.sharding import Mesh
+import jax
+from jax.sharding import Mesh, NamedSharding
 
 from .. import sharding
+from .._executable import abstract_leaf
 from .._program import Program
 from ..cluster import Cluster
 from ..distributed.plan_sync import program_fingerprint
 from ..grad_accum import StepHooks, batch_axes, loop_bytes, loop_costs
+from ..sharding import audit
 from ..sharding.options import AutoShardingOption
 from ..sharding.plan import PlanFingerprint
+from ..sharding.solver import OverBudget
 from ._base import Call, Compiled
 from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
 
 
 def compile_auto(method, program: Program, call: Call) -> Compiled:
     devices, user_mesh = resolve_devices(method.devices)
-    accumulate = program.num_micro_batches > 1
     # The traced step itself is planned (no re-trace). With micro-batches it is one
     # micro-batch's step: the loop then runs each device on its own rows and reduces the
     # gradients once, as in that step.
-    closed = program.closed
     if method.plan is not None:  # made earlier (autoshard.plan): checked, not re-planned
         plan = call.agree(program, check_plan(method.plan, program, devices, user_mesh))
-    else:
-        # Across processes, process 0 plans and the others receive its plan (after checking
-        # that they traced the same program); with one process this just plans.
-        plan = call.agree(program, lambda: plan_program(
-            method, program, Cluster.from_devices(devices)))
+        return _compiled(plan, program, devices, user_mesh)
+    # Across processes, process 0 plans and the others receive its plan (after checking
+    # that they traced the same program); with one process this just plans.
+    plan = call.agree(program, lambda: plan_program(
+        method, program, Cluster.from_devices(devices)))
+    return _meet_budget(method, program, call, _compiled(plan, program, devices, user_mesh),
+                        devices, user_mesh)
+
+
+def _compiled(plan, program: Program, devices, user_mesh) -> Compiled:
+    """``plan`` on its mesh over ``devices``, with the function that runs it."""
     mesh = (as_auto_mesh(user_mesh) if user_mesh is not None
             else mesh_from_shape(devices, plan.mesh_shape, plan.axis_names))
-    if not accumulate:
-        return Compiled(plan=plan, mesh=mesh, fn=sharding.apply_plan(closed, plan, mesh))
+    if program.num_micro_batches == 1:
+        return Compiled(plan=plan, mesh=mesh, fn=sharding.apply_plan(program.closed, plan, mesh))
     inputs = tuple(dataclasses.replace(leaf, shape=tuple(a.shape))
                    for leaf, a in zip(plan.inputs, program.in_avals, strict=True))
     plan = dataclasses.replace(plan, inputs=inputs, notes=plan.notes + (
@@ -44,6 +52,82 @@ def compile_auto(method, program: Program, call: Call) -> Compiled:
     hooks = StepHooks(mesh=mesh, batch_axes=batch_axes(program.batch_invars, plan.in_specs),
                       plan=plan)
     return Compiled(plan=plan, mesh=mesh, fn=program.step(hooks))
+
+
+def _meet_budget(method, program: Program, call: Call, first: Compiled, devices,
+                 user_mesh) -> Compiled:
+    """``first``, or a plan re-made under a tighter budget, whose compiled memory keeps within
+    ``audit.BUDGET_RATIO_MAX`` of the plan's ``memory_budget_per_device``.
+
+    The estimate can miss what XLA allocates by some percent either way. A plan whose estimate
+    is within ``audit.MEMORY_RATIO_MAX`` of its budget (a compiled program within the audit's
+    tolerance of its estimate could go over) is compiled here to read its memory; if it goes
+    over, it is planned once more under the budget times its estimate over its compiled
+    memory, and compiled again. The first plan that keeps the budget runs; when neither
+    does, ``OverBudget`` says by how much and what would fit. (The plan that runs is compiled
+    once more by the front end: a budgeted plan near its budget costs one or two extra
+    compiles.)
+    """
+    objective = first.plan.objective
+    budget = None if objective is None else objective.memory_budget_per_device
+    estimate = None if objective is None else objective.peak_bytes_per_device
+    if not budget or not estimate or estimate * audit.MEMORY_RATIO_MAX <= budget:
+        return first
+    memory = compiled_memory(first, program)
+    if memory <= audit.BUDGET_RATIO_MAX * budget:
+        return first
+    tight = int(budget * estimate / memory)
+    option = method.auto_sharding_option or AutoShardingOption()
+    retry = dataclasses.replace(method, auto_sharding_option=_replace(
+        option, memory_budget_per_device=tight))
+    tried = (f"the plan on mesh {first.plan.mesh_shape} (estimate {estimate:,} B) compiles to "
+             f"{memory:,} B per device, {memory / budget:.3f}x memory_budget_per_device "
+             f"({budget:,} B, {memory - budget:,} B over)")
+    try:
+        plan = call.agree(program, lambda: plan_program(
+            retry, program, Cluster.from_devices(devices)))
+    except ValueError as err:
+        raise _missed(budget, memory, first.plan.mesh_shape,
+                      f"{tried}; re-planned under {tight:,} B (the budget times its estimate "
+                      f"over its compiled memory), no plan fits: {err}") from err
+    second = _compiled(plan, program, devices, user_mesh)
+    memory2 = compiled_memory(second, program)
+    if memory2 > audit.BUDGET_RATIO_MAX * budget:
+        raise _missed(budget, min(memory, memory2), first.plan.mesh_shape,
+                      f"{tried}; re-planned under {tight:,} B (the budget times its estimate "
+                      f"over its compiled memory), the plan on mesh {plan.mesh_shape} compiles "
+                      f"to {memory2:,} B ({memory2 / budget:.3f}x the budget)")
+    plan = dataclasses.replace(
+        second.plan,
+        objective=dataclasses.replace(second.plan.objective,
+                                      memory_budget_per_device=budget),
+        notes=second.plan.notes + (
+            f"re-planned after compiling: {tried}; planned again under {tight:,} B, this plan "
+            f"compiles to {memory2:,} B ({memory2 / budget:.3f}x the budget)",))
+    return dataclasses.replace(second, plan=plan)
+
+
+def _missed(budget: int, memory: int, mesh_shape, found: str) -> OverBudget:
+    return OverBudget(memory, mesh_shape,
+        f"The compiled program does not keep memory_budget_per_device ({budget:,} B; at most "
+        f"{audit.BUDGET_RATIO_MAX}x allowed): {found}. Raise memory_budget_per_device to "
+        f"{memory:,} B or more, or make the step smaller per device: more devices, more "
+        "micro-batches (num_micro_batches), remat (jax.checkpoint) or a pipeline "
+        "(PipeshardParallel: each stage holds only its layers).")
+
+
+def compiled_memory(compiled: Compiled, program: Program) -> int:
+    """Bytes per device XLA allocates for ``compiled`` (arguments + outputs + temporaries -
+    aliased), lowered and compiled as the front end does (``ParallelMethod.compile_executable``)."""
+    mesh, plan = compiled.mesh, compiled.plan
+    in_shardings = tuple(NamedSharding(mesh, leaf.spec) for leaf in plan.inputs)
+    out_shardings = tuple(NamedSharding(mesh, leaf.spec) for leaf in plan.outputs)
+    donate = tuple(i for i, d in enumerate(program.donated_invars) if d)
+    abstract = [abstract_leaf(a, s) for a, s in zip(program.in_avals, in_shardings, strict=True)]
+    fn = compiled.fn
+    jitted = jax.jit(lambda *a: tuple(fn(*a)), in_shardings=in_shardings,
+                     out_shardings=out_shardings, donate_argnums=donate)
+    return audit.allocation_bytes(jitted.lower(*abstract).compile().memory_analysis())
 
 
 def plan_program(method, program: Program, cluster: Cluster, *,

@@ -48,6 +48,14 @@ DIVERGENCE_HINT = ("the compiled program is not the one the planner costed: comp
 """What to do about a divergence (the planner's estimate, not the user's program, is wrong)."""
 
 
+def allocation_bytes(memory_analysis) -> int:
+    """Bytes per device of a compiled program (``compiled.memory_analysis()``): arguments +
+    outputs + temporaries - aliased (a donated argument and its output share a buffer)."""
+    m = memory_analysis
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
 @dataclass(frozen=True, kw_only=True)
 class AuditRow:
     """Predicted against compiled bytes of one (kind, mesh axes) pair."""

@@ -123,3 +123,19 @@ def test_matrices_are_never_written_through(monkeypatch):
         for k, m in t.matrices.items():
             if k in saved:
                 np.testing.assert_array_equal(m, saved[k])
+
+
+def test_the_per_axis_matrix_is_reshard_per_axis_float_for_float():
+    """``solver.per_axis_matrix`` prices each distinct pair of axis places once; every entry
+    is the float ``CostModel.reshard_per_axis`` gives (what decides an edge's exactness)."""
+    from autoshard.sharding.spec import candidate_specs
+    for mesh in [(2, 4), (2, 2, 2), (4, 1, 2)]:
+        cost = CostModel(mesh, (5e-6, 2e-5, 1e-5)[:len(mesh)], (1e-10, 1e-9, 3e-10)[:len(mesh)],
+                         devices_per_host=4)
+        shape = (8, 16, 4)
+        specs = list(candidate_specs(shape, mesh))
+        srcs, dsts = specs[::2] + specs[:3], specs[1::2] + specs[:2]
+        got = solver.per_axis_matrix(cost, srcs, dsts, shape, 2)
+        want = np.array([[cost.reshard_per_axis(a, b, shape, 2) for b in dsts] for a in srcs])
+        assert len(srcs) > 5 and (got != 0).any()
+        np.testing.assert_array_equal(got, want)

@@ -10,6 +10,7 @@ The optional memory budget adds one row per sampled program point.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -532,11 +533,12 @@ def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
             shared = edges.shared
             mat = shared.matrices.get(content, False)
             if mat is False:
-                cost = prob.ctx.cost
-                mat = np.array([[edges.reshard(a, b, value.shape, isize) for b in dsts]
-                                for a in srcs])
-                per_axis = np.array([[cost.reshard_per_axis(a, b, value.shape, isize)
-                                      for b in dsts] for a in srcs])
+                # Priced once per distinct (src, dst) spec pair: strategies repeat specs.
+                (us, si), (ud, di) = _distinct(srcs), _distinct(dsts)
+                rows = np.ix_(si, di)
+                mat = np.array([[edges.reshard(a, b, value.shape, isize) for b in ud]
+                                for a in us])[rows]
+                per_axis = per_axis_matrix(prob.ctx.cost, us, ud, value.shape, isize)[rows]
                 if np.allclose(mat, per_axis, rtol=1e-9, atol=0.0):
                     mat = None
                 else:
@@ -568,6 +570,33 @@ def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
         else:
             entry[0] += gather * node.mult
             entry[1] += move * node.mult
+
+
+def per_axis_matrix(cost, srcs, dsts, shape, isize) -> np.ndarray:
+    """``cost.reshard_per_axis(a, b, shape, isize)`` for every ``a`` of ``srcs`` and ``b`` of
+    ``dsts``, the same floats: per mesh axis, each distinct pair of places priced once
+    (``CostModel.axis_step``) and added in axis order."""
+    total_bytes = math.prod(shape) * isize
+    out = np.zeros((len(srcs), len(dsts)))
+    for a in range(len(cost.mesh_shape)):
+        ps = [axis_place(x, a) for x in srcs]
+        pd = [axis_place(x, a) for x in dsts]
+        (us, si), (ud, di) = _distinct(ps), _distinct(pd)
+        table = np.zeros((len(us), len(ud)))
+        for i, x in enumerate(us):
+            for j, y in enumerate(ud):
+                step = cost.axis_step(a, x, y, total_bytes)
+                if step is not None:
+                    table[i, j] = step[2]
+        out += table[np.ix_(si, di)]
+    return out
+
+
+def _distinct(items) -> tuple[list, list[int]]:
+    """(the distinct items in first-seen order, each item's index among them)."""
+    index: dict = {}
+    at = [index.setdefault(x, len(index)) for x in items]
+    return list(index), at
 
 
 def _axis_terms(prob: Problem, src_list, out_index, dst_list, p, shape, isize):

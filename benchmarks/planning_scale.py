@@ -1,0 +1,136 @@
+"""How planning time grows with layers and GPUs (issue 24's "planning scale").
+
+The GPT of ``cluster.py`` at GPT-3 175B's width (hidden 12288, 96 heads, seq 2048, batch
+1536, Adam, every layer rematerialised) is planned by ``autoshard.plan`` with the default
+``ShardParallel`` on described A100 clusters, nothing allocated:
+
+* layers 24 / 48 / 96 on 1,024 GPUs, the layers as a ``lax.scan`` (the fast path) and as a
+  Python loop (unrolled);
+* 512 / 1,024 / 3,072 GPUs at 48 layers, both forms.
+
+Each point runs in its own process, stopped after ``LIMIT_S``; its wall time is trace +
+plan, with the load average of the (shared) machine beside it. The search itself is
+reported too: how many meshes were solved and how many pruned.
+
+Run: ``python benchmarks/planning_scale.py [--limit 600]``; writes
+``benchmarks/results/planning_scale.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+HIDDEN, HEADS, BATCH = 12288, 96, 1536
+LIMIT_S = 600
+"""A point whose planning takes longer is stopped; the limit is recorded instead."""
+POINTS = ([(layers, 1024) for layers in (24, 48, 96)]
+          + [(48, gpus) for gpus in (512, 3072)])
+"""(layers, GPUs) planned in both forms."""
+
+
+def plan_point(layers: int, gpus: int, scan: bool) -> dict:
+    """Plan one point in this process; what ``main`` records for it."""
+    import autoshard
+    import cluster
+    from autoshard import AutoShardingOption, Cluster, ShardParallel
+
+    t0 = time.perf_counter()
+    step = cluster.make_step(scan)
+    args = cluster.abstract_args(HIDDEN, HEADS, layers, BATCH, scan)
+    method = ShardParallel(auto_sharding_option=AutoShardingOption(show_progress=False))
+    plan = autoshard.plan(step, *args, cluster=Cluster.a100_80gb(gpus // 8), method=method,
+                          batch_argnums=(1, 2))
+    o = plan.objective
+    return {"plan_s": time.perf_counter() - t0, "mesh": list(plan.mesh_shape),
+            "step_s": o.total_s, "memory_gib": o.peak_bytes_per_device / 2**30,
+            "meshes_solved": len(o.meshes_tried), "meshes_pruned": len(o.meshes_pruned)}
+
+
+def in_subprocess(layers: int, gpus: int, scan: bool, limit: float) -> dict:
+    row = {"layers": layers, "gpus": gpus, "form": "scan" if scan else "unrolled",
+           "load_average": os.getloadavg()[0]}
+    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            "import planning_scale as s; "
+            f"print(json.dumps(s.plan_point({layers}, {gpus}, {scan})))")
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=limit)
+    except subprocess.TimeoutExpired:
+        return {**row, "plan_s": time.perf_counter() - t0, "stopped": True}
+    if done.returncode:
+        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"
+        return {**row, "plan_s": time.perf_counter() - t0, "error": last}
+    return {**row, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def markdown(rows: list[dict], limit: float) -> str:
+    lines = [
+        "# Planning time against layers and GPUs",
+        "",
+        f"`autoshard.plan`, default `ShardParallel`, GPT at GPT-3 175B's width (hidden {HIDDEN}, "
+        f"{HEADS} heads, seq 2048, batch {BATCH}, Adam, remat), described A100 80GB clusters; "
+        f"one process per point, stopped after {limit:.0f} s. Wall time is trace + plan on a "
+        "2-core machine shared with other work (the load average is beside each point).",
+        "",
+        "| layers | GPUs | form | plan s | mesh | est. step s | memory GiB | meshes solved / pruned "
+        "| load |",
+        "|---:|---:|---|---:|---|---:|---:|---|---:|"]
+    for r in rows:
+        if r.get("stopped"):
+            rest = f"> {limit:.0f} (stopped) | | | | |"
+        elif "error" in r:
+            rest = f"{r['plan_s']:.1f} | error: {r['error'][:80]} | | | |"
+        else:
+            rest = (f"{r['plan_s']:.1f} | {tuple(r['mesh'])} | {r['step_s']:.2f} | "
+                    f"{r['memory_gib']:.1f} | {r['meshes_solved']} / {r['meshes_pruned']} |")
+        lines.append(f"| {r['layers']} | {r['gpus']} | {r['form']} | {rest} "
+                     f"{r['load_average']:.1f} |")
+    lines += ["", *growth(rows)]
+    return "\n".join(lines)
+
+
+def growth(rows: list[dict]) -> list[str]:
+    """Ratios of plan time from the smallest point of each series, per form."""
+    out = []
+    for form in ("scan", "unrolled"):
+        done = {(r["layers"], r["gpus"]): r["plan_s"] for r in rows
+                if r["form"] == form and "mesh" in r}
+        by_layers = [(n, done[(n, 1024)]) for n in (24, 48, 96) if (n, 1024) in done]
+        by_gpus = [(g, done[(48, g)]) for g in (512, 1024, 3072) if (48, g) in done]
+        for label, series in (("layers", by_layers), ("GPUs", by_gpus)):
+            if len(series) > 1:
+                base = series[0][1]
+                out.append(f"* {form}, time against {label}: " + ", ".join(
+                    f"{x}: {t / base:.2f}x" for x, t in series))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--limit", type=float, default=LIMIT_S, help="seconds per point")
+    p.add_argument("--forms", default="scan,unrolled", help="comma-separated: scan, unrolled")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    rows = []
+    for form in args.forms.split(","):
+        for layers, gpus in POINTS:
+            row = in_subprocess(layers, gpus, form == "scan", args.limit)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    rows.sort(key=lambda r: (r["form"], r["gpus"] != 1024, r["gpus"], r["layers"]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "planning_scale.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (args.out / "planning_scale.md").write_text(markdown(rows, args.limit) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

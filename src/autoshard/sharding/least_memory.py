@@ -12,11 +12,14 @@ same fraction of time. The second plan replaces the first when its peak (over ev
 at least ``MIN_SAVING`` smaller and its time, priced exactly, is within
 ``AutoShardingOption.memory_tradeoff`` of ``T``. One more solve of the same ILP, with the
 same deterministic limits. ``memory_tradeoff=0`` skips it (Alpa's behaviour: the fastest plan
-whatever its memory).
+whatever its memory). When it runs, the plan returned carries the other plans it saw in
+``Solution.info["found"]`` (the fastest, a second plan not taken): ``pareto`` shows them in
+``explain()``'s trade-off table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -37,27 +40,29 @@ def least_memory(ilp: Ilp, first: Solution, tradeoff: float) -> Solution:
     prob = ilp.prob
     if tradeoff <= 0 or not first.choice or first.objective_s <= 0:
         return first
+    fastest = dataclasses.replace(first, info=dict(first.info, found=(first,)))
     t0 = time.perf_counter()
     # Compared as the ILP's rows see a plan (values and buffers of one choice each): the
     # resharded copies come with the time the objective already prices.
     live = live_bytes(prob, first.choice, copies=False)
     first_peak = float(live.max()) if len(live) else 0.0
     if first_peak <= 0:
-        return first
+        return fastest
     at_peak = memory_rows(prob, ilp.col0, ilp.K, ilp.total,
                           points=[int(np.argmax(live))]).toarray()[0]
     c = (ilp.c / first.objective_s + at_peak / first_peak) * SCALE
     res = milp(c, integrality=ilp.integrality, bounds=ilp.bounds,
                constraints=ilp.constraints, options=ilp.options)
     if res.x is None:
-        return first
+        return fastest
     choice = {r: int(np.argmax(res.x[ilp.col0[r]:ilp.col0[r] + ilp.K[r]])) for r in ilp.roots}
     peak = int(live_bytes(prob, choice, copies=False).max())
     objective = solver.evaluate(prob, choice, ilp.edges)
     if (peak > first_peak * (1 - MIN_SAVING)
             or objective > (1 + tradeoff) * first.objective_s * (1 + 1e-9)):
-        return first
-    info = dict(first.info, least_memory=(
+        second = Solution(choice, first.status, objective, 0.0, num_ilp_vars=first.num_ilp_vars)
+        return dataclasses.replace(first, info=dict(first.info, found=(first, second)))
+    info = dict(first.info, found=(first,), least_memory=(
         f"peak {int(first_peak):,} -> {peak:,} B per device for "
         f"{objective / first.objective_s - 1:+.1%} estimated time "
         f"(memory_tradeoff {tradeoff:g})"))

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from .pareto import TradeOffRow, table_lines
+
 
 def spec_axes(entry) -> tuple[str, ...]:
     """Mesh axes named by one PartitionSpec entry (None, a name, or a tuple of names)."""
@@ -118,6 +120,9 @@ class Objective:
     """The objective in Alpa's units (``sharding.alpa_units``: Alpa's collective formulas and
     replicated-input penalties, no compute term), set when the option gives ``mesh_alpha``
     and ``mesh_beta``; ``Executable.auto_sharding_objective`` then reports it."""
+    trade_off: tuple[TradeOffRow, ...] = ()
+    """Bytes, memory and time of the chosen plan and of the least-memory and least-bytes plans
+    found on its mesh (``sharding.pareto``; empty under ``memory_tradeoff=0``)."""
 
     @property
     def total_s(self) -> float:
@@ -234,6 +239,7 @@ class ShardingPlan:
                              + (f" (budget {o.memory_budget_per_device:,} B)"
                                 if o.memory_budget_per_device is not None else ""))
             lines.extend(self._estimate_lines())
+            lines.extend(table_lines(o.trade_off, self.mesh_shape))
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
@@ -328,6 +334,7 @@ def _decode_plan(data: dict) -> ShardingPlan:
         o = dict(data["objective"])
         o["meshes_tried"] = tuple((tuple(s), v) for s, v in o.get("meshes_tried", ()))
         o["meshes_pruned"] = tuple((tuple(s), v) for s, v in o.get("meshes_pruned", ()))
+        o["trade_off"] = tuple(TradeOffRow(**r) for r in o.get("trade_off", ()))
         objective = Objective(**o)
     fingerprint = data.get("fingerprint")
     return ShardingPlan(

@@ -1,0 +1,182 @@
+"""The trade-off on the chosen mesh: bytes and memory of the chosen, least-memory and
+least-bytes plans found, so ``explain()`` shows what a memory budget would cost.
+
+The planner finds several plans on the chosen mesh: the fastest (its first ILP), the one
+``least_memory`` trades some time for, and here one more, a plan of much less memory
+(``least_peak``: the same ILP weighing the bytes live where the chosen plan peaks 3x as much
+as its time; one or two solves, a few seconds on the families benchmark). Each is
+costed as the plan it is: collective bytes one device receives per step (``received_bytes``)
+and the estimated peak bytes per device (``memory.peak_bytes``). Of the plans found, the row
+of fewest bytes and the row of least memory are shown next to the chosen one
+(``table_lines``): a budget between the chosen plan's memory and the least-memory one's buys
+that memory at up to that plan's bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+TIME_WEIGHT = 0.3
+"""In the least-memory ILP, a fraction of step time counts this much against the same
+fraction of peak memory. Lower weights solved far slower (the families decoder at its
+default size: 0.001 took 93 s and found 0.91x the chosen plan's memory, 0.3 4.5 s and 0.80x;
+at its tiny size 0.01 took 13 s for 0.49x, 0.3 1.4 s for 0.65x)."""
+ROUNDS = 2
+"""Most solves of the least-memory ILP (``least_peak``)."""
+SCALE = 1e3
+"""The objective is a sum of fractions near 1; HiGHS wants it away from its tolerances."""
+NODE_LIMIT = 2000
+"""Branch-and-bound nodes of each least-memory solve (deterministic; the best plan found when
+it stops), which runs without HiGHS's presolve (with it, the root alone took 3x the planning
+time of the families benchmark's decoder)."""
+GAP = 0.01
+"""Relative optimality gap at which a least-memory solve stops."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TradeOffRow:
+    """One plan found on the chosen mesh."""
+
+    role: str
+    """``"chosen"``, ``"least memory"`` or ``"least bytes"`` (one plan may take several roles,
+    joined by ``", "``)."""
+    bytes: int
+    """Collective bytes one device receives per step."""
+    memory: int
+    """Estimated peak bytes per device."""
+    time_s: float
+    """Estimated step time in seconds."""
+
+
+def received_bytes(collectives, mesh_sizes: dict[str, int]) -> int:
+    """Bytes one device receives per step from ``collectives`` (``plan.Collective``s).
+
+    As the audit reads a compiled program: the result of each collective, times how often it
+    runs; an all-to-all is priced on its group's array, of which a device receives one shard.
+    """
+    total = 0.0
+    for c in collectives:
+        num_bytes = c.num_bytes
+        if c.kind == "all-to-all":
+            num_bytes /= math.prod(mesh_sizes[a] for a in c.axes)
+        total += c.count * num_bytes
+    return int(round(total))
+
+
+def trade_off(ilp, found, make_plan) -> tuple[TradeOffRow, ...]:
+    """The rows of ``explain()``'s trade-off table for the chosen mesh.
+
+    ``ilp``: the chosen mesh's ILP (``solver.Ilp``); ``found``: its solutions, the chosen one
+    first; ``make_plan(solution)``: the ``ShardingPlan`` of a solution. The least-memory plan
+    is solved here (``least_peak``) and joins ``found``.
+    """
+    from .memory import peak_bytes
+
+    chosen = found[0]
+    extra = least_peak(ilp, chosen)
+    plans = []
+    seen = set()
+    for sol in list(found) + ([extra] if extra is not None else []):
+        key = tuple(sorted(sol.choice.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        plan = make_plan(sol)
+        plans.append((received_bytes(plan.collectives, plan.mesh_sizes),
+                      peak_bytes(ilp.prob, sol.choice), sol.objective_s))
+    fewest = min(plans, key=lambda p: (p[0], p[1], p[2]))
+    smallest = min(plans, key=lambda p: (p[1], p[0], p[2]))
+    roles: dict[tuple, list[str]] = {}   # one row per plan, the chosen first
+    for plan, role in ((plans[0], "chosen"), (smallest, "least memory"),
+                       (fewest, "least bytes")):
+        roles.setdefault(plan, []).append(role)
+    return tuple(TradeOffRow(role=", ".join(r), bytes=p[0], memory=p[1], time_s=p[2])
+                 for p, r in roles.items())
+
+
+def with_trade_off(plan, ilp, chosen, make_plan):
+    """``plan`` (made from the solution ``chosen`` of ``ilp``) with its trade-off rows in
+    ``Objective.trade_off``; the other plans found on its mesh are ``chosen.info["found"]``
+    (set by ``least_memory``)."""
+    found = [chosen, *chosen.info.get("found", ())]
+    rows = trade_off(ilp, found, make_plan)
+    return dataclasses.replace(plan, objective=dataclasses.replace(plan.objective,
+                                                                   trade_off=rows))
+
+
+def least_peak(ilp, first):
+    """A plan of much less peak memory on ``ilp``'s mesh (a ``solver.Solution``), or None
+    when the solver finds none. Not the least memory any plan has (that min-max ILP took
+    7x the planning time): the least this search finds.
+
+    One more solve of the same ILP (its constraints, the budget's rows included) with the
+    objective ``live / P + TIME_WEIGHT * time / T``: ``live`` the bytes live at ``first``'s
+    peak point (one row of the memory model), ``P`` and ``T`` ``first``'s peak and time. Where
+    that plan peaks at another point, the next solve weighs both points' live bytes (at most
+    ``ROUNDS`` solves); the plan of least peak is kept.
+    """
+    from scipy.optimize import milp  # loads on first use
+
+    from . import solver
+    from .memory import live_bytes, memory_rows
+
+    prob = ilp.prob
+    if not first.choice or first.objective_s <= 0:
+        return None
+    live = live_bytes(prob, first.choice, copies=False)
+    peak = float(live.max()) if len(live) else 0.0
+    if peak <= 0:
+        return None
+    points, best = [int(np.argmax(live))], None
+    options = dict(ilp.options, mip_rel_gap=GAP, presolve=False,
+                   node_limit=min(NODE_LIMIT, ilp.options.get("node_limit", NODE_LIMIT)))
+    for _ in range(ROUNDS):
+        at = memory_rows(prob, ilp.col0, ilp.K, ilp.total, points=sorted(points)).sum(axis=0)
+        c = (ilp.c * (TIME_WEIGHT / first.objective_s)
+             + np.asarray(at).ravel() / (peak * len(points))) * SCALE
+        res = milp(c, integrality=ilp.integrality, bounds=ilp.bounds,
+                   constraints=ilp.constraints, options=options)
+        if res.x is None:
+            break
+        choice = {r: int(np.argmax(res.x[ilp.col0[r]:ilp.col0[r] + ilp.K[r]]))
+                  for r in ilp.roots}
+        live = live_bytes(prob, choice, copies=False)
+        if best is None or live.max() < best[1]:
+            best = (choice, float(live.max()))
+        top = int(np.argmax(live))
+        if top in points:
+            break
+        points.append(top)
+    if best is None:
+        return None
+    return solver.Solution(best[0], "least peak memory found",
+                           solver.evaluate(prob, best[0], ilp.edges), 0.0,
+                           num_ilp_vars=ilp.total)
+
+
+def table_lines(rows: tuple[TradeOffRow, ...], mesh_shape) -> list[str]:
+    """``explain()``'s trade-off table (empty without rows)."""
+    if not rows:
+        return []
+    chosen = rows[0]
+    lines = [f"  trade-off on mesh {tuple(mesh_shape)} (plans found; bytes one device "
+             "receives per step, estimated peak memory per device, step time):",
+             f"    {'plan':<28}{'bytes':>14}{'memory':>14}{'time':>12}   vs chosen"]
+    for r in rows:
+        rel = ("" if r is chosen else
+               f"bytes {_ratio(r.bytes, chosen.bytes)}, memory {_ratio(r.memory, chosen.memory)}")
+        lines.append(f"    {r.role:<28}{r.bytes:>14,}{r.memory:>14,}{r.time_s * 1e3:>10.4f}ms"
+                     f"   {rel}")
+    return lines
+
+
+def _ratio(a: int, b: int) -> str:
+    return f"{a / b:.2f}x" if b else ("1.00x" if a == 0 else "inf")
+
+
+__all__ = ["TradeOffRow", "least_peak", "received_bytes", "table_lines", "trade_off",
+           "with_trade_off"]

@@ -25,6 +25,7 @@ from .graph import Graph, build_graph
 from .least_memory import least_memory
 from .memory import peak_bytes
 from .options import DEFAULT_MEMORY_TRADEOFF, AutoShardingOption
+from .pareto import with_trade_off
 from .plan import Collective, LeafPlan, Objective, ShardingPlan
 from .problem import Problem
 from .repeats import tie_repeated
@@ -211,6 +212,9 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             raise _no_plan_error(errors, options[0], graph)
         plan = _finish(best, tried, pruned, option, batch_invars, axis_names, graph,
                        compare_data_parallel)
+        if "found" in best[2].info:   # explain()'s trade-off table (sharding/pareto.py)
+            plan = with_trade_off(plan, best_ilp, best[2], lambda sol: make_plan(
+                best[1], sol, plan.axis_names, dp_objective=None))
     return plan if cluster is None else dataclasses.replace(plan, cluster=cluster.describe())
 
 

@@ -1,0 +1,108 @@
+"""explain()'s trade-off table (``sharding/pareto.py``): on the chosen mesh, bytes and memory of
+the chosen plan and of the least-memory and least-bytes plans found."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+import autoshard
+from autoshard.sharding.pareto import TradeOffRow, received_bytes, table_lines
+from autoshard.sharding.plan import Collective, ShardingPlan
+
+BENCH = Path(__file__).parent.parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def case():
+    sys.path.insert(0, str(BENCH))
+    import families_models as fm
+
+    return fm.make_case("llama", "tiny")
+
+
+def _plan(case, **option):
+    state = jax.eval_shape(case.init_state)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), case.batch)
+    opt = autoshard.AutoShardingOption(show_progress=False, logical_mesh_shape=(2, 4), **option)
+    return autoshard.plan(case.step, state, batch,
+                          method=autoshard.ShardParallel(auto_sharding_option=opt))
+
+
+@pytest.fixture(scope="module")
+def plan(case):
+    return _plan(case)
+
+
+def _role(rows, role):
+    found = [r for r in rows if role in r.role.split(", ")]
+    assert len(found) == 1, rows
+    return found[0]
+
+
+def test_rows_are_the_chosen_plan_and_the_extremes_found(plan):
+    rows = plan.objective.trade_off
+    chosen, smallest, fewest = (_role(rows, r) for r in ("chosen", "least memory",
+                                                        "least bytes"))
+    assert rows[0] is chosen
+    # The chosen row is the plan itself, as the audit would predict it.
+    assert chosen.memory == plan.objective.peak_bytes_per_device
+    assert chosen.bytes == received_bytes(plan.collectives, plan.mesh_sizes)
+    assert chosen.time_s == pytest.approx(plan.objective.total_s, rel=1e-6)
+    # The extremes bound every plan found, the chosen one included.
+    assert smallest.memory <= chosen.memory and fewest.bytes <= chosen.bytes
+    assert all(smallest.memory <= r.memory and fewest.bytes <= r.bytes for r in rows)
+    # The default trades memory for bytes: the search finds a plan of less memory than the
+    # fastest-first default, at more bytes (this model: about 0.65x the memory).
+    assert smallest.memory < chosen.memory and smallest.bytes > chosen.bytes
+    assert len({(r.bytes, r.memory) for r in rows}) == len(rows)   # one row per plan
+
+
+def test_explain_shows_the_table(plan):
+    text = plan.explain()
+    assert "trade-off on mesh (2, 4)" in text
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if "trade-off on mesh" in line)
+    for r, line in zip(plan.objective.trade_off, lines[start + 2:], strict=False):
+        assert line.strip().startswith(r.role)
+        assert f"{r.bytes:,}" in line and f"{r.memory:,}" in line
+    smallest = _role(plan.objective.trade_off, "least memory")
+    chosen = plan.objective.trade_off[0]
+    assert f"memory {smallest.memory / chosen.memory:.2f}x" in text
+
+
+def test_table_survives_save_and_load(plan, tmp_path):
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = ShardingPlan.load(path)
+    assert loaded.objective.trade_off == plan.objective.trade_off
+    assert loaded.explain() == plan.explain()
+
+
+def test_no_table_for_the_fastest_plan_whatever_its_memory(case):
+    # memory_tradeoff=0 (as a pipeline's task plans run): no second plan is searched.
+    plan = _plan(case, memory_tradeoff=0.0)
+    assert plan.objective.trade_off == ()
+    assert "trade-off on mesh" not in plan.explain()
+
+
+def test_received_bytes_counts_one_shard_of_an_all_to_all():
+    sizes = {"x": 2, "y": 4}
+    colls = [Collective(kind="all-reduce", axes=("x",), num_bytes=1000, cost_s=0.0, count=3),
+             Collective(kind="all-to-all", axes=("y",), num_bytes=800, cost_s=0.0),
+             Collective(kind="all-gather", axes=("x", "y"), num_bytes=64, cost_s=0.0,
+                        count=0.5)]
+    assert received_bytes(colls, sizes) == 3000 + 200 + 32
+
+
+def test_table_lines_mark_ratios_against_the_chosen_plan():
+    rows = (TradeOffRow(role="chosen, least bytes", bytes=100, memory=400, time_s=1e-3),
+            TradeOffRow(role="least memory", bytes=300, memory=200, time_s=3e-3))
+    lines = table_lines(rows, (2, 4))
+    assert lines[0].startswith("  trade-off on mesh (2, 4)")
+    assert "chosen, least bytes" in lines[2] and "vs chosen" in lines[1]
+    assert lines[3].rstrip().endswith("bytes 3.00x, memory 0.50x")
+    assert table_lines((), (8,)) == []

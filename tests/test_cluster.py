@@ -46,7 +46,7 @@ def test_a100_preset_and_axes_priced_by_the_links_they_use():
     assert c.flop_s == pytest.approx(1 / (312e12 * c.flops_efficiency))
     # (4, 8): axis 1 is one host's 8 GPUs (NVLink), axis 0 joins the hosts (InfiniBand).
     alpha, beta = c.mesh_costs((4, 8))
-    assert beta == (1 / 25e9, 1 / 300e9) and alpha[0] > alpha[1]
+    assert beta == (1 / 23e9, 1 / 230e9) and alpha[0] > alpha[1]
     # (2, 16): a 16-wide axis straddles two hosts and is priced by its slowest hop.
     assert c.axis_crosses_hosts((2, 16)) == (True, True)
     assert Cluster.a100_80gb(1).axis_crosses_hosts((2, 4)) == (False, False)

@@ -19,11 +19,15 @@ Bandwidths are per device and per direction, in bytes per second (what a ring al
 bus bandwidth measures, e.g. ``nccl-tests``' ``busbw``); latencies are seconds per ring hop
 (a collective over an axis pays one ring pass: ``sharding.cost``, "Ring latency").
 The inter-host figure is per device: a host's network bandwidth is ``inter_host_bandwidth *
-devices_per_host`` (a DGX A100: 8 NICs of 25 GB/s, one per GPU). An axis crossing hosts with
+devices_per_host`` (a DGX A100: 8 NICs, one per GPU). An axis crossing hosts with
 ``k`` of its devices in each host rings through their ``k`` NICs together (NCCL puts one
 channel on each), at ``k * inter_host_bandwidth``, at most the intra-host link
 (``sharding.cost.crossing_beta``); a host with fewer NICs than devices is described by its
 network bandwidth divided by its devices.
+
+The presets hold what the hardware is measured to deliver, not its datasheet: NCCL's bus
+bandwidth, a streaming kernel's memory bandwidth, a sustained large GEMM's FLOP/s (the sources
+and the decision: ``sharding.cost``, "Measured device figures").
 """
 
 from __future__ import annotations
@@ -40,14 +44,17 @@ GIB = 2**30
 
 
 _PRESETS = {
-    "A100 80GB": dict(peak_flops=312e12, flops_efficiency=0.8, memory_bytes=80 * GIB,
-                      memory_bandwidth=2.0e12, intra_host_bandwidth=300e9,
-                      inter_host_bandwidth=25e9),
+    "A100 80GB": dict(peak_flops=312e12, flops_efficiency=0.74, memory_bytes=80 * GIB,
+                      memory_bandwidth=1.6e12, intra_host_bandwidth=230e9,
+                      inter_host_bandwidth=23e9),
     "H100 80GB": dict(peak_flops=989e12, flops_efficiency=0.7, memory_bytes=80 * GIB,
-                      memory_bandwidth=3.35e12, intra_host_bandwidth=450e9,
-                      inter_host_bandwidth=50e9),
+                      memory_bandwidth=3.35e12, intra_host_bandwidth=370e9,
+                      inter_host_bandwidth=48e9),
 }
-"""Datasheet figures of the presets (see ``Cluster.a100_80gb``/``h100_80gb``)."""
+"""Figures of the presets (see ``Cluster.a100_80gb``/``h100_80gb``): peak FLOP/s and memory
+from the datasheets; the A100's GEMM efficiency, memory bandwidth and links and the H100's
+links as measured (``sharding.cost``, "Measured device figures"); the H100's memory bandwidth
+and GEMM efficiency are its datasheet figure and an estimate."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,10 +119,12 @@ class Cluster:
     def a100_80gb(cls, num_hosts: int = 1, *, devices_per_host: int = 8) -> Cluster:
         """DGX A100 80GB nodes: NVLink 3 inside a node, 8x200 Gb/s HDR InfiniBand between.
 
-        312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e, NVLink 300 GB/s per direction, one 200 Gb/s
-        (25 GB/s) NIC per GPU (200 GB/s per node: a data axis over all 8 GPUs of each node
-        crosses nodes at 200 GB/s, one over one GPU per node at 25 GB/s); large bf16 GEMMs
-        sustain about 80% of peak.
+        Measured, not datasheet figures (sources: ``sharding.cost``, "Measured device
+        figures"): large bf16 GEMMs sustain 230 TFLOP/s (0.74 of the 312 peak), memory-bound
+        kernels stream 1.6 TB/s (datasheet 2.04), NCCL's ring reaches a bus bandwidth of
+        230 GB/s over NVLink (line rate 300 GB/s per direction) and 23 GB/s through each
+        GPU's 200 Gb/s NIC (184 GB/s per node: a data axis over all 8 GPUs of each node
+        crosses nodes at 184 GB/s, one over one GPU per node at 23 GB/s).
         """
         return cls._preset("A100 80GB", num_hosts, devices_per_host)
 
@@ -123,9 +132,11 @@ class Cluster:
     def h100_80gb(cls, num_hosts: int = 1, *, devices_per_host: int = 8) -> Cluster:
         """DGX H100 nodes: NVLink 4 inside a node, 8x400 Gb/s NDR InfiniBand between.
 
-        989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 450 GB/s per direction, one 400 Gb/s
-        (50 GB/s) NIC per GPU (400 GB/s per node); large bf16 GEMMs sustain about 70% of
-        peak.
+        989 TFLOP/s bf16 dense, 3.35 TB/s HBM3 (datasheet), NCCL's ring at 370 GB/s over
+        NVLink (line rate 450 GB/s per direction) and 48 GB/s through each GPU's 400 Gb/s
+        NIC (384 GB/s per node), as measured (``sharding.cost``, "Measured device
+        figures"); large bf16 GEMMs sustain about 70% of peak (an estimate below the
+        794.5 TFLOP/s best-shape maximum measured).
         """
         return cls._preset("H100 80GB", num_hosts, devices_per_host)
 

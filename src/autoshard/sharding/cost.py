@@ -48,7 +48,7 @@ hosts, or straddles them, costs the inter-host link. Devices of one host are one
 single host every axis costs the same.
 
 **Per-device inter-host bandwidth** (``crossing_beta``). The inter-host bandwidth is a figure
-per device (a DGX A100 has one 25 GB/s NIC per GPU, eight per node). When an axis spanning
+per device (a DGX A100 has one 200 Gb/s NIC per GPU, eight per node). When an axis spanning
 hosts has ``k`` of its devices in each host (a data axis over all 8 GPUs of every node:
 ``k = 8``), NCCL spreads the ring over the ``k`` NICs of those devices (one channel per NIC),
 so the ring's host-to-host hop runs at ``k`` times the per-device figure, capped by the
@@ -58,10 +58,50 @@ the per-device figure: each of the parallel rings has its own NIC. An axis strad
 unevenly counts ``k = 1`` (its worst group has a lone device in some host). Before, every
 crossing axis was one ring through one NIC. The two rules price the same devices differently
 when they form one axis or two: an all-reduce of ``B`` bytes over 4 DGX A100 nodes as one
-32-wide axis is one ring, ``1.94 B / 200 GB/s``; over a (4, 8) mesh's two axes it is the
-phases, ``1.75 B / 300 GB/s + 1.5 B / 8 / 25 GB/s``, about 1.4x the ring (NCCL's flat ring over
+32-wide axis is one ring, ``1.94 B / 184 GB/s``; over a (4, 8) mesh's two axes it is the
+phases, ``1.75 B / 230 GB/s + 1.5 B / 8 / 23 GB/s``, about 1.3x the ring (NCCL's flat ring over
 all NICs beats the phased algorithm for large messages). The planner prices both meshes and
 may choose either.
+
+**Measured device figures** (``Cluster.a100_80gb``/``h100_80gb``). The presets held
+datasheet figures where the fields are defined as measured ones (``autoshard.cluster``: a
+link's bandwidth is what NCCL's ring reaches, ``nccl-tests``' bus bandwidth), and the model
+rated Megatron-LM's Table 1 rows 1.30-1.50x faster than the paper measured (eq. 3 TFLOP/s
+177/179/193/203 against 137/138/142/135). A back-of-envelope check of each term against
+published measurements (the row-by-row accounting: ``benchmarks/results/cluster.md``) found
+four figures high, now replaced by the measured ones:
+
+* NVLink: ``nccl-tests`` ``all_reduce_perf`` on one 8x A100 SXM node reaches 232.5 GB/s bus
+  bandwidth (NVIDIA/nccl-tests issue 175; about 200 GB/s on an HPE 8x A100 80GB, issue 149),
+  and NCCL's maintainers put its protocol overhead at about 20% of the line rate (issue 212:
+  450 GB/s NVLink 4 gives 370 GB/s): 230 GB/s for the A100's 300, 370 GB/s for the H100's 450.
+* The NICs: an HDR 200 Gb/s NIC carries 24 GB/s in NCCL alone (NVIDIA/nccl issue 1048) and
+  four of them 86-96 GB/s of bus bandwidth across nodes (nccl-tests issues 119, 175): 23 GB/s
+  per GPU (25 on the datasheet). An NDR 400 Gb/s NIC reaches 48-49 GB/s (nccl-tests issue
+  267): 48.
+* Memory: an element-wise kernel over a large fp32 array streams 1.62 TB/s on an A100 80GB
+  (mli/transformers-benchmarks: 0.202 TFLOP/s of ``a * 1.2``, 8 bytes per FLOP; an A800 80GB
+  PCIe, the same die, 1.73 of its 1.94 TB/s, the issues of that repository): 1.6 TB/s
+  against the datasheet's 2.04. Memory-bound seconds rise by the same 1.25x.
+* Matrix products: a bf16/fp16 8192^3 GEMM sustains 230 TFLOP/s on an A100 80GB over 3-second
+  runs (mli/transformers-benchmarks, PyTorch 1.13, CUDA 11.7): 0.74 of the 312 peak, where the
+  preset had 0.8. The best of a brute-force shape search reaches 271 (stas00/ml-engineering's
+  MAMF table, 2025 software) and an 8192^3 GEMM at full boost clock 297 (NVIDIA/cutlass
+  discussion 241); those are upper bounds, not what a training step's shapes sustain. The
+  H100's 0.7 stays (its best-shape maximum measured is 794.5 TFLOP/s, 0.80).
+
+Checked and left as they are, each worth under 1% of these rows' steps: NCCL's fixed base
+latency (8.4 us per call in its tuning model; about 330 collectives a step in the 18.4B row:
+3 ms of 7 s); the second ring pass of an all-reduce (latency only: the all-reduces' one pass
+costs 0.04 s of the 18.4B row's step, so a second would add 0.04 s, 0.6%; it would need a
+latency per collective kind, which the merged-reduction terms and Alpa's units do not have,
+see "Ring latency"); the optimizer: Adam's update of each parameter is one fused pass (reads
+the parameter, gradient and both moments, writes three of them: 28 bytes per fp32 element,
+as apex's FusedAdam in Megatron-LM), 40 ms of the 18.4B paper plan's step (2.3e9 parameters
+per GPU), 1 ms of the planner's (the moments split over 256 GPUs). Dropout (0.1 on attention
+probabilities and hidden states in the paper's runs; Megatron-LM 2021 writes the attention
+mask and reads it back, about 0.3 s a step at 1.7B) is part of the program, not of its
+pricing: the benchmark's GPT has none.
 
 **FLOPs reported** (``flops``). ``explain()`` shows the traced FLOPs (what the step runs) and,
 beside them, the model FLOPs as Megatron-LM's eq. 3 counts a step (3 x the forward plus the

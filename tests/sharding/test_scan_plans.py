@@ -108,3 +108,30 @@ def test_micro_batches_reduce_accumulated_gradients_once(k):
     # was 0.25x: the accumulated gradients priced once per time step
     assert 0.5 <= compiled / audit.predicted_bytes <= 1.1, audit.explain()
     assert audit.predicted_bytes == compiled, audit.explain()
+
+
+def test_graph_prices_accumulated_gradients_once_per_step():
+    """The planner's graph of the step under 4 micro-batches: the backward scan's weight
+    gradient dots run 4 x TIME times, their reductions once per step (after both loops, with
+    the step's other gradients); the body's other dot once per iteration (was: every one once
+    per iteration)."""
+    from autoshard.grad_accum import loop_costs
+    from autoshard.sharding.graph import build_graph
+
+    k = 4
+    params, batch = _params(), _batch()
+    closed = jax.make_jaxpr(step)(params, batch)
+    flat = jax.tree.leaves((params, batch))
+    batch_invars = [False] * len(jax.tree.leaves(params)) + [True] * len(jax.tree.leaves(batch))
+    top = loop_costs(closed, batch_invars, k)
+    paths = [f"in{i}" for i in range(len(flat))]
+    g = build_graph(closed, paths, [f"out{i}" for i in range(len(closed.jaxpr.outvars))], top)
+    weights = {(DIM, HIDDEN), (HIDDEN, DIM), (HIDDEN, HIDDEN)}
+    body_dots = [n for n in g.nodes if n.kind == "dot_general" and n.body >= 0]
+    grads = [n for n in body_dots if g.values[n.outputs[0]].shape in weights]
+    assert len(grads) == 2 and grads[0].body == grads[1].body  # dWx, dWh of the backward scan
+    others = [n for n in body_dots if n not in grads and n.body == grads[0].body]
+    assert len(others) == 1  # dh, the next iteration's carry
+    for n in grads:
+        assert (n.mult, n.comm_times, n.after_loop) == (k * TIME, 1.0, True)
+    assert (others[0].mult, others[0].comm_times, others[0].after_loop) == (k * TIME, TIME, False)

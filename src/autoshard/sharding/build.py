@@ -124,10 +124,10 @@ def _feeds_chain_in_body(g: Graph) -> list[bool]:
 
 def merge_group(prob: Problem, node_id: int) -> tuple[int, float]:
     """(loop body, times it runs per step) within which a merged reduction shares its
-    latency: the step (-1, once) for the gradients after the backward pass, each iteration of
-    a loop body for the reductions of one iteration (``_combine_tail_reductions``)."""
-    node = prob.graph.nodes[node_id]
-    return (-1, 1.0) if node.body < 0 else (node.body, node.comm_times)
+    latency: the step (-1, once) for the gradients after the backward pass (and those a loop
+    accumulates and the micro-batch loop defers, ``Node.after_loop``), each iteration of a
+    loop body for the reductions of one iteration (``_combine_tail_reductions``)."""
+    return prob.graph.nodes[node_id].merge_group
 
 
 def _prefer_reduce_scatter(prob: Problem) -> None:

@@ -65,10 +65,20 @@ class Node:
     body: int = -1
     """The innermost loop body (scan body, while body or condition) the node runs in, -1
     outside every loop: XLA merges independent reductions within one body's iteration."""
+    after_loop: bool = False
+    """Its collectives run once after its loop, which accumulates its result (a gradient
+    deferred past the micro-batch loop), with the step's other deferred reductions."""
 
     @property
     def comm_times(self) -> float:
         return self.mult if self.comm_mult is None else self.comm_mult
+
+    @property
+    def merge_group(self) -> tuple[int, float]:
+        """(loop body, runs per step) within which XLA merges the node's reductions with the
+        other independent ones: the step's (-1, 1.0) outside loops and after them
+        (``after_loop``), once per iteration in a loop body."""
+        return (-1, 1.0) if self.body < 0 or self.after_loop else (self.body, self.comm_times)
 
 
 @dataclass
@@ -195,6 +205,7 @@ class _Builder(Walker):
                 # those of a gradient a scan accumulates in its carry once after the scan.
                 for node in self.g.nodes[first:]:
                     node.comm_mult = self.once.get(node.id, node.mult) * comm / mult
+                    node.after_loop = self.once.get(node.id) == mult
 
     def literal(self, lit):
         return lit

@@ -177,7 +177,9 @@ def _partials(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
     (the value's own span), after it the results.
     """
     g, mesh = prob.graph, prob.ctx.mesh_shape
-    merged_at = max(prob.combined, default=0)
+    # the step's merged reductions; those of a loop iteration are merged there (Node.body)
+    step_merged = {n for n in prob.combined if g.nodes[n].merge_group[0] < 0}
+    merged_at = max(step_merged, default=0)
     found = []
     for node in g.nodes:
         strategies = prob.strategies[node.id]
@@ -194,7 +196,7 @@ def _partials(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
             sizes.append(group * size // shards(s.out_specs[0], mesh))
         if not any(sizes):
             continue
-        at = max(node.id, merged_at) if node.id in prob.combined else node.id
+        at = max(node.id, merged_at) if node.id in step_merged else node.id
         found.append((at, at, prob.var(node.id), sizes))
     return found
 

@@ -81,7 +81,7 @@ four figures high, now replaced by the measured ones:
   267): 48.
 * Memory: an element-wise kernel over a large fp32 array streams 1.62 TB/s on an A100 80GB
   (mli/transformers-benchmarks: 0.202 TFLOP/s of ``a * 1.2``, 8 bytes per FLOP; an A800 80GB
-  PCIe, the same die, 1.73 of its 1.94 TB/s, the issues of that repository): 1.6 TB/s
+  PCIe, the same die, 1.73 of its 1.94 TB/s, issue 4 there): 1.6 TB/s
   against the datasheet's 2.04. Memory-bound seconds rise by the same 1.25x.
 * Matrix products: a bf16/fp16 8192^3 GEMM sustains 230 TFLOP/s on an A100 80GB over 3-second
   runs (mli/transformers-benchmarks, PyTorch 1.13, CUDA 11.7): 0.74 of the 312 peak, where the

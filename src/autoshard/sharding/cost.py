@@ -81,8 +81,8 @@ four figures high, now replaced by the measured ones:
   267): 48.
 * Memory: an element-wise kernel over a large fp32 array streams 1.62 TB/s on an A100 80GB
   (mli/transformers-benchmarks: 0.202 TFLOP/s of ``a * 1.2``, 8 bytes per FLOP; an A800 80GB
-  PCIe, the same die, 1.73 of its 1.94 TB/s, issue 4 there): 1.6 TB/s
-  against the datasheet's 2.04. Memory-bound seconds rise by the same 1.25x.
+  PCIe, the same die, 1.73 of its 1.94 TB/s, issue 4 there): 1.6 TB/s against the
+  datasheet's 2.04. Memory-bound seconds rise by the same 1.25x.
 * Matrix products: a bf16/fp16 8192^3 GEMM sustains 230 TFLOP/s on an A100 80GB over 3-second
   runs (mli/transformers-benchmarks, PyTorch 1.13, CUDA 11.7): 0.74 of the 312 peak, where the
   preset had 0.8. The best of a brute-force shape search reaches 271 (stas00/ml-engineering's
@@ -100,8 +100,10 @@ the parameter, gradient and both moments, writes three of them: 28 bytes per fp3
 as apex's FusedAdam in Megatron-LM), 40 ms of the 18.4B paper plan's step (2.3e9 parameters
 per GPU), 1 ms of the planner's (the moments split over 256 GPUs). Dropout (0.1 on attention
 probabilities and hidden states in the paper's runs; Megatron-LM 2021 writes the attention
-mask and reads it back, about 0.3 s a step at 1.7B) is part of the program, not of its
-pricing: the benchmark's GPT has none.
+mask and reads it back, 15 bytes per attention probability: 0.36 s a step at 1.7B) is part
+of the program, not of its pricing: the benchmark's GPT has none. After the change the rows
+read 157/162/167/178 TFLOP/s (1.15/1.17/1.18/1.32x the paper's); what is left at 18.4B is
+written up in ``benchmarks/results/cluster.md``.
 
 **FLOPs reported** (``flops``). ``explain()`` shows the traced FLOPs (what the step runs) and,
 beside them, the model FLOPs as Megatron-LM's eq. 3 counts a step (3 x the forward plus the

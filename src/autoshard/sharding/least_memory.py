@@ -57,6 +57,10 @@ def least_memory(ilp: Ilp, first: Solution, tradeoff: float) -> Solution:
         return fastest
     choice = {r: int(np.argmax(res.x[ilp.col0[r]:ilp.col0[r] + ilp.K[r]])) for r in ilp.roots}
     peak = int(live_bytes(prob, choice, copies=False).max())
+    if ilp.memory_budget is not None and live_bytes(prob, choice).max() > ilp.memory_budget:
+        # Its rows are the ILP's sampled ones, without the rows the budget's rounds added
+        # and without the resharded copies: a plan over the budget is no plan.
+        return fastest
     objective = solver.evaluate(prob, choice, ilp.edges)
     if (peak > first_peak * (1 - MIN_SAVING)
             or objective > (1 + tradeoff) * first.objective_s * (1 + 1e-9)):

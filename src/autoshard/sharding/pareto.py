@@ -85,9 +85,12 @@ def trade_off(ilp, found, make_plan) -> tuple[TradeOffRow, ...]:
         if key in seen:
             continue
         seen.add(key)
+        peak = peak_bytes(ilp.prob, sol.choice)
+        if plans and ilp.memory_budget is not None and peak > ilp.memory_budget:
+            continue   # over the budget the plan was made under: not a plan
         plan = make_plan(sol)
-        plans.append((received_bytes(plan.collectives, plan.mesh_sizes),
-                      peak_bytes(ilp.prob, sol.choice), sol.objective_s))
+        plans.append((received_bytes(plan.collectives, plan.mesh_sizes), peak,
+                      sol.objective_s))
     fewest = min(plans, key=lambda p: (p[0], p[1], p[2]))
     smallest = min(plans, key=lambda p: (p[1], p[0], p[2]))
     roles: dict[tuple, list[str]] = {}   # one row per plan, the chosen first
@@ -165,11 +168,11 @@ def table_lines(rows: tuple[TradeOffRow, ...], mesh_shape) -> list[str]:
     chosen = rows[0]
     lines = [f"  trade-off on mesh {tuple(mesh_shape)} (plans found; bytes one device "
              "receives per step, estimated peak memory per device, step time):",
-             f"    {'plan':<28}{'bytes':>14}{'memory':>14}{'time':>12}   vs chosen"]
+             f"    {'plan':<36}{'bytes':>14}{'memory':>14}{'time':>12}   vs chosen"]
     for r in rows:
         rel = ("" if r is chosen else
                f"bytes {_ratio(r.bytes, chosen.bytes)}, memory {_ratio(r.memory, chosen.memory)}")
-        lines.append(f"    {r.role:<28}{r.bytes:>14,}{r.memory:>14,}{r.time_s * 1e3:>10.4f}ms"
+        lines.append(f"    {r.role:<36}{r.bytes:>14,}{r.memory:>14,}{r.time_s * 1e3:>10.4f}ms"
                      f"   {rel}")
     return lines
 

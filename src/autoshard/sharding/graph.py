@@ -95,6 +95,9 @@ class Graph:
     """Value id -> its site (``_walk.site``) for every value an equation or a loop makes."""
     node_sites: dict[int, str] = field(default_factory=dict)
     """Node id -> the path (``_walk.site`` without the output) of its equation."""
+    loop_ends: dict[int, int] = field(default_factory=dict)
+    """``xs`` node id -> the last node of its scan: the scanned input is read by every
+    iteration, so it (or its resharded copy) is live until then."""
     labels: dict[int, str] = field(default_factory=dict)
     """Structural label per node (cache of ``repeats``)."""
     memo: dict = field(default_factory=dict)
@@ -290,6 +293,8 @@ class _Builder(Walker):
                               [_Aval((length,) + aval.shape, aval.dtype)], {}, inner,
                               "scan stacked output")
             stacked.append(node.outputs[0])
+        for value_id in slices:
+            g.loop_ends[g.values[value_id].producer] = len(g.nodes) - 1
         return carry + stacked
 
     def _accumulated(self, carry_values, new_refs, first: int):

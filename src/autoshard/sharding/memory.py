@@ -35,9 +35,10 @@ def liveness(prob: Problem) -> list[tuple[int, int, int]]:
     for node in reversed(g.nodes):
         if node.kind == "output":
             continue
+        read_until = g.loop_ends.get(node.id, node.id)  # a scanned input: every iteration
         for u in node.operands:
             if u is not None:
-                end[u] = max(end[u], node.id)
+                end[u] = max(end[u], read_until)
         if node.outputs and not any(kept[v] for v in node.outputs):
             last = max(end[v] for v in node.outputs)  # its readers read its operands
             for u in node.operands:
@@ -297,7 +298,8 @@ def reshard_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
             if prob.value_spec(u, choice[prob.var(v.producer)]) == dst:
                 continue
             span = spans.setdefault((u, dst), [node.id, node.id])
-            span[0], span[1] = min(span[0], node.id), max(span[1], node.id)
+            span[0] = min(span[0], node.id)
+            span[1] = max(span[1], g.loop_ends.get(node.id, node.id))  # xs: the whole scan
     n = len(g.nodes) + 1
     delta = np.zeros(n + 1)
     for (u, dst), (a, b) in spans.items():

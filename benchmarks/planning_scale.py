@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -87,13 +88,18 @@ def markdown(rows: list[dict], limit: float) -> str:
         if r.get("stopped"):
             rest = f"> {limit:.0f} (stopped) | | | | |"
         elif "error" in r:
-            rest = f"{r['plan_s']:.1f} | error: {r['error'][:80]} | | | |"
+            found = re.search(r"smallest estimate found is ([\d,]+) B", r["error"])
+            why = (f"no plan fits 80 GiB (least memory found {int(found[1].replace(',', '')) / 2**30:.0f}"
+                   " GiB)" if found else f"error: {r['error'][:80]}")
+            rest = f"{r['plan_s']:.1f} | {why} | | | |"
         else:
             rest = (f"{r['plan_s']:.1f} | {tuple(r['mesh'])} | {r['step_s']:.2f} | "
                     f"{r['memory_gib']:.1f} | {r['meshes_solved']} / {r['meshes_pruned']} |")
         lines.append(f"| {r['layers']} | {r['gpus']} | {r['form']} | {rest} "
                      f"{r['load_average']:.1f} |")
-    lines += ["", *growth(rows)]
+    lines += ["", "A point with no plan under the GPUs' memory (one step of the whole batch, no "
+              "micro-batches or pipeline) is timed to the error, which the planner raises after "
+              "every mesh is tried.", "", *growth(rows)]
     return "\n".join(lines)
 
 
@@ -102,7 +108,7 @@ def growth(rows: list[dict]) -> list[str]:
     out = []
     for form in ("scan", "unrolled"):
         done = {(r["layers"], r["gpus"]): r["plan_s"] for r in rows
-                if r["form"] == form and "mesh" in r}
+                if r["form"] == form and not r.get("stopped")}
         by_layers = [(n, done[(n, 1024)]) for n in (24, 48, 96) if (n, 1024) in done]
         by_gpus = [(g, done[(48, g)]) for g in (512, 1024, 3072) if (48, g) in done]
         for label, series in (("layers", by_layers), ("GPUs", by_gpus)):

@@ -128,8 +128,8 @@ def price_pipeline(method, program, cluster: Cluster, *,
         apply_by_rank[s % num_ranks] = (apply_by_rank.get(s % num_ranks, 0.0)
                                         + sp.times.get("apply", 0.0) + sends[s]["apply"][0])
     apply_s = max(apply_by_rank.values(), default=0.0)
-    memories = [sp.peak_bytes + max(0, sim.peak_in_flight[s] - 1) * sp.residual_bytes
-                for s, sp in enumerate(stage_plans)]
+    memories = [max(sp.peak_bytes + max(0, sim.peak_in_flight[s] - 1) * sp.residual_bytes,
+                    sp.apply_peak_bytes) for s, sp in enumerate(stage_plans)]
     rank_memory: dict = {}  # a rank holds all its model stages (their peaks summed: an upper
     for s, m in enumerate(memories):  # bound, a rank runs one task at a time)
         rank_memory[s % num_ranks] = rank_memory.get(s % num_ranks, 0) + m
@@ -182,6 +182,7 @@ class _StagePlans:
     producer_kind: dict  # var -> kind of the task that makes it
     reduce_bytes: int = 0  # partial gradients reduced once per step (bytes per device)
     reduce_s: float = 0.0  # seconds of that reduction (in times["apply"])
+    apply_peak_bytes: int = 0  # apply tasks run after the last backward: no residuals live
 
 
 class _Pricer:
@@ -282,7 +283,11 @@ class _Pricer:
                                          if sp.producer_kind.get(v) == "F")
             sp.plans.append((t.name, plan))
             sp.times[kind] = sp.times.get(kind, 0.0) + plan.objective.total_s
-            sp.peak_bytes = max(sp.peak_bytes, plan.objective.peak_bytes_per_device or 0)
+            if kind == "apply":
+                sp.apply_peak_bytes = max(sp.apply_peak_bytes,
+                                          plan.objective.peak_bytes_per_device or 0)
+            else:
+                sp.peak_bytes = max(sp.peak_bytes, plan.objective.peak_bytes_per_device or 0)
 
         plan_tasks(part, targets, split, options, program=self.program, realize=price,
                    cache=self.walk_cache, compare_data_parallel=False)

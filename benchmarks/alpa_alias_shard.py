@@ -386,8 +386,9 @@ _SCALAR = re.compile(r"^(f16|f32|bf16)\[\]")
 def count_communication_primitives(hlo_ir: str, ignore_scalar_all_reduce: bool = False):
     """(total, all-reduce, all-gather, reduce-scatter, all-to-all) instructions of ``hlo_ir``.
 
-    An all-reduce whose only use is a per-device ``dynamic-slice`` (XLA:CPU's lowering of a
-    reduce-scatter) counts as a reduce-scatter.
+    An all-reduce every use of which takes this device's slice (a ``dynamic-slice`` at the
+    partition's offset, alone or fused: XLA:CPU's lowering of a reduce-scatter) counts as a
+    reduce-scatter.
     """
     counts = {k: 0 for k in hlo_reader.KINDS}
     for kind, shape, name, body in _collectives(hlo_ir):
@@ -431,13 +432,14 @@ def _slices_per_device(line: str) -> bool:
 def _sliced_per_device(name: str, body: str) -> tuple[int, int]:
     """(reduce-scatters, all-reduces) the all-reduce ``name`` stands for on XLA:CPU.
 
-    (1, 0) when each device keeps only its slice of the result (XLA:CPU's reduce-scatter);
+    (1, 0) when every use keeps only this device's slice of the result (XLA:CPU's
+    reduce-scatter; an update of several optimizer states slices it once per state);
     for a combined (tuple) all-reduce, (1, 0), (0, 1) or (1, 1) after whether its non-scalar
     elements are sliced, kept whole, or both (XLA:CPU merges the all-reduces it lowered
     reduce-scatters to with plain ones; a GPU build keeps one of each kind).
     """
     uses = _uses(name, body)
-    if len(uses) == 1 and _slices_per_device(uses[0]):
+    if uses and all(_slices_per_device(u) for u in uses):
         return 1, 0
     elements = [u for u in uses if " get-tuple-element(" in u]
     if not elements or len(elements) != len(uses):
@@ -448,7 +450,7 @@ def _sliced_per_device(name: str, body: str) -> tuple[int, int]:
         if _SCALAR.match(m.group(2)):
             continue
         inner = _uses(m.group(1), body)
-        if len(inner) == 1 and _slices_per_device(inner[0]):
+        if inner and all(_slices_per_device(u) for u in inner):
             sliced += 1
         else:
             whole += 1

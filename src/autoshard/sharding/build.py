@@ -51,6 +51,8 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
                 f"{vo.shape}; a donated input can only be replaced by an output of its shape.")
         prob.union(ni, no)
     _input_masks(prob, batch_invars, fixed_in_specs)
+    if option.force_data_parallel and option.prefer_reduce_scatter and fixed_in_specs is None:
+        _zero_update(prob)
     return prob
 
 
@@ -131,11 +133,17 @@ def merge_group(prob: Problem, node_id: int) -> tuple[int, float]:
 
 
 def _prefer_reduce_scatter(prob: Problem) -> None:
-    """``prefer_reduce_scatter``: a reduction whose result feeds no heavy op (a gradient, read
-    by the update only) is reduce-scattered, its all-reduce priced as forbidden; one that
-    feeds later heavy ops (an activation) keeps the all-reduce beside the reduce-scatter and
-    the cost decides (Alpa's plans all-reduce activations: one collective instead of two).
-    The lists keep their length, so followers' strategy indices still match."""
+    """``prefer_reduce_scatter``: a contraction whose result feeds no heavy op (a weight
+    gradient, read by the update only) is reduce-scattered, its all-reduce priced as
+    forbidden; one that feeds later heavy ops (an activation) keeps the all-reduce beside the
+    reduce-scatter and the cost decides (Alpa's plans all-reduce activations: one collective
+    instead of two). A sum (``reduce_sum``: a bias gradient) is offered its reduce-scatter and
+    the cost decides too: it pays where the parameter is held in shards (ZeRO-3: the update
+    then runs on the shard it gets, nothing gathered), and where the parameter is whole the
+    reduce-scatter and the all-gather after the update are one collective more than the
+    all-reduce for the same bytes (on XLA:CPU, where reduce-scatters are all-reduces, each also
+    keeps the update's other reductions from merging). The lists keep their length, so
+    followers' strategy indices still match."""
     g = prob.graph
     feeds_chain = _feeds_chain(g)
     forbidden = prob.ctx.cost.forbidden_s
@@ -144,7 +152,7 @@ def _prefer_reduce_scatter(prob: Problem) -> None:
         strategies = prob.strategies[node.id]
         scattered = {s.in_specs for s in strategies
                      if any(k == "reduce-scatter" for k, _, _ in s.collectives)}
-        if feeds_chain[node.id] or not scattered:
+        if feeds_chain[node.id] or not scattered or node.kind == "reduce_sum":
             continue
         new = replaced.get(id(strategies))
         if new is None:
@@ -154,6 +162,68 @@ def _prefer_reduce_scatter(prob: Problem) -> None:
                 else s for s in strategies]
         prob.strategies[node.id] = new
     prob.keepalive.extend(replaced.values())
+
+
+def _zero_update(prob: Problem) -> None:
+    """ZeRO-2 under pure data parallel (``force_data_parallel`` with ``prefer_reduce_scatter``).
+
+    As Alpa does after its ILP, the step runs data parallel and only the update changes: the
+    gradients are reduce-scattered, the optimizer state is held and updated in shards (one dim
+    split over every mesh axis) and the new parameters are all-gathered. Here the data-parallel
+    plan is solved first (resharding forbidden), then the nodes that feed the forward and
+    backward passes (``_feeds_chain``: activations, parameters, loop boundaries) keep their
+    data-parallel strategy, heavy ops outside it (weight gradients) keep their operands' specs
+    and may change only where the reduction lands, and the rest (the update, the optimizer
+    state) is free, with the all-gather the cost model allows under this option. Without the
+    first solve, allowing the parameters' all-gather let the plan gather activations as well
+    (the tokens of an MoE dispatch), which is not data parallel.
+    """
+    from .solver import build_and_solve  # the solver imports this module
+
+    g, option = prob.graph, prob.ctx.option
+    dp = Problem(g, prob.ctx, prob.strategies, prob.parent, free=prob.free, no_reshard=True,
+                 allowed=prob.allowed, combined=prob.combined)
+    sol = None
+    for no_reshard in (True, False):
+        dp.no_reshard = no_reshard
+        try:
+            sol = build_and_solve(dp, time_limit_s=option.solver_time_limit_s,
+                                  memory_budget=None, node_limit=option.solver_node_limit)
+            break
+        except (ValueError, RuntimeError):
+            continue
+    if sol is None:
+        prob.notes.append("prefer_reduce_scatter: no data-parallel plan to start ZeRO-2 from; "
+                          "the update is planned with the rest")
+        return
+    feeds_chain = _feeds_chain(g)
+    live = prob.ctx.cost.live_axes()
+    fixed = reduce_scattered = 0
+    for node in g.nodes:
+        if node.id in prob.free or node.kind == "output":
+            continue
+        strategies, k = prob.strategies[node.id], sol.k(prob, node.id)
+        if feeds_chain[node.id] or node.kind in LOOP_KINDS:
+            prob.allowed[node.id] = {k}
+            fixed += 1
+        elif node.kind == "input":
+            specs = [s.out_specs[0] for s in strategies]
+            prob.allowed[node.id] = {k} | {j for j, spec in enumerate(specs)
+                                           if _zero_layout(spec, live)}
+        elif node.kind in CHAIN_KINDS:
+            ins = strategies[k].in_specs
+            prob.allowed[node.id] = {j for j, s in enumerate(strategies) if s.in_specs == ins}
+            reduce_scattered += len(prob.allowed[node.id]) > 1
+    prob.notes.append(f"prefer_reduce_scatter under force_data_parallel: {fixed} nodes keep "
+                      f"their data-parallel strategy; {reduce_scattered} weight-gradient ops may "
+                      "reduce-scatter into the sharded update")
+
+
+def _zero_layout(spec, live: tuple[int, ...]) -> bool:
+    """Whether ``spec`` splits one dim over every live mesh axis and nothing else (ZeRO's
+    layout of an optimizer state under pure data parallel)."""
+    split = [axes for axes in spec if axes]
+    return len(split) == 1 and tuple(split[0]) == tuple(live)
 
 
 def merged_reductions(prob: Problem) -> dict[tuple, list[tuple[int, list[int]]]]:

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec
 
 from ..ir import _prims
 from .cost import byte_cost
-from .spec import Spec, dim_shards, from_partition_spec, replicated, shards
+from .spec import Spec, dim_shards, from_partition_spec, is_valid, replicated, shards
 from .strategy import (
     Strategy,
     nbytes,
@@ -126,9 +126,9 @@ def key_ops(ctx, in_avals, out_avals, params):
     return [replicated_strategy(in_avals, out_avals)]
 
 
-@register("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-          "reduce_xor", "argmax", "argmin")
-def reduction(ctx, in_avals, out_avals, params, *, name=None):
+@register("reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor",
+          "argmax", "argmin")
+def reduction(ctx, in_avals, out_avals, params, *, sums: bool = False):
     axes = set(params["axes"])
     x, out = in_avals[0], out_avals[0]
     is_arg = "index_dtype" in params
@@ -139,10 +139,40 @@ def reduction(ctx, in_avals, out_avals, params, *, name=None):
             continue
         out_spec = tuple(s[d] for d in range(len(x.shape)) if d not in axes)
         group_bytes = nbytes(out) / shards(out_spec, ctx.mesh_shape)
+        ins = (s,) + tuple(() for _ in in_avals[1:])
+        compute = byte_cost(nbytes(x), shards(s, ctx.mesh_shape))
+        if sums:
+            result.extend(_scattered_sums(ctx, out, out_spec, reduced, group_bytes, ins,
+                                          compute, in_avals))
         comm, coll = ctx.all_reduce(reduced, group_bytes)
-        result.append(Strategy((out_spec,), (s,) + tuple(() for _ in in_avals[1:]), comm,
-                               byte_cost(nbytes(x), shards(s, ctx.mesh_shape)), coll))
+        result.append(Strategy((out_spec,), ins, comm, compute, coll))
     return result
+
+
+@register("reduce_sum")
+def reduce_sum(ctx, in_avals, out_avals, params):
+    return reduction(ctx, in_avals, out_avals, params, sums=True)
+
+
+def _scattered_sums(ctx, out, out_spec, reduced, group_bytes, ins, compute, in_avals):
+    """With ``prefer_reduce_scatter``, a sum over one mesh axis may leave each device its
+    slice of the result (a reduce-scatter into one of its dims) instead of all of it: a bias
+    gradient can then be updated on shards like the kernels' (the cost decides between the
+    two: ``build._prefer_reduce_scatter``)."""
+    if not ctx.option.prefer_reduce_scatter or len(reduced) != 1 or in_avals[0].dtype.kind \
+            not in "fc":
+        return []
+    a = reduced[0]
+    found = []
+    for d in range(len(out_spec)):
+        spec = list(out_spec)
+        spec[d] = tuple(sorted(spec[d] + (a,)))
+        spec = tuple(spec)
+        if is_valid(spec, tuple(out.shape), ctx.mesh_shape):
+            cost = ctx.cost.collective("reduce-scatter", (a,), group_bytes)
+            found.append(Strategy((spec,), ins, cost, compute, (
+                ("reduce-scatter", (a,), int(group_bytes) // ctx.mesh_shape[a]),)))
+    return found
 
 
 def _keep_dims_whole(ctx, in_avals, out_avals, whole: set[int]):

@@ -168,6 +168,33 @@ def test_forward_and_backward_gather_no_weight(ran):
     assert len(split) == LAYERS // 2
 
 
+def test_explain_says_no_weight_is_gathered(ran):
+    text = ran[0].explain()
+    assert "weights gathered per micro-batch" in text
+    assert "none: every stage keeps its weights in the layout its tasks use" in text
+
+
+def test_per_axis_resharding_terms_gathered_the_weights():
+    """The cause: the same stages planned with the planner's default budget of exact
+    resharding columns (past it, per-axis terms) gather stage 0's weights in its forward, and
+    explain() says which task and how many bytes."""
+    state, tokens = make_args()
+    per_axis = {"exact_resharding_columns": AutoShardingOption().exact_resharding_columns - 1}
+    method = PipeshardParallel(
+        num_micro_batches=2, layer_option="manual",
+        default_auto_sharding_option=AutoShardingOption(show_progress=False),
+        stage_option=ManualStageOption([[0], [1]], [(1, 4), (1, 4)], [(2, 2), (2, 2)],
+                                       [{"memory_budget_per_device": BUDGET, **per_axis},
+                                        per_axis]))
+    executable = autoshard.parallelize(train_step, method=method, batch_argnums=(1, 2)
+                                       ).get_executable(state, tokens, tokens)
+    gathers = task_weight_gathers(executable)
+    assert len(gathers["F0"]) == 2, gathers
+    assert re.search(r"F0: 2 all-gather\(s\) of weights, [\d,]+ B per device per micro-batch "
+                     r"\(ZeRO-3 style: .*memory_budget_per_device 2,800,000 B\)",
+                     executable.explain())
+
+
 def test_the_steps_match_jax_jit(ran):
     _, got, want, losses, _ = ran
     for loss, want_loss in losses:  # bf16 products summed in another order

@@ -30,6 +30,7 @@ axis of the sub-mesh, everything else is replicated; the plan's notes say which 
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 
 import jax
@@ -41,6 +42,7 @@ from ..grad_accum import reductions_of
 from ..ir import _compat
 from ..ir._compat import Var
 from ..sharding import apply_plan
+from ..sharding.hlo import shape_bytes
 from ..sharding.options import AutoShardingOption, for_task_plans
 from . import _cross_process
 from .partition import Partition
@@ -189,6 +191,37 @@ def _device_memory(device) -> int | None:
     return (stats or {}).get("bytes_limit")
 
 
+_HLO_INSTR = re.compile(
+    r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = .*? (?P<op>[\w\-]+)\((?P<args>[^)]*)\)")
+
+
+def gathered_inputs(hlo: str, positions) -> list[int]:
+    """Result bytes of each all-gather in the entry computation of compiled ``hlo`` that is
+    computed from the parameters at ``positions`` alone (e.g. a stage's weights): what the
+    program gathers of those inputs every time it runs."""
+    positions = frozenset(positions)
+    at = hlo.find("\nENTRY ")
+    if at < 0 or not positions:
+        return []
+    entry = hlo[at:]
+    entry = entry[:entry.find("\n}")]
+    sources: dict = {}
+    found = []
+    for line in entry.splitlines()[1:]:
+        m = _HLO_INSTR.match(line)
+        if m is None:
+            continue
+        name, op, args = m.group("name", "op", "args")
+        if op == "parameter":
+            sources[name] = frozenset([int(args)])
+            continue
+        sources[name] = frozenset().union(
+            *[sources.get(a, frozenset()) for a in re.findall(r"%([\w.\-]+)", args)])
+        if op.startswith("all-gather") and sources[name] and sources[name] <= positions:
+            found.append(shape_bytes(line.split(" = ", 1)[1].split(" all-gather")[0]))
+    return found
+
+
 def finalize_fn(part: Partition, stage: int, k: int, stacked=frozenset()):
     """Per stage: accumulators -> gradient-marker outputs (mean divides by ``k``). An
     accumulator in ``stacked`` holds one partial sum per device group along dim 0: summing
@@ -210,4 +243,5 @@ def finalize_fn(part: Partition, stage: int, k: int, stacked=frozenset()):
 
 
 __all__ = ["TASK_EXACT_RESHARDING_COLUMNS", "CompiledTask", "acc_dtype", "finalize_fn",
-           "make_submeshes", "shape_auto_option", "stage_auto_option", "task_exact_columns"]
+           "gathered_inputs", "make_submeshes", "shape_auto_option", "stage_auto_option",
+           "task_exact_columns"]

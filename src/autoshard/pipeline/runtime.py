@@ -32,7 +32,7 @@ from ..ir._compat import Literal, Var
 from ..ir._jaxpr import flatten_args
 from . import _cross_process
 from .audit import PipelineAudit, Transfer, task_audit
-from .compile import CompiledTask, acc_dtype, finalize_fn, make_submeshes
+from .compile import CompiledTask, acc_dtype, finalize_fn, gathered_inputs, make_submeshes
 from .layouts import carried_spec
 from .manual import ManualSpecs
 from .reduce import ReduceTask, reduce_prediction
@@ -492,7 +492,31 @@ class PipelineExecutable:
         for name, plan in self.task_plans.items():
             parts.append(f"task {name}:\n" + plan.explain())
         parts.append(self.audit().explain())
+        parts.append(self.weights_gathered())
         return "\n".join(parts)
+
+    def weights_gathered(self) -> str:
+        """Which forward and backward tasks gather the step's weights (non-batch step inputs)
+        every time they run, from their compiled HLO, and why the plan may do so."""
+        jaxpr = self.part.jaxpr
+        weights = set(jaxpr.invars) - self.batch_vars
+        lines = []
+        for t in self._ordered_tasks():
+            if t in self.apply:
+                continue
+            found = gathered_inputs(t.compiled.as_text(),
+                                    [i for i, v in enumerate(t.invars) if v in weights])
+            if found:
+                budget = getattr(t.plan, "objective", None)
+                budget = budget and budget.memory_budget_per_device
+                why = (f"ZeRO-3 style: its plan keeps them split and gathers them, within "
+                       f"memory_budget_per_device {budget:,} B" if budget else
+                       "ZeRO-3 style: its plan's costs chose it, no memory budget")
+                lines.append(f"  {t.task.name}: {len(found)} all-gather(s) of weights, "
+                             f"{sum(found):,} B per device per micro-batch ({why})")
+        head = "weights gathered per micro-batch (compiled forward and backward tasks):"
+        return "\n".join([head] + (lines or ["  none: every stage keeps its weights in the "
+                                              "layout its tasks use"]))
 
     @property
     def stage_input_shard_specs(self) -> list[list]:

@@ -62,6 +62,7 @@ def test_every_python_block_is_tested_here():
                           "Planning for a cluster you do not have",
                           "Choosing tensor, pipeline and data parallelism (`AutoParallel`)",
                           "Custom partitioning rules",
+                          "Memory: the default, the fastest and the smallest plan, budgets",
                           "Micro-batches: what accumulated steps return",
                           "JAX `custom_partitioning`",
                           "Alpa: pipeline parallelism (`tests/pipeline_parallel`)",
@@ -97,6 +98,18 @@ def test_micro_batch_block_returns_what_the_whole_batch_step_returns(capsys):
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
     assert (int(correct), int(count)) == (int(want["correct"]), want["count"]) == (
         int(want["correct"]), 32)
+
+
+def test_memory_block_shows_the_trade_off_and_keeps_a_budget(capsys):
+    scope = run(block("Memory: the default"), "Memory")
+    out = capsys.readouterr().out
+    assert "trade-off on mesh (2, 4)" in out
+    rows = scope["plan"].objective.trade_off
+    assert rows[0].role.startswith("chosen")
+    assert scope["smallest"].memory < scope["chosen"].memory
+    assert all(r.memory >= scope["smallest"].memory for r in rows)
+    assert scope["budget"] < scope["chosen"].memory
+    assert "executable" in scope, out  # the budget was kept (the block's assert checked 1.02x)
 
 
 def test_pipeline_block_trains_like_jit_and_prints_text(tmp_path, monkeypatch, capsys):

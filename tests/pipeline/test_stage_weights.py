@@ -23,7 +23,11 @@ from jax.sharding import PartitionSpec as P
 
 import autoshard
 from autoshard import AutoShardingOption, Cluster, ManualStageOption, PipeshardParallel
-from autoshard.pipeline.compile import TASK_EXACT_RESHARDING_COLUMNS, shape_auto_option
+from autoshard.pipeline.compile import (
+    TASK_EXACT_RESHARDING_COLUMNS,
+    gathered_inputs,
+    shape_auto_option,
+)
 
 BF16 = jnp.bfloat16
 DIM, HEADS, LAYERS, VOCAB, SEQ, BATCH = 128, 4, 8, 64, 16, 8
@@ -91,32 +95,7 @@ METHOD = PipeshardParallel(
                                    [{"memory_budget_per_device": BUDGET}, {}]))
 
 
-_INSTR = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = .*? (?P<op>[\w\-]+)\((?P<args>[^)]*)\)")
-
-
-def weight_gathers(hlo: str, weights: frozenset) -> list[str]:
-    """All-gathers of the entry computation computed from weight parameters alone (their
-    numbers in ``weights``): a weight gathered inside the task, every time it runs."""
-    entry = hlo[hlo.index("\nENTRY "):]
-    entry = entry[:entry.index("\n}")]
-    sources: dict = {}
-    found = []
-    for line in entry.splitlines()[1:]:
-        m = _INSTR.match(line)
-        if m is None:
-            continue
-        name, op, args = m.group("name", "op", "args")
-        if op == "parameter":
-            sources[name] = frozenset([int(args)])
-            continue
-        sources[name] = frozenset().union(
-            *[sources.get(a, frozenset()) for a in re.findall(r"%([\w.\-]+)", args)])
-        if op.startswith("all-gather") and sources[name] and sources[name] <= weights:
-            found.append(line.strip())
-    return found
-
-
-def task_weight_gathers(executable) -> dict[str, list[str]]:
+def task_weight_gathers(executable) -> dict[str, list[int]]:
     """Per forward and backward task, its all-gathers of the step's non-batch inputs."""
     jaxpr = executable.part.jaxpr
     batch = {v for v, b in zip(jaxpr.invars, executable.program.batch_invars, strict=True) if b}
@@ -125,7 +104,7 @@ def task_weight_gathers(executable) -> dict[str, list[str]]:
     for task in executable.tasks.values():
         weights = frozenset(i for i, v in enumerate(task.invars)
                             if v in jaxpr.invars and v not in batch)
-        out[task.task.name] = weight_gathers(texts[task.task.name], weights)
+        out[task.task.name] = gathered_inputs(texts[task.task.name], weights)
     return out
 
 
@@ -151,8 +130,8 @@ def test_the_counter_sees_a_weight_gathered_in_a_task():
             jnp.ones((8, 16)), jnp.ones((4, 8), BF16)).compile().as_text()
     gathered = compiled(lambda w, x: x @ jax.lax.with_sharding_constraint(w.astype(BF16), whole))
     kept = compiled(lambda w, x: x @ w.astype(BF16))
-    assert len(weight_gathers(gathered, frozenset([0]))) == 1
-    assert weight_gathers(kept, frozenset([0])) == []
+    assert gathered_inputs(gathered, [0]) == [8 * 16 * 4]  # the whole weight, once (in f32)
+    assert gathered_inputs(kept, [0]) == []
 
 
 def test_forward_and_backward_gather_no_weight(ran):

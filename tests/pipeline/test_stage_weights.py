@@ -153,6 +153,7 @@ def test_explain_says_no_weight_is_gathered(ran):
     assert "none: every stage keeps its weights in the layout its tasks use" in text
 
 
+@pytest.mark.slow   # ~55 s: plans and compiles the stages a second time, the old way
 def test_per_axis_resharding_terms_gathered_the_weights():
     """The cause: the same stages planned with the planner's default budget of exact
     resharding columns (past it, per-axis terms) gather stage 0's weights in its forward, and

@@ -22,6 +22,34 @@ class MLP(nn.Module):
         return nn.Dense(self.out)(x)
 
 
+class DenseStack(nn.Module):
+    """Dense layers of ``widths`` with ReLU between them (Alpa's n-layer MLP tests)."""
+    widths: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x):
+        for w in self.widths[:-1]:
+            x = nn.relu(nn.Dense(w)(x))
+        return nn.Dense(self.widths[-1])(x)
+
+
+def dense_adam_step(widths, batch_size, features):
+    """``(step, state, batch)``: a ``DenseStack`` on a regression batch, Adam (1e-2) through
+    flax's ``TrainState``; ``step(state, batch)`` returns the new state."""
+    model = DenseStack(tuple(widths))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(batch_size, features)), jnp.float32)
+    y = jnp.asarray(np.random.default_rng(1).normal(size=(batch_size, widths[-1])), jnp.float32)
+    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), x),
+                              tx=optax.adam(1e-2))
+
+    def step(state, batch):
+        def loss(p):
+            return jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
+        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+    return step, state, {"x": x, "y": y}
+
+
 class CNN(nn.Module):
     @nn.compact
     def __call__(self, x):

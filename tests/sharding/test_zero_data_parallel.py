@@ -9,42 +9,14 @@ the new parameters are all-gathered; nothing else is gathered and nothing is all
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from flax import linen as nn
-from flax.training.train_state import TrainState
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import autoshard
 from autoshard.sharding import hlo
-
-
-class Net(nn.Module):
-    widths: tuple[int, ...]
-
-    @nn.compact
-    def __call__(self, x):
-        for w in self.widths[:-1]:
-            x = nn.relu(nn.Dense(w)(x))
-        return nn.Dense(self.widths[-1])(x)
-
-
-def train_step(widths, batch_size, features):
-    model = Net(tuple(widths))
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(batch_size, features)), jnp.float32)
-    y = jnp.asarray(np.random.default_rng(1).normal(size=(batch_size, widths[-1])), jnp.float32)
-    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), x),
-                              tx=optax.adam(1e-2))
-
-    def step(state, batch):
-        def loss(p):
-            return jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
-        return state.apply_gradients(grads=jax.grad(loss)(state.params))
-
-    return step, state, {"x": x, "y": y}
+from models import dense_adam_step as train_step
 
 
 def zero2_option(**kw):

@@ -12,42 +12,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from flax import linen as nn
-from flax.training.train_state import TrainState
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import autoshard
 from autoshard.sharding import hlo
 from autoshard.sharding.cost import alpa_collective_cost
-
-
-class MLP(nn.Module):
-    num_layers: int
-    hidden: int
-
-    @nn.compact
-    def __call__(self, x):
-        for _ in range(self.num_layers - 1):
-            x = nn.relu(nn.Dense(self.hidden)(x))
-        return nn.Dense(self.hidden)(x)
+from models import dense_adam_step
 
 
 def mlp_step(num_layers, batch_size, hidden):
-    model = MLP(num_layers, hidden)
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(batch_size, hidden)), jnp.float32)
-    y = jnp.asarray(np.random.default_rng(1).normal(size=(batch_size, hidden)), jnp.float32)
-    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), x),
-                              tx=optax.adam(1e-2))
-
-    def step(state, batch):
-        def loss(p):
-            return jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
-        return state.apply_gradients(grads=jax.grad(loss)(state.params))
-
-    return step, state, {"x": x, "y": y}
+    return dense_adam_step((hidden,) * num_layers, batch_size, hidden)
 
 
 def zero3_option():

@@ -51,8 +51,6 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
                 f"{vo.shape}; a donated input can only be replaced by an output of its shape.")
         prob.union(ni, no)
     _input_masks(prob, batch_invars, fixed_in_specs)
-    if option.force_data_parallel and option.prefer_reduce_scatter and fixed_in_specs is None:
-        _zero_update(prob)
     return prob
 
 
@@ -78,7 +76,7 @@ def _combine_tail_reductions(prob: Problem) -> None:
     save a few small reductions, which XLA would have merged anyway.
     """
     g, cost = prob.graph, prob.ctx.cost
-    feeds_chain = _feeds_chain(g)
+    feeds_chain = feeds_chain_mask(g)
     feeds_body = _feeds_chain_in_body(g)
     replaced: dict[int, list] = {}  # one new list per shared list: repeated layers share it
     for node in g.nodes:
@@ -97,7 +95,7 @@ def _combine_tail_reductions(prob: Problem) -> None:
     prob.keepalive.extend(replaced.values())
 
 
-def _feeds_chain(g: Graph) -> list[bool]:
+def feeds_chain_mask(g: Graph) -> list[bool]:
     """Per node: whether its result feeds a heavy op or a loop boundary (``CHAIN_KINDS``)."""
     consumers = g.consumers()
     feeds_chain = [False] * len(g.nodes)
@@ -145,7 +143,7 @@ def _prefer_reduce_scatter(prob: Problem) -> None:
     keeps the update's other reductions from merging). The lists keep their length, so
     followers' strategy indices still match."""
     g = prob.graph
-    feeds_chain = _feeds_chain(g)
+    feeds_chain = feeds_chain_mask(g)
     forbidden = prob.ctx.cost.forbidden_s
     replaced: dict[int, list] = {}
     for node in g.nodes:
@@ -162,68 +160,6 @@ def _prefer_reduce_scatter(prob: Problem) -> None:
                 else s for s in strategies]
         prob.strategies[node.id] = new
     prob.keepalive.extend(replaced.values())
-
-
-def _zero_update(prob: Problem) -> None:
-    """ZeRO-2 under pure data parallel (``force_data_parallel`` with ``prefer_reduce_scatter``).
-
-    As Alpa does after its ILP, the step runs data parallel and only the update changes: the
-    gradients are reduce-scattered, the optimizer state is held and updated in shards (one dim
-    split over every mesh axis) and the new parameters are all-gathered. Here the data-parallel
-    plan is solved first (resharding forbidden), then the nodes that feed the forward and
-    backward passes (``_feeds_chain``: activations, parameters, loop boundaries) keep their
-    data-parallel strategy, heavy ops outside it (weight gradients) keep their operands' specs
-    and may change only where the reduction lands, and the rest (the update, the optimizer
-    state) is free, with the all-gather the cost model allows under this option. Without the
-    first solve, allowing the parameters' all-gather let the plan gather activations as well
-    (the tokens of an MoE dispatch), which is not data parallel.
-    """
-    from .solver import build_and_solve  # the solver imports this module
-
-    g, option = prob.graph, prob.ctx.option
-    dp = Problem(g, prob.ctx, prob.strategies, prob.parent, free=prob.free, no_reshard=True,
-                 allowed=prob.allowed, combined=prob.combined)
-    sol = None
-    for no_reshard in (True, False):
-        dp.no_reshard = no_reshard
-        try:
-            sol = build_and_solve(dp, time_limit_s=option.solver_time_limit_s,
-                                  memory_budget=None, node_limit=option.solver_node_limit)
-            break
-        except (ValueError, RuntimeError):
-            continue
-    if sol is None:
-        prob.notes.append("prefer_reduce_scatter: no data-parallel plan to start ZeRO-2 from; "
-                          "the update is planned with the rest")
-        return
-    feeds_chain = _feeds_chain(g)
-    live = prob.ctx.cost.live_axes()
-    fixed = reduce_scattered = 0
-    for node in g.nodes:
-        if node.id in prob.free or node.kind == "output":
-            continue
-        strategies, k = prob.strategies[node.id], sol.k(prob, node.id)
-        if feeds_chain[node.id] or node.kind in LOOP_KINDS:
-            prob.allowed[node.id] = {k}
-            fixed += 1
-        elif node.kind == "input":
-            specs = [s.out_specs[0] for s in strategies]
-            prob.allowed[node.id] = {k} | {j for j, spec in enumerate(specs)
-                                           if _zero_layout(spec, live)}
-        elif node.kind in CHAIN_KINDS:
-            ins = strategies[k].in_specs
-            prob.allowed[node.id] = {j for j, s in enumerate(strategies) if s.in_specs == ins}
-            reduce_scattered += len(prob.allowed[node.id]) > 1
-    prob.notes.append(f"prefer_reduce_scatter under force_data_parallel: {fixed} nodes keep "
-                      f"their data-parallel strategy; {reduce_scattered} weight-gradient ops may "
-                      "reduce-scatter into the sharded update")
-
-
-def _zero_layout(spec, live: tuple[int, ...]) -> bool:
-    """Whether ``spec`` splits one dim over every live mesh axis and nothing else (ZeRO's
-    layout of an optimizer state under pure data parallel)."""
-    split = [axes for axes in spec if axes]
-    return len(split) == 1 and tuple(split[0]) == tuple(live)
 
 
 def merged_reductions(prob: Problem) -> dict[tuple, list[tuple[int, list[int]]]]:

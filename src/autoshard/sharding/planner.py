@@ -38,6 +38,7 @@ from .solver import (
 )
 from .spec import candidate_specs, from_partition_spec, shards, to_partition_spec
 from .strategy import itemsize
+from .zero_update import zero_update
 
 DEFAULT_AXIS_NAMES = {1: ("x",), 2: ("x", "y")}
 PINNED_KINDS_EXCLUDED = {"input", "output", "const", "carry_back"}
@@ -165,6 +166,9 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                                  devices_per_host=devices_per_host, axis_names=names,
                                  fixed_in_specs=_fixed_specs(fixed_in_specs, closed_jaxpr,
                                                              names))
+            if option.force_data_parallel and option.prefer_reduce_scatter and (
+                    fixed_in_specs is None):
+                zero_update(prob)   # ZeRO-2: only the update leaves data parallelism
             prob.notes.append(
                 f"{tie_repeated(prob, batch_invars)} variables tied to identical ones")
             built.append((shape, prob, build_ilp(

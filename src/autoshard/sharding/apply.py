@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..ir._compat import bind_eqn
 from ..ir._walk import REMATS, Walker, eqn_site, site
+from .partial_sums import PartialSums
 from .plan import ShardingPlan
 
 
@@ -43,6 +44,8 @@ class _Pins:
         self.used: set = set()
         self.pinned: dict[int, tuple] = {}
         """id of a pinned value -> (the value, its spec): which outputs leave the step split."""
+        self.partial = PartialSums(plan.partial_sums, mesh)
+        """The plan's sums of partial sums (they spend their own pins)."""
 
     def _pin(self, key, x, sharding, spec=None):
         if sharding is None:
@@ -77,6 +80,12 @@ class _Pins:
         return self._pin(key, x, sharding, spec[1:] if drop_leading else (None,) + spec)
 
     def check_all_used(self) -> None:
+        if self.partial.missing():
+            raise PlanMismatch(
+                f"the plan reduces partial sums at sites this program does not have (e.g. "
+                f"{', '.join(self.partial.missing()[:3])}): the plan was made for another "
+                "program. Plan this step again (or check the plan's fingerprint before "
+                "applying it).")
         missing = (set(self.values) | set(self.operands)) - self.used
         if missing:
             first = sorted(map(str, missing))[:3]
@@ -213,6 +222,9 @@ class _Apply(Walker):
 
     def equation(self, eqn, ins, path):
         pins = self.pins
+        if pins.partial.handles(path):  # a term, layout op or sum of a partial sum
+            pins.used.update(pins.partial.pin_keys(eqn, path))
+            return pins.partial.run(eqn, ins, path)
         ins = [pins.operand(path, p, x) for p, x in enumerate(ins)]
         if self.key_hook is not None:
             ins = self.key_hook(eqn, ins)

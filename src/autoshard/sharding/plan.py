@@ -81,6 +81,45 @@ class Collective:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PartialSource:
+    """One term of a ``PartialSum``: an equation run on each device's shards, its result a
+    partial sum over the sum's axes."""
+
+    site: str
+    """Path of the equation (``autoshard.ir._walk.eqn_site``), e.g. ``"12/3"``."""
+    operand_specs: tuple[PartitionSpec, ...]
+    """Spec each operand is read in (the shards the equation runs on)."""
+    spec: PartitionSpec
+    """Spec of the partial result on the axes the sum is not partial over."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartialSum:
+    """A sum of terms that are each a partial sum over ``axes``, reduced once after the sum.
+
+    Without it every term is reduced on its own (a tied embedding's gradient: the LM head's
+    product and the lookup's scatter-add, one all-reduce each). The terms and the layout ops
+    between them and the sum run on local shards (``sharding.partial_sums``), their per-device
+    partial results stacked along a new leading dim split over ``axes``; the sum is reduced by
+    one ``psum`` (or ``psum_scatter`` into the sum's spec).
+    """
+
+    axes: tuple[str, ...]
+    """Mesh axes the terms are partial over."""
+    sources: tuple[PartialSource, ...]
+    """The equations whose results are the partial terms."""
+    chain: tuple[tuple[str, PartitionSpec], ...] = ()
+    """(equation path, spec of its partial result on the other axes) of the layout ops between
+    a term and the sum (transposes, reshapes)."""
+    total: str
+    """Path of the add equation whose result is reduced."""
+    total_spec: PartitionSpec
+    """The planned spec of the reduced sum."""
+    where: str = ""
+    """The operations, for ``explain()``."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Objective:
     """The ILP objective, split by term (seconds)."""
 
@@ -180,6 +219,8 @@ class ShardingPlan:
     """The cluster the costs are for (``Cluster.describe()``); empty: the default constants."""
     fingerprint: PlanFingerprint | None = None
     """The program and devices the plan was made for (``autoshard.plan``); checked on apply."""
+    partial_sums: tuple[PartialSum, ...] = ()
+    """Sums of partial sums reduced once after the sum (``sharding.partial_sums``)."""
 
     def __post_init__(self):
         assert len(self.mesh_shape) == len(self.axis_names), (self.mesh_shape, self.axis_names)
@@ -227,6 +268,8 @@ class ShardingPlan:
                 lines.append(f"    {c.kind:<15} over {'+'.join(c.axes) or '-':<8} "
                              f"{c.num_bytes:>12,} B {times:>5} {c.cost_s * 1e6:10.2f} us  "
                              f"{c.where}")
+        for ps in self.partial_sums:
+            lines.append(f"  partial sums reduced once over {'+'.join(ps.axes)}: {ps.where}")
         if self.objective is not None:
             o = self.objective
             lines.append(f"  objective: {o.total_s * 1e3:.4f} ms = communication "
@@ -337,6 +380,14 @@ def _decode_plan(data: dict) -> ShardingPlan:
         o["trade_off"] = tuple(TradeOffRow(**r) for r in o.get("trade_off", ()))
         objective = Objective(**o)
     fingerprint = data.get("fingerprint")
+    partial_sums = tuple(PartialSum(
+        axes=tuple(d["axes"]),
+        sources=tuple(PartialSource(site=x["site"], spec=spec(x["spec"]),
+                                    operand_specs=tuple(spec(o) for o in x["operand_specs"]))
+                      for x in d["sources"]),
+        chain=tuple((c, spec(p)) for c, p in d.get("chain", ())),
+        total=d["total"], total_spec=spec(d["total_spec"]), where=d.get("where", ""))
+        for d in data.get("partial_sums", ()))
     return ShardingPlan(
         method=data["method"], mesh_shape=tuple(data["mesh_shape"]),
         axis_names=tuple(data["axis_names"]),
@@ -348,4 +399,5 @@ def _decode_plan(data: dict) -> ShardingPlan:
                           for c in data.get("collectives", ())),
         objective=objective, notes=_tuples(data.get("notes", [])),
         cluster=data.get("cluster", ""),
-        fingerprint=PlanFingerprint(**fingerprint) if fingerprint else None)
+        fingerprint=PlanFingerprint(**fingerprint) if fingerprint else None,
+        partial_sums=partial_sums)

@@ -36,6 +36,9 @@ class Problem:
     combined: set[int] = field(default_factory=set)
     """Nodes whose reductions XLA merges with others': their strategies carry no latency, the
     ILP pays it once per mesh axis (``build._combine_tail_reductions``)."""
+    partial_sums: list = field(default_factory=list)
+    """Sums whose two terms may stay partial sums and be reduced once
+    (``partial_sums.Candidate``, found by ``partial_sums.fold_partial_sums``)."""
 
     def var(self, node_id: int) -> int:
         p = self.parent

@@ -1,0 +1,167 @@
+"""Sums of partial sums reduced once (``sharding/partial_sums.py``): a tied embedding.
+
+A tied word embedding's gradient is the sum of the LM head's product and the lookup's
+scatter-add, each a partial sum over the batch axis. The plan keeps both partial, adds them on
+local shards and reduces once: one all-reduce (or reduce-scatter) of the embedding gradient
+instead of two. Ports the assertions of Alpa's ``tests/shard_parallel/test_bert.py``
+``test_bert_mlm_data_parallel`` and ``test_bert_mlm_data_parallel_reduce_scatter`` on a tiny
+tied-embedding LM (the same pattern, small enough for the CPU).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax.training.train_state import TrainState
+from jax.sharding import Mesh
+
+import autoshard
+from autoshard.sharding import hlo, partial_sums
+
+VOCAB, HIDDEN, BATCH, SEQ = 128, 16, 8, 4
+EMBED_BYTES = VOCAB * HIDDEN * 4
+
+
+class TiedLM(nn.Module):
+    """Embedding lookup, one dense layer, the LM head through the same embedding."""
+
+    scale_head: bool = False
+    """Read the head through ``0.5 * embedding`` (a sum the planner does not fold)."""
+
+    @nn.compact
+    def __call__(self, ids):
+        emb = nn.Embed(VOCAB, HIDDEN)
+        x = jnp.tanh(nn.Dense(HIDDEN)(emb(ids)))
+        if self.scale_head:
+            return x @ (0.5 * emb.embedding).T
+        return emb.attend(x)
+
+
+def lm(tx="adam", scale_head=False):
+    model = TiedLM(scale_head)
+    ids = (jnp.arange(BATCH * SEQ).reshape(BATCH, SEQ) * 7) % VOCAB
+    labels = (ids * 3 + 1) % VOCAB
+    opt = optax.adam(1e-2) if tx == "adam" else optax.sgd(0.1)
+    state = TrainState.create(apply_fn=model.apply,
+                              params=model.init(jax.random.PRNGKey(0), ids), tx=opt)
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits = state.apply_fn(p, batch["ids"])
+            onehot = jax.nn.one_hot(batch["labels"], VOCAB)
+            return -jnp.mean(jnp.sum(onehot * jax.nn.log_softmax(logits), -1))
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return step, state, {"ids": ids, "labels": labels}
+
+
+def mesh(shape):
+    return Mesh(np.array(jax.devices()[:4]).reshape(shape), ("x", "y"))
+
+
+def option(**kw):
+    return autoshard.AutoShardingOption(show_progress=False, memory_tradeoff=0.0, **kw)
+
+
+def compile_step(step, state, batch, shape=(4, 1), **kw):
+    f = autoshard.parallelize(step, method=autoshard.ShardParallel(
+        devices=mesh(shape), auto_sharding_option=option(**kw)))
+    return f, f.get_executable(state, batch)
+
+
+def run(f, state, batch, num_steps=3):
+    losses = []
+    for _ in range(num_steps):
+        state, loss = f(state, batch)
+        losses.append(float(loss))
+    return state, losses
+
+
+def embedding_reductions(ex) -> int:
+    """How many f32[128,16] buffers the compiled step's all-reduces and reduce-scatters move
+    (the embedding gradient's terms)."""
+    return sum(c.shape.count(f"f32[{VOCAB},{HIDDEN}]") * c.count
+               for c in hlo.collectives(ex.get_hlo_text())
+               if c.kind in ("all-reduce", "reduce-scatter"))
+
+
+def reduced_bytes(ex) -> int:
+    return sum(c.num_bytes * c.count for c in hlo.collectives(ex.get_hlo_text())
+               if c.kind in ("all-reduce", "reduce-scatter"))
+
+
+@pytest.fixture
+def without_partial_sums(monkeypatch):
+    """Today's plan without the feature: no sum is folded."""
+    def disable():
+        monkeypatch.setattr(partial_sums, "MAX_JOINT_STRATEGIES", 0)
+    return disable
+
+
+@pytest.mark.parametrize("tx", ["sgd", "adam"])
+@pytest.mark.parametrize("shape,kw", [((4, 1), {}), ((1, 4), {}), ((2, 2), {}),
+                                      ((4, 1), {"prefer_reduce_scatter": True})])
+def test_tied_embedding_matches_single_device(tx, shape, kw):
+    step, state, batch = lm(tx)
+    f, ex = compile_step(step, state, batch, shape, **kw)
+    assert len(ex.plan.partial_sums) == 1
+    want, want_losses = run(jax.jit(step), state, batch)  # first: the planned step donates
+    got, got_losses = run(f, state, batch)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_tied_embedding_gradient_is_reduced_once(without_partial_sums):
+    """One f32[128,16] reduced instead of two: 8,192 fewer all-reduced bytes per step."""
+    step, state, batch = lm()
+    _, ex = compile_step(step, state, batch)
+    assert embedding_reductions(ex) == 1
+    (ps,) = ex.plan.partial_sums
+    assert ps.axes == ("x",) and len(ps.sources) == 2
+    assert "dot_general" in ps.where and "scatter-add" in ps.where
+    assert "partial sums reduced once over x" in ex.plan.explain()
+    reductions = [c for c in ex.plan.collectives if c.kind == "all-reduce"
+                  and c.num_bytes == EMBED_BYTES]
+    assert len(reductions) == 1  # the plan expects what the step compiles
+    after = reduced_bytes(ex)
+    without_partial_sums()
+    _, old = compile_step(step, state, batch)
+    assert old.plan.partial_sums == () and embedding_reductions(old) == 2
+    assert reduced_bytes(old) - after == EMBED_BYTES
+    assert ex.plan.objective.communication_s < old.plan.objective.communication_s
+
+
+def test_unhandled_sum_keeps_its_plan(without_partial_sums):
+    """A head that reads ``0.5 * embedding`` puts a product between the LM head's gradient and
+    the sum: not a layout op, so the sum is not folded and the plan is today's."""
+    step, state, batch = lm(scale_head=True)
+    _, ex = compile_step(step, state, batch)
+    assert ex.plan.partial_sums == ()
+    assert embedding_reductions(ex) == 2
+    without_partial_sums()
+    _, old = compile_step(step, state, batch)
+    assert ex.plan.intermediates == old.plan.intermediates
+    assert ex.plan.collectives == old.plan.collectives
+    assert ex.plan.objective.total_s == old.plan.objective.total_s
+
+
+def test_plan_with_partial_sums_saves_and_loads(tmp_path):
+    step, state, batch = lm()
+    f, ex = compile_step(step, state, batch)
+    ex.plan.save(tmp_path / "plan.json")
+    loaded = autoshard.ShardingPlan.load(tmp_path / "plan.json")
+    assert loaded.partial_sums == ex.plan.partial_sums
+    g = autoshard.parallelize(step, method=autoshard.ShardParallel(devices=mesh((4, 1)),
+                                                                   plan=loaded))
+    copy = jax.tree.map(jnp.copy, state)  # each planned step donates the state it gets
+    want, _ = run(f, state, batch, num_steps=1)
+    got, _ = run(g, copy, batch, num_steps=1)
+    assert g.get_executable(copy, batch).plan.partial_sums == ex.plan.partial_sums
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -123,6 +123,16 @@ BASELINE_ROWS = {"18.4B"}
 """Rows also planned without the solver's cutoff (unrolled only): the speed baseline."""
 BF16 = jnp.bfloat16
 TX = optax.adam(1e-4)
+DROPOUT = 0.0
+"""Dropout rate of the GPT (``--dropout``; Megatron-LM's runs use 0.1 on the attention
+probabilities and on each sub-layer's output, its defaults ``--attention-dropout`` and
+``--hidden-dropout``). At 0 the step takes no random key."""
+
+
+def dropout(x, key):
+    """Inverted dropout at ``DROPOUT`` (a Bernoulli keep mask, kept values scaled up)."""
+    keep = jax.random.bernoulli(key, 1.0 - DROPOUT, x.shape)
+    return jnp.where(keep, x / (1.0 - DROPOUT), jnp.zeros_like(x)).astype(x.dtype)
 
 
 def layer_norm(x, scale):
@@ -136,8 +146,11 @@ def no_pin(x, *spec):
     return x
 
 
-def block(x, p, pin=no_pin):
-    """One pre-LN layer; ``pin`` places the activations (Megatron's plan), or nothing."""
+def block(x, p, pin=no_pin, key=None):
+    """One pre-LN layer; ``pin`` places the activations (Megatron's plan), or nothing;
+    ``key``: the layer's dropout key (None: no dropout)."""
+    drop = (lambda v, i: dropout(v, jax.random.fold_in(key, i))) if key is not None else (
+        lambda v, i: v)
     p = jax.tree.map(lambda a: a.astype(BF16), p)
     x = pin(x, "data", None, None)
     qkv = pin(jnp.einsum("bsd,dthk->tbshk", layer_norm(x, p["ln1"]), p["wqkv"]),
@@ -146,12 +159,12 @@ def block(x, p, pin=no_pin):
     s = jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(q.shape[-1])
     n = x.shape[1]
     s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, -1e4)
-    probs = pin(jax.nn.softmax(s.astype(jnp.float32), -1).astype(BF16),
+    probs = pin(drop(jax.nn.softmax(s.astype(jnp.float32), -1).astype(BF16), 0),
                 "data", "model", None, None)
     heads = pin(jnp.einsum("bhqs,bshk->bqhk", probs, v), "data", None, "model", None)
-    x = pin(x + jnp.einsum("bqhk,hkd->bqd", heads, p["wo"]), "data", None, None)
+    x = pin(x + drop(jnp.einsum("bqhk,hkd->bqd", heads, p["wo"]), 1), "data", None, None)
     hidden = pin(jax.nn.gelu(layer_norm(x, p["ln2"]) @ p["w1"]), "data", None, "model")
-    return pin(x + hidden @ p["w2"], "data", None, None)
+    return pin(x + drop(hidden @ p["w2"], 2), "data", None, None)
 
 
 def megatron_pin(mesh: AbstractMesh):
@@ -166,27 +179,33 @@ def make_step(scan: bool, pin=no_pin, layers_per_boundary: int | None = None):
     """The GPT step: layers as a ``lax.scan`` or unrolled. With ``layers_per_boundary`` the
     unrolled layers get a pipeline boundary that often, and the gradient is
     ``autoshard.value_and_grad`` (its loss marker splits forward from backward)."""
-    remat_block = jax.checkpoint(lambda x, p: block(x, p, pin))
+    remat_block = jax.checkpoint(lambda x, p, key: block(x, p, pin, key))
     grad = autoshard.value_and_grad if layers_per_boundary else jax.value_and_grad
 
-    def loss_fn(params, tokens, targets):
+    def loss_fn(params, tokens, targets, rng=None):
         embed = params["embed"].astype(BF16)
         x = embed[tokens]
+        n = len(params["layers"]) if isinstance(params["layers"], list) else (
+            params["layers"]["w1"].shape[0])
+        keys = [None] * n if rng is None else jax.random.split(rng, n + 1)
+        if rng is not None:
+            x = dropout(x, keys[-1])
         if scan:
-            x, _ = jax.lax.scan(lambda c, p: (remat_block(c, p), None), x, params["layers"])
+            x, _ = jax.lax.scan(lambda c, pk: (remat_block(c, *pk), None), x,
+                                (params["layers"], None if rng is None else keys[:n]))
         else:
             for i, p in enumerate(params["layers"]):
                 if layers_per_boundary and i and i % layers_per_boundary == 0:
                     autoshard.mark_pipeline_boundary()
-                x = remat_block(x, p)
+                x = remat_block(x, p, keys[i])
         logits = pin((layer_norm(x, params["ln_f"]) @ embed.T).astype(jnp.float32),
                      "data", None, "model")
         logp = jax.nn.log_softmax(logits)
         return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
 
-    def train_step(state, tokens, targets):
+    def train_step(state, tokens, targets, *rng):
         params, opt = state
-        loss, grads = grad(loss_fn)(params, tokens, targets)
+        loss, grads = grad(loss_fn)(params, tokens, targets, *rng)
         updates, opt = TX.update(grads, opt, params)
         return (optax.apply_updates(params, updates), opt), loss
 
@@ -205,7 +224,8 @@ def abstract_args(hidden, heads, layers, batch, scan):
     params = {"embed": f(VOCAB, hidden), "ln_f": f(hidden),
               "layers": layer((layers,)) if scan else [layer() for _ in range(layers)]}
     tokens = jax.ShapeDtypeStruct((batch, SEQ), jnp.int32)
-    return (params, jax.eval_shape(TX.init, params)), tokens, tokens
+    rng = (jax.ShapeDtypeStruct((2,), jnp.uint32),) if DROPOUT else ()  # a raw PRNG key
+    return ((params, jax.eval_shape(TX.init, params)), tokens, tokens) + rng
 
 
 def megatron_specs(args, tensor: int):
@@ -222,7 +242,7 @@ def megatron_specs(args, tensor: int):
         return P(*([None] * (len(leaf.shape) - len(base))), *base)  # stacked layers: dim 0
 
     state = jax.tree_util.tree_map_with_path(spec, args[0])
-    return state, P("data", None), P("data", None)
+    return (state, P("data", None), P("data", None)) + (P(),) * (len(args) - 3)
 
 
 def paper_flops(hidden, layers, batch) -> float:
@@ -250,7 +270,7 @@ def split_of(plan, step, args, batch, hidden) -> dict:
             votes[axes] += 1
     data_axes = votes.most_common(1)[0][0] if votes else ()
     data = int(np.prod([sizes[a] for a in data_axes])) if data_axes else 1
-    zero = sorted({a for leaf in plan.inputs[:len(leaves) - 2] for e in leaf.spec
+    zero = sorted({a for leaf in plan.inputs[:len(jax.tree.leaves(args[0]))] for e in leaf.spec
                    for a in ((e,) if isinstance(e, str) else (e or ())) if a in data_axes})
     return {"data": data, "tensor": int(np.prod(plan.mesh_shape)) // data,
             "data_axes": list(data_axes), "zero_axes": zero}
@@ -260,7 +280,8 @@ def run(name: str, scan: bool) -> dict:
     hidden, heads, layers, gpus, batch, (t, p), paper_tflops = ROWS[name]
     row = {"model": name, "hidden": hidden, "heads": heads, "layers": layers, "gpus": gpus,
            "batch": batch, "paper_tensor": t, "paper_pipeline": p, "paper_data": gpus // (t * p),
-           "paper_tflops": paper_tflops, "layers_as": "scan" if scan else "unrolled"}
+           "paper_tflops": paper_tflops, "layers_as": "scan" if scan else "unrolled",
+           "dropout": DROPOUT}
     step = make_step(scan)
     args = abstract_args(hidden, heads, layers, batch, scan)
     cluster = Cluster.a100_80gb(gpus // 8)
@@ -740,6 +761,8 @@ def main(argv=None):
     parser.add_argument("--both", action="store_true", help="scan rows, then unrolled rows")
     parser.add_argument("--pipeline", action="store_true",
                         help="plan the pipeline rows (39.1B) with PipeshardParallel")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="dropout rate of the GPT (Megatron-LM's runs: 0.1)")
     parser.add_argument("--rewrite", action="store_true", help="only rewrite cluster.md")
     parser.add_argument("--append", action="store_true",
                         help="keep the rows already in cluster.json, add these after them")
@@ -756,7 +779,8 @@ def main(argv=None):
                         help="seconds after which an --auto row is stopped (default "
                              f"{AUTO_TIME_LIMIT_S}; raise it on a loaded machine)")
     args = parser.parse_args(argv)
-    global RESULTS
+    global RESULTS, DROPOUT
+    DROPOUT = args.dropout
     if args.out is not None:
         RESULTS = args.out
     saved = (json.loads((RESULTS / "cluster.json").read_text())

@@ -553,6 +553,10 @@ def parse_args(argv=None):
     p.add_argument("--cells", default=None,
                    help=f"comma-separated, from {', '.join(ALL_CELLS)} (default: all; "
                         "--quick: a subset)")
+    p.add_argument("--size", choices=sorted(models.SIZES), default=None,
+                   help="model and batch sizes (default: 'default', or 'quick' with --quick); "
+                        "'large' has 4x the rows per device of 'default', to separate XLA:CPU's "
+                        "per-op cost from the micro-batch loop's")
     p.add_argument("--steps", type=int, default=None, help="steps compared (default 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps before timing")
     p.add_argument("--repeats", type=int, default=None, help="timed steps (median)")
@@ -563,7 +567,8 @@ def parse_args(argv=None):
     p.add_argument("--report-only", action="store_true",
                    help="rewrite --out/programs.md from --out/programs.json; run nothing")
     args = p.parse_args(argv)
-    args.size = "quick" if args.quick else "default"
+    if args.size is None:
+        args.size = "quick" if args.quick else "default"
     defaults = (3, 1, 3) if args.quick else (5, 2, 7)
     for name, value in zip(("steps", "warmup", "repeats"), defaults, strict=True):
         if getattr(args, name) is None:

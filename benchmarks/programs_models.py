@@ -64,6 +64,12 @@ SIZES = {
         "lstm": dict(batch=64, seq=16, vocab=128, dim=32, hidden=32),
         "gpt": dict(batch=64, seq=32, vocab=128, dim=64, heads=4, layers=2),
     },
+    "large": {  # 4x default's rows: 8 rows per device in each of 4 micro-batches
+        "lm": dict(batch=256, seq=32, vocab=128, dim=64, heads=4, mlp=256, layers=2),
+        "resnet": dict(batch=256, image=8, channels=16, classes=10),
+        "lstm": dict(batch=256, seq=16, vocab=128, dim=32, hidden=32),
+        "gpt": dict(batch=256, seq=32, vocab=128, dim=64, heads=4, layers=2),
+    },
 }
 
 

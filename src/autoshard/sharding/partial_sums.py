@@ -16,8 +16,9 @@ so the ILP pays it once. Anything else keeps its plan.
 
 Applying (``PartialSums``): each term runs under ``jax.shard_map`` on its operands' shards and
 returns its per-device partial result stacked along a new leading dim split over the axes;
-the layout ops run on that stack (``vmap``); the sum adds the stacks and one ``psum`` (or a
-``psum_scatter`` where the sum's spec splits a dim over the axes) reduces it.
+the layout ops run on that stack (``vmap``); the sum adds the stacks and one ``psum`` reduces
+it (followed by each device's slice where the sum's spec splits a dim over the axes: a
+reduce-scatter, as XLA's partitioner emits one).
 """
 
 from __future__ import annotations
@@ -333,25 +334,20 @@ class PartialSums:
 
     def _total(self, eqn, ins, ps: PartialSum, _):
         axes, total = ps.axes, ps.total_spec
-        entries = list(total) + [None] * (len(eqn.outvars[0].aval.shape) - len(total))
-        rest, scatter_dim = [], None
-        for d, entry in enumerate(entries):
-            named = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            kept = tuple(a for a in named if a not in axes)
-            if len(kept) < len(named):  # scattered into dim d if the axes are its minor ones
-                minor = named[len(named) - len(axes):] == tuple(axes)
-                scatter_dim = d if minor and scatter_dim is None else -1
-            rest.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-        rest = PartitionSpec(*rest)
+        rest = PartitionSpec(*(_without(entry, axes) for entry in total))
         summed = self._constrain(bind_eqn(eqn, list(ins))[0], _stacked(axes, rest))
-        if scatter_dim is not None and scatter_dim >= 0:
-            def reduce(x):
-                return lax.psum_scatter(x[0], axes, scatter_dimension=scatter_dim, tiled=True)
-            out_spec = total
-        else:  # a psum; a split over the axes elsewhere in the spec is a local slice after it
-            def reduce(x):
-                return lax.psum(x[0], axes)
-            out_spec = rest
-        out = jax.shard_map(reduce, mesh=self.mesh, in_specs=_stacked(axes, rest),
-                            out_specs=out_spec, check_vma=False)(summed)
+        # One psum. Where the sum's spec splits a dim over the axes, the pin after it keeps
+        # each device's slice: the all-reduce and dynamic-slice XLA's partitioner emits for
+        # every planned reduce-scatter (XLA:GPU rewrites the pair into a reduce-scatter), so
+        # the step's combiner merges it with the other gradients' reductions.
+        out = jax.shard_map(lambda x: lax.psum(x[0], axes), mesh=self.mesh,
+                            in_specs=_stacked(axes, rest), out_specs=rest,
+                            check_vma=False)(summed)
         return self._constrain(out, total)
+
+
+def _without(entry, axes):
+    """A PartitionSpec entry without ``axes``."""
+    named = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    kept = tuple(a for a in named if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept

@@ -101,7 +101,7 @@ class PartialSum:
     product and the lookup's scatter-add, one all-reduce each). The terms and the layout ops
     between them and the sum run on local shards (``sharding.partial_sums``), their per-device
     partial results stacked along a new leading dim split over ``axes``; the sum is reduced by
-    one ``psum`` (or ``psum_scatter`` into the sum's spec).
+    one ``psum`` (each device keeping its slice where the sum's spec splits over ``axes``).
     """
 
     axes: tuple[str, ...]

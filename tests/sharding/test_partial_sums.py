@@ -41,7 +41,7 @@ class TiedLM(nn.Module):
         return emb.attend(x)
 
 
-def lm(tx="adam", scale_head=False):
+def lm(tx="adam", scale_head=False, with_loss=True):
     model = TiedLM(scale_head)
     ids = (jnp.arange(BATCH * SEQ).reshape(BATCH, SEQ) * 7) % VOCAB
     labels = (ids * 3 + 1) % VOCAB
@@ -54,6 +54,8 @@ def lm(tx="adam", scale_head=False):
             logits = state.apply_fn(p, batch["ids"])
             onehot = jax.nn.one_hot(batch["labels"], VOCAB)
             return -jnp.mean(jnp.sum(onehot * jax.nn.log_softmax(logits), -1))
+        if not with_loss:  # as Alpa's tests: jax.grad, the state only
+            return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss
 
@@ -165,3 +167,88 @@ def test_plan_with_partial_sums_saves_and_loads(tmp_path):
     assert g.get_executable(copy, batch).plan.partial_sums == ex.plan.partial_sums
     for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# Ports of Alpa's test_bert.py MLM data-parallel tests (their assert_data_parallel_cost), on the
+# tiny tied LM at the tests' batch and length (32 x 32 tokens) and their mesh costs (alpha =
+# beta = 1 on both axes).
+
+def alpa_all_reduce_cost(num_bytes, n=4):
+    """Alpa's ``LogicalDeviceMesh.all_reduce_cost``: alpha + beta 2(n-1)/n bytes + 0.01."""
+    return 1.0 + 2 * (n - 1) / n * num_bytes + 0.01
+
+
+PENALTY = 4
+"""Alpa's replicated-input penalty on these meshes: round(all_reduce_cost(1, 0) +
+all_reduce_cost(1, 1)) with one device on one axis."""
+
+
+def alpa_data_parallel_objective(state, num_sharded: int = 0) -> float:
+    """What Alpa's ``assert_data_parallel_cost`` expects: one all-reduce per parameter (the
+    tied embedding once) and a penalty per replicated parameter and optimizer state leaf. In
+    autoshard's Alpa units the step counter, an input too, adds one penalty, the scalar sum
+    the step reduces (the loss's, 4 bytes) its all-reduce, and each of ``num_sharded`` leaves
+    held in shards saves its penalty (all within the upstream test's 1% tolerance)."""
+    params = jax.tree.leaves(state.params)
+    num_opt = len(jax.tree.leaves(state.opt_state))
+    return (sum(alpa_all_reduce_cost(p.size * 4) for p in params) + alpa_all_reduce_cost(4)
+            + PENALTY * (len(params) + num_opt + 1 - num_sharded))
+
+
+def alpa_lm(monkeypatch):
+    monkeypatch.setitem(globals(), "BATCH", 32)
+    monkeypatch.setitem(globals(), "SEQ", 32)
+    return lm(with_loss=False)
+
+
+ALPA_COSTS = {"mesh_alpha": (1.0, 1.0), "mesh_beta": (1.0, 1.0)}
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (1, 4)])
+def test_bert_mlm_data_parallel(shape, monkeypatch, without_partial_sums):
+    """Covers test_bert.py::test_bert_mlm_data_parallel: Alpa's objective (each parameter's
+    gradient all-reduced once, the tied embedding included) and one all-reduce in the step.
+    Without partial sums the embedding's two terms cost one all-reduce of it more."""
+    step, state, batch = alpa_lm(monkeypatch)
+    _, ex = compile_step(step, state, batch, shape, **ALPA_COSTS)
+    axis = "x" if shape[0] == 4 else "y"
+    assert [ps.axes for ps in ex.plan.partial_sums] == [(axis,)]
+    assert ex.auto_sharding_objective == pytest.approx(alpa_data_parallel_objective(state),
+                                                       rel=1e-9)
+    compiled = hlo.collectives(ex.get_hlo_text())
+    assert [c.kind for c in compiled] == ["all-reduce"]
+    assert embedding_reductions(ex) == 1
+    without_partial_sums()
+    _, old = compile_step(step, state, batch, shape, **ALPA_COSTS)
+    assert old.auto_sharding_objective - ex.auto_sharding_objective == pytest.approx(
+        alpa_all_reduce_cost(EMBED_BYTES), rel=1e-9)
+    assert embedding_reductions(old) == 2
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (1, 4)])
+def test_bert_mlm_data_parallel_reduce_scatter(shape, monkeypatch):
+    """Covers test_bert.py::test_bert_mlm_data_parallel_reduce_scatter: the same objective (a
+    reduce-scatter priced as the all-reduce it replaces, the all-gather after the update
+    free), the gradients reduced in one collective and the updated parameters gathered in one.
+    The embedding's gradient is reduce-scattered once, after its two terms are added (on the
+    CPU an all-reduce whose result each device slices), so its Adam moments are held in shards
+    (the upstream test allows them whole)."""
+    step, state, batch = alpa_lm(monkeypatch)
+    _, ex = compile_step(step, state, batch, shape, prefer_reduce_scatter=True, **ALPA_COSTS)
+    axis = "x" if shape[0] == 4 else "y"
+    (ps,) = ex.plan.partial_sums
+    assert ps.total_spec == jax.sharding.PartitionSpec(axis)
+    # Four moments held in shards: the kernel's and the tied embedding's mu and nu.
+    assert ex.auto_sharding_objective == pytest.approx(
+        alpa_data_parallel_objective(state, num_sharded=4), rel=1e-9)
+    scattered = [c for c in ex.plan.collectives if c.kind == "reduce-scatter"
+                 and c.num_bytes == EMBED_BYTES // 4]
+    assert len(scattered) == 1 and not [c for c in ex.plan.collectives if c.kind in (
+        "all-reduce", "reduce-scatter") and c.num_bytes == EMBED_BYTES]
+    assert sorted(c.kind for c in hlo.collectives(ex.get_hlo_text())) == ["all-gather",
+                                                                          "all-reduce"]
+    assert embedding_reductions(ex) == 1
+    moments = [leaf for leaf in ex.plan.inputs if "embedding" in leaf.path
+               and ("mu" in leaf.path or "nu" in leaf.path)]
+    assert len(moments) == 2 and all(
+        leaf.bytes_per_device(ex.plan.mesh_sizes) == EMBED_BYTES // 4 for leaf in moments)

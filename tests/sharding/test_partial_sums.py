@@ -252,3 +252,50 @@ def test_bert_mlm_data_parallel_reduce_scatter(shape, monkeypatch):
                and ("mu" in leaf.path or "nu" in leaf.path)]
     assert len(moments) == 2 and all(
         leaf.bytes_per_device(ex.plan.mesh_sizes) == EMBED_BYTES // 4 for leaf in moments)
+
+
+def test_sharded_embedding_is_reduced_once(without_partial_sums):
+    """The embedding held split over y (its hidden dim, as the caller gives it), the batch over
+    x: each term is a partial sum over x of a y-split gradient; their sum is reduced once over
+    x, one 64 x 16 block per device (4,096 B) fewer than with one all-reduce per term."""
+    from _util import collectives, compile_plan
+
+    from autoshard.sharding import plan_auto
+
+    vocab, hidden = 64, 32
+
+    def loss(emb, w, ids, labels):
+        logits = jnp.tanh(emb[ids] @ w) @ emb.T
+        return -jnp.mean(jnp.sum(jax.nn.one_hot(labels, vocab) * jax.nn.log_softmax(logits), -1))
+
+    def grads(emb, w, ids, labels):
+        return jax.grad(loss, argnums=(0, 1))(emb, w, ids, labels)
+
+    key = jax.random.PRNGKey(0)
+    ids = (jnp.arange(64).reshape(16, 4) * 7) % vocab
+    args = (jax.random.normal(key, (vocab, hidden)),
+            0.1 * jax.random.normal(key, (hidden, hidden)), ids, (ids * 3) % vocab)
+    closed = jax.make_jaxpr(grads)(*args)
+    P = jax.sharding.PartitionSpec
+
+    def plan():
+        return plan_auto(closed, num_devices=4, option=option(), axis_names=("x", "y"),
+                         in_paths=["emb", "w", "ids", "labels"], out_paths=["d_emb", "d_w"],
+                         batch_invars=[False, False, True, True],
+                         fixed_in_specs=[P(None, "y"), None, P("x"), P("x")])
+
+    def reduced(compiled):
+        return sum(b for kind, b in collectives(compiled.lower(*args).compile().as_text())
+                   if kind == "all-reduce")
+
+    new = plan()
+    assert new.mesh_shape == (2, 2)
+    (ps,) = new.partial_sums
+    assert ps.axes == ("x",) and ps.total_spec == P(None, "y")
+    f = compile_plan(closed, new)
+    for got, want in zip(f(*args), jax.jit(grads)(*args), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    without_partial_sums()
+    old = plan()
+    assert old.partial_sums == ()
+    assert reduced(compile_plan(closed, old)) - reduced(f) == vocab * hidden // 2 * 4

@@ -197,6 +197,7 @@ class PlanEvaluator:
             name = key if isinstance(key, str) else key[0]
             if name.split(":")[0].split("/")[0] in heads:
                 self.pins.used.add(key)
+        self.pins.partial.mark_seen(heads)
 
     def pin(self, key: str, x):
         """``x`` with the plan's spec of the value at site ``key``."""

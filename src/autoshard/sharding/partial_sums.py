@@ -306,6 +306,11 @@ class PartialSums:
         return [{"source": self._source, "chain": self._chain, "total": self._total}[role](
             eqn, ins, ps, extra)]
 
+    def mark_seen(self, heads: set[str]) -> None:
+        """Count the partial sums' equations under the top-level equations ``heads`` as run
+        (``apply.PlanEvaluator.mark_used``)."""
+        self.seen.update(key for key in self.roles if key.split("/")[0] in heads)
+
     def missing(self) -> list[str]:
         return sorted(set(self.roles) - self.seen)
 

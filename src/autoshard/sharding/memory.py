@@ -12,6 +12,7 @@ import numpy as np
 
 from .fusion import BITCASTS, FOLDED, fusion_charges
 from .problem import Problem, value_bytes
+from .rules import ELEMENTWISE
 from .spec import shards
 from .strategy import itemsize
 
@@ -26,6 +27,8 @@ def liveness(prob: Problem) -> list[tuple[int, int, int]]:
     * a donated input and the output that replaces it (``Graph.memo["aliases"]``, the
       planner's ``aliases``) share one buffer: the output takes memory of its own only while
       the input is still read after the output exists;
+    * a scan's stacked output (``ys``) is a buffer of the loop, written slice by slice: it
+      lives from the loop's first node, not from after its last iteration;
     * a value XLA never writes to memory takes none (``materialized``): its readers read the
       values it is computed from, which stay live until its last reader.
     """
@@ -44,6 +47,10 @@ def liveness(prob: Problem) -> list[tuple[int, int, int]]:
             for u in node.operands:
                 if u is not None:
                     end[u] = max(end[u], last)
+    for node in g.nodes:   # a result that takes the buffer of an operand read last here
+        u = _reused_operand(g, node, kept, end)
+        if u is not None:
+            end[u] = node.id - 1
     last = len(g.nodes)
     aliased = {}
     for i, o in g.memo.get("aliases", ()):
@@ -57,11 +64,12 @@ def liveness(prob: Problem) -> list[tuple[int, int, int]]:
             end[u] = last
     for node_id in g.inputs:
         end[g.nodes[node_id].outputs[0]] = last
+    starts = _loop_starts(g)
     spans = []
     for v in g.values:
         if not kept[v.id]:
             continue
-        first = 0 if g.nodes[v.producer].kind == "input" else v.producer
+        first = 0 if g.nodes[v.producer].kind == "input" else starts.get(v.producer, v.producer)
         stop = end[v.id]
         if v.id in aliased and g.nodes[v.producer].kind != "input":
             stop = min(stop, aliased[v.id])
@@ -69,6 +77,63 @@ def liveness(prob: Problem) -> list[tuple[int, int, int]]:
                 continue
         spans.append((v.id, first, stop))
     return spans
+
+
+IN_PLACE_KINDS = frozenset({"scatter-add", "scatter_add", "scatter", "scatter-mul",
+                            "scatter_mul", "scatter-min", "scatter-max", "dynamic_update_slice"})
+"""Ops XLA runs in place on their first operand when nothing else reads it afterwards (the
+zeros a gather's gradient scatters into become the gradient)."""
+
+
+def _reused_operand(g, node, kept, end) -> int | None:
+    """The operand whose buffer ``node``'s result takes, if any.
+
+    XLA's buffer assignment gives an op's result the buffer of an operand that dies there when
+    the op reads it element by element at the result's index (an elementwise kernel: the
+    accumulation of two gradients, Adam's moment updates) or updates it in place
+    (``IN_PLACE_KINDS``): an operand computed in the step (not an argument, whose buffer the
+    caller owns), written to memory, of the result's shape and dtype, read last by this op.
+    """
+    if not node.outputs or not kept[node.outputs[0]]:
+        return None
+    if node.kind in IN_PLACE_KINDS:
+        candidates = node.operands[:1]
+    elif node.kind in ELEMENTWISE:
+        candidates = node.operands
+    else:
+        return None
+    out = g.values[node.outputs[0]]
+    for u in candidates:
+        if u is None or not kept[u] or end[u] != node.id:
+            continue
+        v = g.values[u]
+        if (g.nodes[v.producer].kind != "input" and tuple(v.shape) == tuple(out.shape)
+                and v.dtype == out.dtype):
+            return u
+    return None
+
+
+def _loop_starts(g) -> dict[int, int]:
+    """``ys`` node id -> the first ``xs`` node of its scan (the scan's ``ys`` nodes follow its
+    body; ``Graph.loop_ends`` maps each ``xs`` node to the last of them)."""
+    first_xs: dict[int, int] = {}
+    for x, end in g.loop_ends.items():
+        first_xs[end] = min(first_xs.get(end, x), x)
+    starts, run = {}, []
+    for node in g.nodes:
+        if node.kind == "ys":
+            run.append(node.id)
+            continue
+        _close_run(run, first_xs, starts)
+    _close_run(run, first_xs, starts)
+    return starts
+
+
+def _close_run(run: list[int], first_xs: dict[int, int], starts: dict[int, int]) -> None:
+    if run and run[-1] in first_xs:
+        for y in run:
+            starts[y] = first_xs[run[-1]]
+    run.clear()
 
 
 def materialized(prob: Problem) -> list[bool]:
@@ -286,6 +351,7 @@ def reshard_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
     """
     g, mesh = prob.graph, prob.ctx.mesh_shape
     spans: dict[tuple[int, object], list[int]] = {}
+    ready = _ready_points(g)
     for node in g.nodes:
         s = prob.strategies[node.id][choice[prob.var(node.id)]]
         for p, u in enumerate(node.operands):
@@ -297,8 +363,7 @@ def reshard_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
             dst = s.in_specs[p]
             if prob.value_spec(u, choice[prob.var(v.producer)]) == dst:
                 continue
-            span = spans.setdefault((u, dst), [node.id, node.id])
-            span[0] = min(span[0], node.id)
+            span = spans.setdefault((u, dst), [ready[u], node.id])
             span[1] = max(span[1], g.loop_ends.get(node.id, node.id))  # xs: the whole scan
     n = len(g.nodes) + 1
     delta = np.zeros(n + 1)
@@ -308,3 +373,15 @@ def reshard_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
         delta[a] += size
         delta[b + 1] -= size
     return np.cumsum(delta)[:n]
+
+
+def _ready_points(g) -> dict[int, int]:
+    """Per value: the point from which XLA may compute a copy of it (its producer; a step
+    input's first reader), which is where its scheduler puts the copy."""
+    ready = {}
+    for node in g.nodes:
+        for u in node.operands:
+            if u is not None and u not in ready:
+                p = g.values[u].producer
+                ready[u] = node.id if g.nodes[p].kind == "input" else p
+    return ready

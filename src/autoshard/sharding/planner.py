@@ -26,6 +26,7 @@ from .least_memory import least_memory
 from .memory import peak_bytes
 from .options import DEFAULT_MEMORY_TRADEOFF, AutoShardingOption
 from .pareto import with_trade_off
+from .partial_sums import fold_partial_sums, partial_sum_regions
 from .plan import Collective, LeafPlan, Objective, ShardingPlan
 from .problem import Problem
 from .repeats import tie_repeated
@@ -169,6 +170,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             if option.force_data_parallel and option.prefer_reduce_scatter and (
                     fixed_in_specs is None):
                 zero_update(prob)   # ZeRO-2: only the update leaves data parallelism
+            fold_partial_sums(prob)   # sums of partial sums reduced once (tied embeddings)
             prob.notes.append(
                 f"{tie_repeated(prob, batch_invars)} variables tied to identical ones")
             built.append((shape, prob, build_ilp(
@@ -555,7 +557,8 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
     return ShardingPlan(method="ShardParallel", mesh_shape=tuple(ctx.mesh_shape),
                         axis_names=names, inputs=tuple(inputs), outputs=tuple(outputs),
                         intermediates=tuple(pinned), operand_specs=tuple(operand_specs),
-                        collectives=colls, objective=objective, notes=tuple(notes))
+                        collectives=colls, objective=objective, notes=tuple(notes),
+                        partial_sums=partial_sum_regions(prob, lambda n: sol.k(prob, n), names))
 
 
 def _as_compiled(steps: list[tuple[str, int, float, float]]

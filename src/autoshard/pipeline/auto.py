@@ -46,6 +46,7 @@ from .build import cut_program
 from .estimate import PipelineEstimate
 from .layers import layer_option_of
 from .method import PipeshardParallel
+from .placement import shape_cluster, submesh_shapes
 from .price import _Pricer, price_pipeline
 from .schedules import SCHEDULES, traits
 from .stages import AutoStageOption, ManualStageOption
@@ -99,6 +100,8 @@ class AutoEstimate:
     """The fastest that fits."""
     planning_s: float = 0.0
     """Seconds the search took."""
+    notes: tuple[str, ...] = ()
+    """How much the search planned (spans and sub-meshes planned, pruned or skipped)."""
 
     @property
     def estimate(self) -> ShardingPlan | PipelineEstimate:
@@ -134,7 +137,7 @@ class AutoEstimate:
                  f"{len(self.candidates)} candidates compared",
                  *[f"  {'*' if x is c else '-'} {x.describe()}" for x in self.candidates],
                  f"  chosen: {c.num_stages} stage{'s' if c.num_stages > 1 else ''}, {why}",
-                 ""]
+                 *[f"  note: {n}" for n in self.notes], ""]
         return "\n".join(lines) + self.estimate.explain()
 
 
@@ -159,7 +162,10 @@ class AutoParallel(ParallelMethod):
     """Schedule of the pipeline candidates (not ``interleaved_1f1b``)."""
     stage_option: Any = None
     """The stage search's options (an ``AutoStageOption``: sub-mesh shapes, logical shapes,
-    layer profile mode, memory budget); None: ``AutoStageOption()``."""
+    layer profile mode, memory budget); None: ``AutoStageOption(layer_profile_mode=
+    "individual")`` (each layer planned once per sub-mesh, a span's time the sum of its
+    layers', as Alpa composes them; the ``num_priced`` layouts are then priced as whole
+    stages)."""
     max_num_stages: int | None = None
     """Most pipeline stages tried; None: one per layer."""
     num_priced: int = 3
@@ -196,7 +202,8 @@ class AutoParallel(ParallelMethod):
                             "autoshard.AutoShardingOption.")
         layer = layer_option_of(self.layer_option, default_layers=4)
         object.__setattr__(self, "layer_option", layer)
-        stage = AutoStageOption() if self.stage_option is None else self.stage_option
+        stage = (AutoStageOption(layer_profile_mode="individual") if self.stage_option is None
+                 else self.stage_option)
         if not isinstance(stage, AutoStageOption):
             raise TypeError(f"AutoParallel.stage_option ({stage!r}) must be an "
                             "autoshard.AutoStageOption (the stage search's options).")
@@ -236,19 +243,34 @@ def choose(method: AutoParallel, program, cluster: Cluster) -> AutoEstimate:
     """Every candidate of ``method`` priced on ``cluster``; the fastest that fits (module
     doc)."""
     t0 = time.perf_counter()
+    notes: list[str] = []
     candidates = [_whole_mesh(method, program, cluster)]
-    candidates += _pipelines(method, program, cluster)
+    candidates += _pipelines(method, program, cluster, notes)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         raise _no_fit(method, program, cluster, candidates)
     chosen = min(fitting, key=lambda c: (c.step_s, c.num_stages))
     return AutoEstimate(cluster=cluster.describe(), candidates=tuple(candidates),
-                        chosen=chosen, planning_s=time.perf_counter() - t0)
+                        chosen=chosen, planning_s=time.perf_counter() - t0,
+                        notes=tuple(notes))
+
+
+def whole_mesh_option(option: AutoShardingOption | None) -> AutoShardingOption:
+    """The planner options of the whole-mesh candidate: ``option`` with ``memory_tradeoff``
+    0 where it leaves it None. Candidates are compared by step time within the memory, and
+    a pipeline's task plans are the fastest within it (their default is 0), so the
+    whole-mesh plan is too; this also skips the least-memory re-solve and its trade-off
+    table (``sharding/least_memory.py``, ``pareto.py``), about half of that plan's time."""
+    option = option if option is not None else AutoShardingOption()
+    if option.memory_tradeoff is None:
+        option = dataclasses.replace(option, memory_tradeoff=0.0)
+    return option
 
 
 def _whole_mesh(method: AutoParallel, program, cluster: Cluster) -> Candidate:
     shard = ShardParallel(devices=method.devices, num_micro_batches=method.num_micro_batches,
-                          auto_sharding_option=method.default_auto_sharding_option)
+                          auto_sharding_option=whole_mesh_option(
+                              method.default_auto_sharding_option))
     try:
         plan = shard.plan_for(program, cluster)
     except (ValueError, RuntimeError) as err:
@@ -262,14 +284,15 @@ def _whole_mesh(method: AutoParallel, program, cluster: Cluster) -> Candidate:
                      method=dataclasses.replace(shard, plan=plan))
 
 
-def _pipelines(method: AutoParallel, program, cluster: Cluster) -> list[Candidate]:
+def _pipelines(method: AutoParallel, program, cluster: Cluster,
+               notes: list | None = None) -> list[Candidate]:
     option = method.stage_option
     search = method.pipeline(option)
     cut = cut_program(program, search)
     top = min(cut.num_layers, method.max_num_stages or cut.num_layers)
     if top < 2:
         return []
-    pricer = _Pricer(search, program, cut, cluster)
+    pricer = _SpanPricer(search, program, cut, cluster)
     k = program.num_micro_batches
     layouts, out = {}, {}
     for s in range(2, top + 1):
@@ -314,7 +337,123 @@ def _pipelines(method: AutoParallel, program, cluster: Cluster) -> list[Candidat
         out[s] = Candidate(num_stages=s, step_s=est.step_s,
                            memory_bytes=est.peak_bytes_per_device, search_s=obj, split=split,
                            estimate=est, method=runner)
+    if notes is not None:
+        st = pricer.span_stats
+        notes.append(
+            f"stage search ({option.layer_profile_mode}): spans planned: {st['planned']} of "
+            f"{st['planned'] + st['pruned']} (layer span, sub-mesh) pairs, the others never a "
+            "stage of 2 or more (identical spans planned once); spans' apply tasks planned: "
+            f"{st['apply_planned']} of {st['apply_planned'] + st['apply_skipped']} (the others "
+            "within the memory limit whatever their plan)")
     return [out[s] for s in sorted(out)]
+
+
+class _SpanPricer(_Pricer):
+    """``price._Pricer`` measuring only what a pipeline of 2 or more stages can use.
+
+    The stage DP reads ``measure_spans``: per (layer span, sub-mesh shape) the planned F + B
+    time and the peak memory of the span as one stage. Here, with the same DP results:
+
+    * a sub-mesh holding more devices than the cluster less its smallest sub-mesh, and (in
+      ``composition`` mode) the span of every layer, are never a stage of 2 or more: not
+      planned (``inf``);
+    * identical spans (the same F, B and apply jaxprs: repeated layers) are planned once:
+      ``plan_task``'s cache, keyed by the task's jaxpr, its inputs' roles and the sub-mesh;
+    * a span's apply (optimizer) tasks are planned only where their memory can decide the
+      DP's memory test (``cost``: the span's peak against the limit). Their peak is at most
+      ``_apply_bytes_bound`` (every value of the task replicated, live at once, plus a
+      resharded copy of each); where the span's F/B peak plus that bound, summed over the
+      parts the DP adds (one span, or every layer in ``individual`` mode), is within the
+      limit, every test passes either way, and the apply tasks are not planned. With no limit
+      (no budget, unbounded device memory) they never are.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.span_stats = {"planned": 0, "pruned": 0, "apply_planned": 0, "apply_skipped": 0}
+
+    def measure_spans(self, option: AutoStageOption, num_layers: int) -> dict:
+        key = ("pipeline spans", repr(option), num_layers, self.cluster)
+        if key in self.cache:
+            return self.cache[key]
+        shapes = submesh_shapes(option, self.cluster)
+        sizes = [math.prod(s) for s in shapes]
+        individual = option.layer_profile_mode == "individual"
+        spans = ([(i, i + 1) for i in range(num_layers)] if individual else
+                 [(i, j) for i in range(num_layers) for j in range(i + 1, num_layers + 1)])
+        budget = option.memory_budget_per_device
+        limit = budget if budget is not None else self.cluster.memory_bytes
+        overrides = {"memory_budget_per_device": budget} if budget is not None else {}
+        usable = [n <= self.cluster.num_devices - min(sizes) for n in sizes]
+        measured: dict = {}
+        pending = []  # (i, j, c, part, s, sub, F/B peak, apply bound)
+        for i, j in spans:
+            if j - i == num_layers and num_layers > 1:
+                for c in range(len(shapes)):
+                    measured[(i, j, c)] = (math.inf, math.inf, None)
+                self.span_stats["pruned"] += len(shapes)
+                continue
+            part, s = self.cut.span(i, j, self.program.batch_invars,
+                                    self.method.layer_option.remat)
+            bound = sum(_apply_bytes_bound(t) for t in part.apply if t.stage == s)
+            without_apply = dataclasses.replace(part, apply=[])
+            for c, shape in enumerate(shapes):
+                if not usable[c]:
+                    measured[(i, j, c)] = (math.inf, math.inf, None)
+                    self.span_stats["pruned"] += 1
+                    continue
+                sub = shape_cluster(self.cluster, shape)
+                self.span_stats["planned"] += 1
+                sp = self._measure(without_apply, s, sub, overrides)
+                measured[(i, j, c)] = sp
+                if sp is not None and limit is not None:
+                    pending.append((i, j, c, part, s, sub, sp[1], bound))
+        # the apply tasks where their memory could decide a memory test
+        by_choice: dict = {}
+        for entry in pending:
+            by_choice.setdefault(entry[2] if individual else entry[:3], []).append(entry)
+        for group in by_choice.values():
+            if sum(peak + bound for *_, peak, bound in group) <= limit:
+                self.span_stats["apply_skipped"] += len(group)
+                continue
+            for i, j, c, part, s, sub, _, _ in group:
+                self.span_stats["apply_planned"] += 1
+                measured[(i, j, c)] = self._measure(part, s, sub, overrides)
+        for k, v in measured.items():
+            if v is None:
+                measured[k] = (math.inf, math.inf, None)
+        self.cache[key] = measured
+        return measured
+
+    def _measure(self, part, s, sub, overrides):
+        """(F + B seconds, peak bytes, logical mesh shape) of stage ``s`` on ``sub``; None
+        when it has no plan within the memory."""
+        try:
+            sp = self.plan_stage_on(part, s, sub, overrides)
+        except ValueError as err:
+            if "memory" not in str(err):
+                raise
+            return None
+        return (sum(v for kd, v in sp.times.items() if kd != "apply"), sp.peak_bytes,
+                sp.mesh_shape)
+
+
+def _apply_bytes_bound(task) -> int:
+    """Bytes per device an apply task's plan can hold at most: every value it reads or makes,
+    replicated and live at once, twice (a resharded copy of each)."""
+    seen, total = set(), 0
+    values = list(task.invars) + [v for e in task.eqns for v in e.outvars]
+    for v in values:
+        aval = getattr(v, "aval", None)
+        if id(v) in seen or aval is None or not hasattr(aval, "shape"):
+            continue
+        seen.add(id(v))
+        try:
+            itemsize = aval.dtype.itemsize
+        except (AttributeError, TypeError):
+            itemsize = 16
+        total += math.prod(aval.shape) * max(itemsize, 1)
+    return 2 * total
 
 
 def _span(stage_of_layer, t) -> str:

@@ -1,0 +1,145 @@
+"""``AutoParallel``'s stage search plans little (issue 26 item 8: a small model's first call).
+
+A miniature of the repeated-layer models it meets (an embedding layer, identical blocks, a
+head; Adam; a pipeline boundary after each) on 8 devices of one described host. The planner
+calls are counted: the stage spans are planned once per distinct layer and usable sub-mesh
+(no sub-mesh of all 8 devices: a pipeline of 2 or more stages never has one), F and B only
+(the apply tasks' memory cannot decide a memory test here); and the stage DP's layouts equal
+those of ``price._Pricer``, which plans every span, its apply tasks included, with and without
+a memory budget that makes some apply tasks count.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import autoshard
+from autoshard import Cluster
+from autoshard.pipeline import auto, price, tasks
+from autoshard.pipeline.build import cut_program
+
+HIDDEN, VOCAB, ROWS, NUM_BLOCKS = 16, 32, 16, 3
+TX = optax.adam(1e-3)
+QUIET = autoshard.AutoShardingOption(show_progress=False)
+CLUSTER = Cluster.a100_80gb(num_hosts=1, devices_per_host=8)
+
+
+def norm(x):
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+
+def loss(p, tokens, targets):
+    x = p["embed"][tokens]
+    autoshard.mark_pipeline_boundary()
+    for i in range(NUM_BLOCKS):
+        b = p[f"block{i}"]
+        x = x + jnp.tanh(norm(x) @ b["up"]) @ b["down"]
+        autoshard.mark_pipeline_boundary()
+    logits = norm(x) @ p["head"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:, None], 1))
+
+
+def step(p, opt, tokens, targets):
+    g = autoshard.grad(loss)(p, tokens, targets)
+    updates, opt = TX.update(g, opt, p)
+    return optax.apply_updates(p, updates), opt
+
+
+def shapes():
+    f32 = jnp.float32
+    params = {"embed": jax.ShapeDtypeStruct((VOCAB, HIDDEN), f32),
+              "head": jax.ShapeDtypeStruct((HIDDEN, VOCAB), f32),
+              **{f"block{i}": {"up": jax.ShapeDtypeStruct((HIDDEN, 4 * HIDDEN), f32),
+                               "down": jax.ShapeDtypeStruct((4 * HIDDEN, HIDDEN), f32)}
+                 for i in range(NUM_BLOCKS)}}
+    tokens = jax.ShapeDtypeStruct((ROWS,), jnp.int32)
+    return params, jax.eval_shape(TX.init, params), tokens, tokens
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Every planner call of the pricing: (phase, task jaxpr, devices)."""
+    calls, phase = [], ["other"]
+    real = tasks.plan_auto
+
+    def plan_auto(closed, **kw):
+        calls.append((phase[0], str(closed), kw["num_devices"]))
+        return real(closed, **kw)
+    monkeypatch.setattr(tasks, "plan_auto", plan_auto)
+    measure = auto._SpanPricer.measure_spans
+
+    def measure_spans(self, *args):
+        phase[0] = "spans"
+        try:
+            return measure(self, *args)
+        finally:
+            phase[0] = "other"
+    monkeypatch.setattr(auto._SpanPricer, "measure_spans", measure_spans)
+    return calls
+
+
+def method(**kw):
+    return autoshard.AutoParallel(num_micro_batches=2, layer_option="manual",
+                                  default_auto_sharding_option=QUIET, **kw)
+
+
+def test_spans_are_planned_once_per_distinct_layer_and_usable_sub_mesh(counted):
+    est = autoshard.plan(step, *shapes(), cluster=CLUSTER, method=method(),
+                         batch_argnums=(2, 3))
+    spans = [c for c in counted if c[0] == "spans"]
+    # 3 distinct layers (embedding, block, head) x sub-meshes of 1, 2 and 4 devices (not 8)
+    # x (F, B); the apply tasks (a few KB) cannot reach 80 GB and are not planned
+    assert sorted({n for _, _, n in spans}) == [1, 2, 4]
+    assert len(spans) == len(set(spans)) == 3 * 3 * 2
+    assert [c.num_stages for c in est.candidates] == list(range(1, NUM_BLOCKS + 3))
+    assert "spans planned: 15 of 20" in est.explain()
+    assert "apply tasks planned: 0 of 15" in est.explain()
+
+
+class _Traced(Exception):
+    pass
+
+
+def _program(monkeypatch):
+    """The traced step as ``autoshard.plan`` hands it to ``AutoParallel``."""
+    got = {}
+
+    def capture(m, program, cluster):
+        got["program"] = program
+        raise _Traced
+    with monkeypatch.context() as patch:
+        patch.setattr(auto, "choose", capture)
+        with pytest.raises(_Traced):
+            autoshard.plan(step, *shapes(), cluster=CLUSTER, method=method(),
+                           batch_argnums=(2, 3))
+    return got["program"]
+
+
+def _layouts(pricer_type, option, program):
+    m = method(stage_option=option)
+    search = m.pipeline(option)
+    cut = cut_program(program, search)
+    pricer = pricer_type(search, program, cut, CLUSTER)
+    return [pricer.stage_layout(option, cut.num_layers, 2, num_stages=s)
+            for s in range(2, cut.num_layers + 1)], pricer
+
+
+@pytest.mark.parametrize("mode, budget", [("individual", None), ("individual", 1_280_000),
+                                          ("composition", 500_000)])
+def test_the_stage_dp_finds_what_planning_every_span_finds(mode, budget, monkeypatch):
+    option = autoshard.AutoStageOption(
+        submesh_physical_shape_space="manual",
+        manually_specified_submeshes=[(1, 2), (1, 4), (1, 8)][mode == "composition":],
+        layer_profile_mode=mode, memory_budget_per_device=budget)
+    program = _program(monkeypatch)
+    mine, pricer = _layouts(auto._SpanPricer, option, program)
+    full, _ = _layouts(price._Pricer, option, program)
+    assert mine == full
+    stats = pricer.span_stats
+    assert stats["pruned"] > 0
+    if budget is not None:  # the budget makes some spans' apply tasks count, not all
+        assert stats["apply_planned"] > 0 and stats["apply_skipped"] > 0
+    else:
+        assert stats["apply_planned"] == 0

@@ -37,6 +37,33 @@ import autoshard
 from autoshard.pipeline import auto as auto_module
 
 RESULTS = Path(__file__).parent / "results"
+NOTES = """
+## What changed (before -> after)
+
+Where the first call's time went before (profiled on the same model, `autoshard.plan` on
+`Cluster.from_devices`): the whole-mesh `ShardParallel` plan about 12 CPU s, half of it the
+least-memory re-solve and its trade-off table (`memory_tradeoff` 0.1); the stage search's
+spans 40 (span, sub-mesh) pairs x (F, B, apply) = most of the 186 `plan_auto` calls; the
+3 pipelines priced in full about 36 calls. After (`pipeline/auto.py`):
+
+* the stage search plans each layer once per sub-mesh (`layer_profile_mode="individual"`,
+  AutoParallel's default now; a span's time is the sum of its layers' as Alpa composes them,
+  and the `num_priced` layouts are then priced as whole stages, as before); identical layers
+  are planned once (the task cache keys on the task's jaxpr);
+* no span is planned on a sub-mesh that no pipeline of 2 or more stages can use (here the
+  whole 8-device mesh), nor (composition mode) the span of every layer;
+* a span's apply (optimizer) tasks are planned only where their memory can decide the DP's
+  memory test: their peak is at most every value replicated and live at once, twice; where
+  that fits the limit (here: the CPU devices have no limit), the test passes either way;
+* the whole-mesh candidate is planned with `memory_tradeoff` 0 unless the option sets it
+  (candidates are compared by step time within the memory, as the pipeline task plans are).
+
+Same choice (ShardParallel on the whole mesh, 2x4), the same plan and the same losses; the
+2-stage candidate's layout differs (layers 0-1 | 2-3 instead of 0-2 | 3, priced 1.69 ms
+instead of 1.00 ms; the chosen plan is 0.127 ms either way). The machine was shared by
+several agents (load 5-16 on 2 CPUs): wall seconds vary 3-5x with the load, CPU seconds are
+the comparable figure.
+"""
 SIZE = dict(vocab=256, dim=64, heads=4, seq=32, batch=16, layers=4)
 
 
@@ -131,9 +158,10 @@ def measure() -> dict:
     choose = auto_module.choose
 
     def timed_choose(*args, **kwargs):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         est = choose(*args, **kwargs)
         timed["choose_s"] += time.perf_counter() - t
+        timed["choose_cpu_s"] = timed.get("choose_cpu_s", 0.0) + time.process_time() - c
         timed["explain"] = est.explain()
         return est
     auto_module.choose = timed_choose
@@ -154,7 +182,8 @@ def measure() -> dict:
     end = next(i for i, x in enumerate(lines) if x.strip().startswith("chosen:"))
     candidates = [x.strip() for x in lines[1:end]]
     return {"first_call_s": first_s, "first_call_cpu_s": first_cpu_s,
-            "planning_s": timed["choose_s"], "plan_auto_calls": counter.calls,
+            "planning_s": timed["choose_s"], "planning_cpu_s": timed["choose_cpu_s"],
+            "plan_auto_calls": counter.calls,
             "chosen": next(c for c in candidates if c.startswith("*")),
             "candidates": candidates, "losses": losses,
             "load_average": os.getloadavg()[0]}
@@ -169,20 +198,20 @@ def write_md(rows: list[dict]) -> None:
         "compute. first call: wall (CPU) seconds of the first call (trace, choice, compile, "
         "run); planning: seconds of `auto.choose`; plan_auto: planner calls during the first "
         "call. Written by `benchmarks/auto_speed.py`.", "",
-        "| run | commit | first call s (CPU s) | planning s | plan_auto calls | load | chosen | "
+        "| run | commit | first call s (CPU s) | planning s (CPU s) | plan_auto calls | load | chosen | "
         "losses (3 steps) |",
         "|---|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['label']} | {r['commit']} | {r['first_call_s']:.1f} "
-            f"({r['first_call_cpu_s']:.1f}) | {r['planning_s']:.1f} | {r['plan_auto_calls']} | "
+            f"({r['first_call_cpu_s']:.1f}) | {r['planning_s']:.1f}"
+            + (f" ({r['planning_cpu_s']:.1f})" if "planning_cpu_s" in r else "")
+            + f" | {r['plan_auto_calls']} | "
             f"{r['load_average']:.1f} | {r['chosen'].lstrip('* ')} | "
             f"{', '.join(f'{x:.6f}' for x in r['losses'])} |")
     for r in rows:
         lines += ["", f"## {r['label']}: candidates", ""] + [f"- {c}" for c in r["candidates"]]
-    notes = RESULTS / "auto_speed_notes.md"
-    if notes.exists():
-        lines += ["", notes.read_text().strip()]
+    lines += ["", NOTES.strip()]
     (RESULTS / "auto_speed.md").write_text("\n".join(lines) + "\n")
 
 

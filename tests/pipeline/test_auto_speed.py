@@ -143,3 +143,36 @@ def test_the_stage_dp_finds_what_planning_every_span_finds(mode, budget, monkeyp
         assert stats["apply_planned"] > 0 and stats["apply_skipped"] > 0
     else:
         assert stats["apply_planned"] == 0
+
+
+def test_the_whole_mesh_candidate_shares_a_solver_budget_over_its_meshes(monkeypatch):
+    """Each mesh of the whole-mesh plan gets ``budget / (2 * meshes)`` seconds (its LP bound
+    and its ILP) unless the option sets ``solver_time_limit_s``; the plan is the fastest."""
+    from autoshard import sharding
+    from autoshard.sharding.planner import mesh_candidates
+
+    big = Cluster.a100_80gb(num_hosts=64)  # 512 GPUs: 1-D, 2-D and 3-D meshes
+    meshes = mesh_candidates(512, autoshard.AutoShardingOption(), None, 8)
+    assert any(len(m) == 3 for m in meshes)
+    option = auto.whole_mesh_option(QUIET, big, 600.0)
+    assert option.solver_time_limit_s == pytest.approx(600.0 / (2 * len(meshes)))
+    assert option.memory_tradeoff == 0.0 and option.solver_node_limit == QUIET.solver_node_limit
+    mine = autoshard.AutoShardingOption(solver_time_limit_s=900.0, memory_tradeoff=0.2)
+    assert auto.whole_mesh_option(mine, big, 600.0) == mine
+    assert auto.whole_mesh_option(QUIET, big, None).solver_time_limit_s == 600.0
+
+    seen = []
+    real = sharding.plan_auto
+
+    def plan_auto(closed, **kw):
+        if kw["num_devices"] == 8:
+            seen.append(kw["option"].solver_time_limit_s)
+        return real(closed, **kw)
+    monkeypatch.setattr(sharding, "plan_auto", plan_auto)
+    est = autoshard.plan(step, *shapes(), cluster=CLUSTER, batch_argnums=(2, 3),
+                         method=method(whole_mesh_solver_budget_s=30.0, max_num_stages=2))
+    three = len(mesh_candidates(8, QUIET, None, 8))  # (8,), (2, 4), (4, 2)
+    assert seen and set(seen) == {30.0 / (2 * three)}
+    assert f"stopped after {30.0 / (2 * three):.3g} s" in est.explain()
+    with pytest.raises(ValueError, match=r"whole_mesh_solver_budget_s \(0\) must be positive"):
+        autoshard.AutoParallel(whole_mesh_solver_budget_s=0)

@@ -42,6 +42,7 @@ from ..methods._mesh import resolve_devices
 from ..methods._methods import ShardParallel
 from ..sharding.options import AutoShardingOption
 from ..sharding.plan import ShardingPlan
+from ..sharding.planner import mesh_candidates
 from .build import cut_program
 from .estimate import PipelineEstimate
 from .layers import layer_option_of
@@ -170,6 +171,13 @@ class AutoParallel(ParallelMethod):
     """Most pipeline stages tried; None: one per layer."""
     num_priced: int = 3
     """Stage counts priced in full (those of least stage DP objective)."""
+    whole_mesh_solver_budget_s: float | None = 600.0
+    """Wall seconds the whole-mesh candidate's solves may take in all: each of its candidate
+    meshes gets ``budget / (2 * meshes)`` as ``solver_time_limit_s`` (its LP bound and its
+    ILP), unless ``default_auto_sharding_option`` sets ``solver_time_limit_s`` itself.
+    Without it a 3-D mesh of a 48-layer step on 512 devices ran 600 s per mesh at a 98% gap
+    (``benchmarks/results/cluster_auto.md``). A solve stopped by the clock warns (its plan
+    can differ between runs). None: the option's limit per mesh."""
     plan: Any = None
     """A choice made earlier (``autoshard.plan(..., method=AutoParallel(...))``'s
     ``AutoEstimate``): run it on the devices without searching again."""
@@ -183,6 +191,12 @@ class AutoParallel(ParallelMethod):
                 f"AutoParallel.pipeline_schedule ({self.pipeline_schedule!r}) must be one of "
                 f"{tuple(s for s in SCHEDULES if not traits(s).virtual)} (the stage search "
                 "places one model stage per sub-mesh).")
+        b = self.whole_mesh_solver_budget_s
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
+                              or not 0 < b < math.inf):
+            raise ValueError(f"AutoParallel.whole_mesh_solver_budget_s ({b!r}) must be positive "
+                             "seconds, or None (each mesh the planner option's "
+                             "solver_time_limit_s).")
         for name in ("max_num_stages", "num_priced"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -244,7 +258,7 @@ def choose(method: AutoParallel, program, cluster: Cluster) -> AutoEstimate:
     doc)."""
     t0 = time.perf_counter()
     notes: list[str] = []
-    candidates = [_whole_mesh(method, program, cluster)]
+    candidates = [_whole_mesh(method, program, cluster, notes)]
     candidates += _pipelines(method, program, cluster, notes)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
@@ -255,22 +269,40 @@ def choose(method: AutoParallel, program, cluster: Cluster) -> AutoEstimate:
                         notes=tuple(notes))
 
 
-def whole_mesh_option(option: AutoShardingOption | None) -> AutoShardingOption:
-    """The planner options of the whole-mesh candidate: ``option`` with ``memory_tradeoff``
-    0 where it leaves it None. Candidates are compared by step time within the memory, and
-    a pipeline's task plans are the fastest within it (their default is 0), so the
-    whole-mesh plan is too; this also skips the least-memory re-solve and its trade-off
-    table (``sharding/least_memory.py``, ``pareto.py``), about half of that plan's time."""
+def whole_mesh_option(option: AutoShardingOption | None, cluster: Cluster,
+                      budget_s: float | None = None) -> AutoShardingOption:
+    """The planner options of the whole-mesh candidate.
+
+    * ``memory_tradeoff`` 0 where ``option`` leaves it None: candidates are compared by step
+      time within the memory, and a pipeline's task plans are the fastest within it (their
+      default is 0), so the whole-mesh plan is too; this also skips the least-memory
+      re-solve and its trade-off table (``sharding/least_memory.py``, ``pareto.py``), about
+      half of that plan's time on a small model;
+    * ``solver_time_limit_s``: ``budget_s`` shared by the candidate meshes (the planner's
+      ``mesh_candidates`` on ``cluster``), an LP bound and an ILP each, where ``option``
+      leaves the limit at its default.
+    """
     option = option if option is not None else AutoShardingOption()
     if option.memory_tradeoff is None:
         option = dataclasses.replace(option, memory_tradeoff=0.0)
+    default = AutoShardingOption.__dataclass_fields__["solver_time_limit_s"].default
+    if budget_s is not None and option.solver_time_limit_s == default:
+        meshes = mesh_candidates(cluster.num_devices, option, None, cluster.devices_per_host)
+        share = budget_s / (2 * len(meshes))
+        option = dataclasses.replace(option, solver_time_limit_s=min(default, share))
     return option
 
 
-def _whole_mesh(method: AutoParallel, program, cluster: Cluster) -> Candidate:
+def _whole_mesh(method: AutoParallel, program, cluster: Cluster,
+                notes: list | None = None) -> Candidate:
+    option = whole_mesh_option(method.default_auto_sharding_option, cluster,
+                               method.whole_mesh_solver_budget_s)
+    if notes is not None:
+        notes.append(f"whole-mesh candidate: each mesh's solves stopped after "
+                     f"{option.solver_time_limit_s:.3g} s or {option.solver_node_limit:,} "
+                     "branch-and-bound nodes (whole_mesh_solver_budget_s, solver_node_limit)")
     shard = ShardParallel(devices=method.devices, num_micro_batches=method.num_micro_batches,
-                          auto_sharding_option=whole_mesh_option(
-                              method.default_auto_sharding_option))
+                          auto_sharding_option=option)
     try:
         plan = shard.plan_for(program, cluster)
     except (ValueError, RuntimeError) as err:

@@ -471,11 +471,11 @@ class _SpanPricer(_Pricer):
 
 
 def _apply_bytes_bound(task) -> int:
-    """Bytes per device an apply task's plan can hold at most: every value it reads or makes,
-    replicated and live at once, twice (a resharded copy of each)."""
+    """Bytes per device an apply task's plan holds at most: every value it reads or makes
+    (inside nested jaxprs too) replicated and live at once, twice (a resharded copy of
+    each). Apply tasks are element-wise updates: a value is not resharded to two layouts."""
     seen, total = set(), 0
-    values = list(task.invars) + [v for e in task.eqns for v in e.outvars]
-    for v in values:
+    for v in list(task.invars) + _made(task.eqns):
         aval = getattr(v, "aval", None)
         if id(v) in seen or aval is None or not hasattr(aval, "shape"):
             continue
@@ -486,6 +486,19 @@ def _apply_bytes_bound(task) -> int:
             itemsize = 16
         total += math.prod(aval.shape) * max(itemsize, 1)
     return 2 * total
+
+
+def _made(eqns) -> list:
+    """The values ``eqns`` make, those of the jaxprs in their parameters included."""
+    out = []
+    for e in eqns:
+        out += list(e.outvars)
+        for p in e.params.values():
+            for j in p if isinstance(p, (list, tuple)) else [p]:
+                inner = getattr(j, "jaxpr", j)
+                if hasattr(inner, "eqns"):
+                    out += _made(inner.eqns)
+    return out
 
 
 def _span(stage_of_layer, t) -> str:

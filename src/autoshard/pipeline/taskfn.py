@@ -60,24 +60,28 @@ def local_task(eqns, invars, outvars, acc, consts, random, rows, axes, size, mes
     """A task run per device over the batch ``axes`` (``shard_map`` manual over them, auto
     over the other axes, ``_local.LocalEval``): micro-batch-row values are each device's own
     rows, reductions over them stay partial, and every accumulator gains a leading dim of one
-    partial sum per device group, added to locally. ``in_specs``/``acc_specs``/``out_specs``:
-    the jit's specs of the inputs, the stacked accumulators and the outputs. Returns
-    (function, input specs, output specs)."""
+    partial sum per device group, added to locally. ``rows``: value -> the dim its rows are
+    on (dim 0 for the micro-batch rows; another dim for a value computed from them, e.g. a
+    scan's stacked residuals, time steps first), split over ``axes`` inside; every other
+    value is whole there. ``in_specs``/``acc_specs``/``out_specs``: the jit's specs of the
+    inputs, the stacked accumulators and the outputs. Returns (function, input specs, output
+    specs)."""
     entry = axes if len(axes) > 1 else axes[0]
-    rows_spec = stacked = P(entry)
+    stacked = P(entry)
     n, n_acc = len(invars), len(acc)
     in_specs = list(in_specs) + list(acc_specs) + ([P()] if random else [])
     out_specs = list(out_specs) + list(acc_specs)
-    # inside the shard_map only the manual axes are named: rows split, the rest whole
-    body_in = [rows_spec if v in rows else P() for v in invars] + [stacked] * n_acc + (
-        [P()] if random else [])
-    body_out = [rows_spec if v in rows else P() for v in outvars] + [stacked] * n_acc
+
+    def inside(v):  # inside the shard_map only the manual axes are named: rows split
+        return P(*[None] * rows[v], entry) if v in rows else P()
+    body_in = [inside(v) for v in invars] + [stacked] * n_acc + ([P()] if random else [])
+    body_out = [inside(v) for v in outvars] + [stacked] * n_acc
 
     def body(*args):
         local = LocalEval(axes, size)
         values = dict(zip(invars, args[:n], strict=True))
         values.update(consts)
-        kinds = {v: split(0) for v in invars if v in rows}
+        kinds = {v: split(rows[v]) for v in invars if v in rows}
         if random:
             local.key_hook = fold_keys(args[-1])
         local.run(eqns, values, kinds)
@@ -86,7 +90,7 @@ def local_task(eqns, invars, outvars, acc, consts, random, rows, axes, size, mes
             if isinstance(v, Literal):
                 return jnp.asarray(v.val, v.aval.dtype), R
             return values[v], kinds.get(v, R)
-        outs = [local.to_split(*read(v), 0) if v in rows else local.to_r(*read(v))
+        outs = [local.to_split(*read(v), rows[v]) if v in rows else local.to_r(*read(v))
                 for v in outvars]
         new = [a + local.to_p(*read(v))[None].astype(a.dtype)
                for a, v in zip(args[n:n + n_acc], acc, strict=True)]

@@ -22,6 +22,7 @@ reach the caller (for the memory budget: "Stage s does not fit in memory").
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -37,7 +39,8 @@ from ..ir._walk import all_eqns
 from ..sharding import plan_auto
 from ..sharding.cost import CostModel
 from ..sharding.options import AutoShardingOption
-from ..sharding.plan import ShardingPlan, spec_axes
+from ..sharding.plan import Collective, ShardingPlan, spec_axes
+from ..sharding.spec import axis_place
 from .layouts import carried, step_aliases
 from .partition import Partition, Task
 from .reduce import acc_dtype, stacked_spec, without_batch_reductions
@@ -402,7 +405,7 @@ def _decide(kind, t: Task, part: Partition, target: Target, option, arriving, *,
     local = reduced = predicted = None
     if axes:
         found = _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving,
-                            plan, in_specs, option, target)
+                            plan, in_specs, option, target, part.batch_dependent)
         if isinstance(found, str):
             note, axes = found, ()
         else:
@@ -441,10 +444,14 @@ def _cached(cache: dict, key, planned):
 
 
 def _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving, plan, plan_in,
-                option, target):
+                option, target, batched=frozenset()):
     """(function, input specs, output specs, plan, reduced specs) of a backward task run per
     device over ``axes``, the other axes as its plan lays them out; a note why not when the
-    plan takes the rows otherwise or the per-device run would communicate more than a scalar."""
+    plan takes the rows otherwise or the per-device run would communicate more than a scalar.
+    A value computed from the rows (``batched``) that arrives (or leaves) with another dim
+    split over ``axes`` (a scan's stacked residuals: time steps first, rows second) stays
+    split there inside: made whole, it would be gathered on entry and every device would run
+    the whole batch."""
     n, n_acc = len(invars), len(acc)
     entry = P(axes if len(axes) > 1 else axes[0])
     if plan is not None:
@@ -467,8 +474,17 @@ def _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving, p
         accs, reduced = [entry] * n_acc, None
     sizes = dict(zip(target.axis_names, target.mesh_shape, strict=True))
     groups = math.prod(sizes[a] for a in axes)
-    run, in_specs, out_specs = local_task(t.eqns, invars, outvars, acc, consts, random, rows,
-                                          axes, groups, target.any_mesh, ins, accs, outs)
+    split_at = {v: 0 for v in list(invars) + list(outvars) if v in rows}
+    for v, spec in [*zip(invars, ins, strict=True), *zip(outvars, outs, strict=True)]:
+        if v not in split_at and v in batched:
+            d = _rows_dim(spec, axes, getattr(v.aval, "shape", ()), groups)
+            if d is not None:
+                split_at[v] = d
+    if plan is not None:
+        plan = _gathered_on_entry(plan, invars, ins, split_at, axes, costs)
+    run, in_specs, out_specs = local_task(t.eqns, invars, outvars, acc, consts, random,
+                                          split_at, axes, groups, target.any_mesh, ins, accs,
+                                          outs)
     shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
     shapes += [jax.ShapeDtypeStruct((groups,) + tuple(v.aval.shape), acc_dtype(v.aval.dtype))
                for v in acc]
@@ -483,6 +499,60 @@ def _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving, p
         return (f"{t.name}: accumulated values reduced per micro-batch (run per device over "
                 f"{axes} it would communicate: {', '.join(sorted(talks))})")
     return run, in_specs, out_specs, plan, reduced
+
+
+def _gathered_on_entry(plan, invars, ins, split_at, axes, costs):
+    """``plan``'s collectives as the task runs per device over ``axes``: nothing moves over
+    them inside (``_per_device`` checks its trace), so the plan's gathers over them alone (a
+    weight gathered for a dot inside a scan, once per iteration) are replaced by one gather
+    on entry of each input that arrives split over them and is whole inside (every input but
+    the rows, ``split_at``)."""
+    batch = set(axes)
+    inside = [c for c in plan.collectives if c.kind == "all-gather" and c.axes
+              and set(c.axes) <= batch and not c.where.startswith("rows of ")]
+    index = {a: i for i, a in enumerate(plan.axis_names)}
+    entry = []
+    for v, spec, leaf in zip(invars, ins, plan.inputs, strict=False):
+        shape = tuple(getattr(v.aval, "shape", ()))
+        if v in split_at or not shape:
+            continue
+        entries = list(P(*spec)) + [None] * (len(shape) - len(spec))
+        src = tuple(tuple(index[a] for a in spec_axes(e)) for e in entries)
+        dst = tuple(tuple(index[a] for a in spec_axes(e) if a not in batch) for e in entries)
+        try:
+            itemsize = np.dtype(v.aval.dtype).itemsize
+        except TypeError:  # a PRNG key array
+            itemsize = 8
+        for a in axes:
+            i = index[a]
+            step = costs.axis_step(i, axis_place(src, i), axis_place(dst, i),
+                                   math.prod(shape) * itemsize)
+            if step is not None:
+                kind, num_bytes, cost = step
+                entry.append(Collective(kind=kind, axes=(a,), num_bytes=int(num_bytes),
+                                        cost_s=cost, where=f"{leaf.path} whole in the per-device task",
+                                        dtype=str(v.aval.dtype)))
+    if not inside and not entry:
+        return plan
+    saved, added = sum(c.cost_s for c in inside), sum(c.cost_s for c in entry)
+    objective = dataclasses.replace(
+        plan.objective, resharding_s=max(0.0, plan.objective.resharding_s - saved) + added)
+    note = (f"inside the per-device run {len(inside)} gather(s) over {tuple(axes)} "
+            f"({saved:.3g} s) become {len(entry)} gather(s) of inputs on entry ({added:.3g} s)")
+    kept = tuple(c for c in plan.collectives if c not in inside) + tuple(entry)
+    return dataclasses.replace(plan, collectives=kept, objective=objective,
+                               notes=plan.notes + (note,))
+
+
+def _rows_dim(spec, axes, shape, groups: int) -> int | None:
+    """The one dim ``spec`` splits over exactly the mesh axes ``axes`` (no other dim naming
+    any of them), when it divides into ``groups`` blocks; else None."""
+    spec = P(*spec)
+    dims = [d for d, e in enumerate(spec) if set(spec_axes(e)) & set(axes)]
+    if len(dims) != 1 or tuple(spec_axes(spec[dims[0]])) != tuple(axes):
+        return None
+    d = dims[0]
+    return d if d < len(shape) and shape[d] % groups == 0 else None
 
 
 def row_axes(invars, rows, arriving) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ from ..grad_accum import fold_keys
 from ..ir._compat import Literal
 from ..ir._jaxpr import Env
 from ..ir._local import LocalEval, R, split
+from ..ir._walk import INLINE_CALLS, body_of
 
 
 def spec_of(s) -> P:
@@ -44,6 +45,26 @@ def task_fn(eqns, invars, outvars, acc, consts, random):
         new = [a + values[v].astype(a.dtype) for a, v in zip(accs, acc, strict=True)]
         return [values[v] for v in outvars] + new
     return fn
+
+
+def reads(eqns, outvars) -> set:
+    """The vars ``eqns`` read to compute ``outvars`` (calls looked into: an operand their body
+    never reads is not read; XLA drops it, and whatever would move it)."""
+    live = {v for v in outvars if not isinstance(v, Literal)}
+    for e in reversed(eqns):
+        wanted = [o in live for o in e.outvars]
+        if not any(wanted) and not e.effects:
+            continue
+        operands = [v for v in e.invars if not isinstance(v, Literal)]
+        if e.primitive.name in INLINE_CALLS and not e.effects:
+            body, _ = body_of(e)
+            if len(body.invars) == len(e.invars) and len(body.outvars) == len(e.outvars):
+                inner = reads(body.eqns, [o for o, w in zip(body.outvars, wanted, strict=True)
+                                          if w])
+                operands = [v for v, b in zip(e.invars, body.invars, strict=True)
+                            if b in inner and not isinstance(v, Literal)]
+        live.update(operands)
+    return live
 
 
 _COLLECTIVES = ("psum", "all_gather", "all_to_all", "ppermute", "reduce_scatter", "pmax",
@@ -104,4 +125,4 @@ def local_task(eqns, invars, outvars, acc, consts, random, rows, axes, size, mes
     return run, in_specs, out_specs
 
 
-__all__ = ["is_collective", "local_task", "pinned", "spec_of", "task_fn"]
+__all__ = ["is_collective", "local_task", "pinned", "reads", "spec_of", "task_fn"]

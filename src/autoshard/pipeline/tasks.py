@@ -44,7 +44,7 @@ from ..sharding.spec import axis_place
 from .layouts import carried, step_aliases
 from .partition import Partition, Task
 from .reduce import acc_dtype, stacked_spec, without_batch_reductions
-from .taskfn import is_collective, local_task, pinned, spec_of, task_fn
+from .taskfn import is_collective, local_task, pinned, reads, spec_of, task_fn
 from .zero import gather_once, zero_apply
 
 
@@ -461,8 +461,9 @@ def _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving, p
                     f"rows over {sorted(takes)}, not {axes})")
         ins = [spec_of(a) if a is not None else plan_in[i] for i, a in enumerate(arriving)]
         costs = task_costs(target.mesh_shape, option, target.cluster)
+        read = reads(t.eqns, list(outvars) + list(acc))
         plan = without_batch_reductions(
-            plan, axes, costs, [i for i, v in enumerate(invars) if v in rows],
+            plan, axes, costs, [i for i, v in enumerate(invars) if v in rows and v in read],
             [i for i, v in enumerate(outvars) if v in rows], arriving=ins)
         outs = list(plan.out_specs[:len(outvars)])
         accs = [stacked_spec(s, axes) for s in plan_in[n:n + n_acc]]
@@ -481,7 +482,7 @@ def _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving, p
             if d is not None:
                 split_at[v] = d
     if plan is not None:
-        plan = _gathered_on_entry(plan, invars, ins, split_at, axes, costs)
+        plan = _gathered_on_entry(plan, invars, ins, split_at, axes, costs, read)
     run, in_specs, out_specs = local_task(t.eqns, invars, outvars, acc, consts, random,
                                           split_at, axes, groups, target.any_mesh, ins, accs,
                                           outs)
@@ -501,12 +502,12 @@ def _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving, p
     return run, in_specs, out_specs, plan, reduced
 
 
-def _gathered_on_entry(plan, invars, ins, split_at, axes, costs):
+def _gathered_on_entry(plan, invars, ins, split_at, axes, costs, read):
     """``plan``'s collectives as the task runs per device over ``axes``: nothing moves over
     them inside (``_per_device`` checks its trace), so the plan's gathers over them alone (a
     weight gathered for a dot inside a scan, once per iteration) are replaced by one gather
     on entry of each input that arrives split over them and is whole inside (every input but
-    the rows, ``split_at``)."""
+    the rows, ``split_at``) and is ``read``."""
     batch = set(axes)
     inside = [c for c in plan.collectives if c.kind == "all-gather" and c.axes
               and set(c.axes) <= batch and not c.where.startswith("rows of ")]
@@ -514,7 +515,7 @@ def _gathered_on_entry(plan, invars, ins, split_at, axes, costs):
     entry = []
     for v, spec, leaf in zip(invars, ins, plan.inputs, strict=False):
         shape = tuple(getattr(v.aval, "shape", ()))
-        if v in split_at or not shape:
+        if v in split_at or v not in read or not shape:
             continue
         entries = list(P(*spec)) + [None] * (len(shape) - len(spec))
         src = tuple(tuple(index[a] for a in spec_axes(e)) for e in entries)

@@ -176,3 +176,22 @@ def test_the_whole_mesh_candidate_shares_a_solver_budget_over_its_meshes(monkeyp
     assert f"stopped after {30.0 / (2 * three):.3g} s" in est.explain()
     with pytest.raises(ValueError, match=r"whole_mesh_solver_budget_s \(0\) must be positive"):
         autoshard.AutoParallel(whole_mesh_solver_budget_s=0)
+
+
+def test_a_whole_mesh_plan_over_the_memory_is_no_candidate(monkeypatch):
+    """A whole-mesh plan whose estimate exceeds the devices' memory (the planner's estimate of
+    the step can exceed its ILP's budget) is dropped, as a pipeline over it is."""
+    import dataclasses
+
+    real = autoshard.ShardParallel.plan_for
+
+    def over(self, program, cluster):
+        plan = real(self, program, cluster)
+        o = dataclasses.replace(plan.objective, peak_bytes_per_device=cluster.memory_bytes + 1)
+        return dataclasses.replace(plan, objective=o)
+    monkeypatch.setattr(autoshard.ShardParallel, "plan_for", over)
+    est = autoshard.plan(step, *shapes(), cluster=CLUSTER, method=method(max_num_stages=2),
+                         batch_argnums=(2, 3))
+    whole = est.candidates[0]
+    assert not whole.fits and "is over the cluster's 80 GiB" in whole.dropped
+    assert est.num_stages == 2 and "dropped: its estimated memory" in est.explain()

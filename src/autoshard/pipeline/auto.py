@@ -311,9 +311,16 @@ def _whole_mesh(method: AutoParallel, program, cluster: Cluster,
         return Candidate(num_stages=1, step_s=math.inf, memory_bytes=None,
                          dropped=_first_sentence(err))
     o = plan.objective
-    return Candidate(num_stages=1, step_s=o.total_s, memory_bytes=o.peak_bytes_per_device,
+    peak, limit = o.peak_bytes_per_device, cluster.memory_bytes
+    # The planner keeps its ILP's memory rows within the budget, but its estimate of the
+    # whole step (the micro-batch loop's variants, a solve stopped by the clock) can exceed
+    # it: such a plan is no candidate (a pipeline over the memory is dropped the same way).
+    over = (f"its estimated memory, {peak / GIB:.3g} GiB per device, is over the cluster's "
+            f"{limit / GIB:.3g} GiB" if limit is not None and peak is not None and peak > limit
+            else "")
+    return Candidate(num_stages=1, step_s=o.total_s, memory_bytes=peak,
                      split=f"mesh {'x'.join(map(str, plan.mesh_shape))}", estimate=plan,
-                     method=dataclasses.replace(shard, plan=plan))
+                     method=dataclasses.replace(shard, plan=plan), dropped=over)
 
 
 def _pipelines(method: AutoParallel, program, cluster: Cluster,

@@ -148,7 +148,7 @@ def reduce_prediction(reduced, batch_axes_of) -> dict:
         axes = batch_axes_of[v]
         mesh = sh.mesh
         sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-        itemsize = acc_dtype(v.aval.dtype).itemsize
+        itemsize = np.dtype(acc_dtype(v.aval.dtype)).itemsize
         total = math.prod(v.aval.shape) * itemsize
         model = {a for e in acc_sh.spec[1:] for a in spec_axes(e)}
         out_axes = {a for e in sh.spec for a in spec_axes(e)}

@@ -102,16 +102,22 @@ def split_tied_gradients(marker, pre, post, stage_of) -> tuple:
         return marker, set(), post, set()
     roots = {}
     marked = set(v for v in marker.invars if isinstance(v, Var))
-    for e, tree, terms in add_trees(pre, list(marker.invars)):
+    # A parameter cast once and used by two stages (``embed.astype(bf16)``, as flax's
+    # ``Embed`` does) has its gradient cast back after the addition: the marked value is the
+    # cast of the tree. The cast moves after the marker, the stages' terms are marked.
+    cast = _casts_of_marked(pre, marker)
+    for e, tree, terms in add_trees(pre, list(marker.invars) + [c.invars[0] for c in
+                                                                cast.values()]):
         out = e.outvars[0]
-        if out not in marked or list(marker.invars).count(out) != 1:
+        top = next((v for v, c in cast.items() if c.invars[0] is out), out)
+        if top not in marked or list(marker.invars).count(top) != 1:
             continue
         if any(not isinstance(t, Var) for t in terms):
             continue
         stages = {stage_of(t) for t in terms}
         if None in stages or len(stages) < 2:
             continue
-        roots[out] = (e, tree, terms)
+        roots[top] = (e, tree + ([cast[top]] if top in cast else []), terms)
     if not roots:
         return marker, set(), post, set()
     reds = list(marker.params.get("reductions", ("mean",) * len(marker.invars)))
@@ -128,16 +134,40 @@ def split_tied_gradients(marker, pre, post, stage_of) -> tuple:
         invars += terms
         outvars += parts
         new_reds += [r] * len(terms)
+        c = cast.get(v)
+        total = o if c is None else Var(e.outvars[0].aval)
         acc = parts[0]
         for i, p in enumerate(parts[1:]):
-            out = o if i == len(parts) - 2 else Var(o.aval)
+            out = total if i == len(parts) - 2 else Var(total.aval)
             new_post.append(e.replace(invars=[acc, p], outvars=[out]))
             acc = out
+        if c is not None:
+            new_post.append(c.replace(invars=[total], outvars=[o]))
     params = dict(marker.params)
     if "reductions" in params:
         params["reductions"] = tuple(new_reds)
     marker = marker.replace(invars=invars, outvars=outvars, params=params)
     return marker, skipped, new_post + list(post), {e.outvars[0] for e in new_post}
+
+
+CASTS = ("convert_element_type",)
+"""Equations between a tied gradient's addition and the marker that move after the marker."""
+
+
+def _casts_of_marked(pre, marker) -> dict:
+    """Marked value -> the cast in ``pre`` that makes it from an addition's result read by
+    nothing else (the gradient of a parameter cast before its uses)."""
+    made = {e.outvars[0]: e for e in pre if len(e.outvars) == 1}
+    uses = _uses(pre, marker.invars)
+    out = {}
+    for v in marker.invars:
+        c = made.get(v) if isinstance(v, Var) else None
+        if c is None or c.primitive.name not in CASTS or not isinstance(c.invars[0], Var):
+            continue
+        src = made.get(c.invars[0])
+        if src is not None and _is_add(src) and uses.get(c.invars[0]) == 1:
+            out[v] = c
+    return out
 
 
 def cross_stage_sums(post, outvars, home, tied, known=()) -> list[CrossStageSum]:

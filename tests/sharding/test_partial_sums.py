@@ -299,3 +299,31 @@ def test_sharded_embedding_is_reduced_once(without_partial_sums):
     old = plan()
     assert old.partial_sums == ()
     assert reduced(compile_plan(closed, old)) - reduced(f) == vocab * hidden // 2 * 4
+
+
+def test_gradient_accumulation_keeps_each_micro_batch_exact():
+    """With micro-batches the backward pass runs in the micro-batch loop (its sums are taken
+    on each device and reduced once after it): no sum is folded there, and the step stays
+    equal to jax.jit's (the accumulation's own single reduction is unchanged)."""
+    model = TiedLM()
+    ids = (jnp.arange(BATCH * SEQ).reshape(BATCH, SEQ) * 7) % VOCAB
+    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), ids),
+                              tx=optax.sgd(0.1))
+
+    def step(state, batch, grad=jax.grad):
+        def loss_fn(p):
+            logits = state.apply_fn(p, batch["ids"])
+            return -jnp.mean(jnp.sum(jax.nn.one_hot(batch["labels"], VOCAB)
+                                     * jax.nn.log_softmax(logits), -1))
+        return state.apply_gradients(grads=grad(loss_fn)(state.params))
+
+    batch = {"ids": ids, "labels": (ids * 3 + 1) % VOCAB}
+    want = jax.jit(step)(state, batch)
+    f = autoshard.parallelize(lambda s, b: step(s, b, autoshard.grad),
+                              method=autoshard.ShardParallel(
+                                  devices=mesh((4, 1)), num_micro_batches=2,
+                                  auto_sharding_option=option()))
+    assert f.get_executable(state, batch).plan.partial_sums == ()
+    got = f(state, batch)
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

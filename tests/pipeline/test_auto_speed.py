@@ -126,8 +126,9 @@ def _layouts(pricer_type, option, program):
             for s in range(2, cut.num_layers + 1)], pricer
 
 
-@pytest.mark.parametrize("mode, budget", [("individual", None), ("individual", 1_280_000),
-                                          ("composition", 500_000)])
+@pytest.mark.parametrize("mode, budget", [
+    ("individual", None), ("individual", 1_280_000),
+    pytest.param("composition", 500_000, marks=pytest.mark.slow)])  # ~45 s: every span
 def test_the_stage_dp_finds_what_planning_every_span_finds(mode, budget, monkeypatch):
     option = autoshard.AutoStageOption(
         submesh_physical_shape_space="manual",

@@ -4,14 +4,13 @@ A GPT step with fp32 master weights cast to bf16 in every layer, 2 stages on (2,
 of the 8 CPU devices, 2 micro-batches. Stage 0's memory budget keeps its weights from staying
 whole on every device, so its forward chooses between splitting them tensor-parallel
 (Megatron's layout: activations all-reduced) and gathering them in every micro-batch. Planned
-with per-axis resharding terms (its ILP past ``exact_resharding_columns``'s default), the
-forward all-gathered two bf16 weight matrices per micro-batch; pipeline tasks now price
-resharding pair by pair (``compile.TASK_EXACT_RESHARDING_COLUMNS``) and keep them split.
+with per-axis resharding terms that priced each axis's step as if every other axis split the
+array (its ILP past ``exact_resharding_columns``), the forward all-gathered two bf16 weight
+matrices per micro-batch; the terms now price the bytes the producer's layout holds
+(``sharding.reshard_memo``), and the stages keep them split with or without exact pairs.
 """
 
 from __future__ import annotations
-
-import re
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import autoshard
 from autoshard import AutoShardingOption, Cluster, ManualStageOption, PipeshardParallel
-from autoshard.pipeline.compile import (
-    TASK_EXACT_RESHARDING_COLUMNS,
-    gathered_inputs,
-    shape_auto_option,
-)
+from autoshard.pipeline.compile import gathered_inputs, shape_auto_option
 
 BF16 = jnp.bfloat16
 DIM, HEADS, LAYERS, VOCAB, SEQ, BATCH = 128, 4, 8, 64, 16, 8
@@ -153,13 +148,14 @@ def test_explain_says_no_weight_is_gathered(ran):
     assert "none: every stage keeps its weights in the layout its tasks use" in text
 
 
-@pytest.mark.slow   # ~55 s: plans and compiles the stages a second time, the old way
-def test_per_axis_resharding_terms_gathered_the_weights():
-    """The cause: the same stages planned with the planner's default budget of exact
-    resharding columns (past it, per-axis terms) gather stage 0's weights in its forward, and
-    explain() says which task and how many bytes."""
+@pytest.mark.slow   # ~55 s: plans and compiles the stages a second time
+def test_per_axis_resharding_terms_keep_the_weights_split():
+    """The cause: the same stages planned with per-axis resharding terms only
+    (``exact_resharding_columns=0``, every edge) gathered stage 0's weights in its forward
+    (2 all-gathers, named by explain()); priced on the bytes each device holds, they keep
+    them split."""
     state, tokens = make_args()
-    per_axis = {"exact_resharding_columns": AutoShardingOption().exact_resharding_columns - 1}
+    per_axis = {"exact_resharding_columns": 0}
     method = PipeshardParallel(
         num_micro_batches=2, layer_option="manual",
         default_auto_sharding_option=AutoShardingOption(show_progress=False),
@@ -169,10 +165,9 @@ def test_per_axis_resharding_terms_gathered_the_weights():
     executable = autoshard.parallelize(train_step, method=method, batch_argnums=(1, 2)
                                        ).get_executable(state, tokens, tokens)
     gathers = task_weight_gathers(executable)
-    assert len(gathers["F0"]) == 2, gathers
-    assert re.search(r"F0: 2 all-gather\(s\) of weights, [\d,]+ B per device per micro-batch "
-                     r"\(ZeRO-3 style: .*memory_budget_per_device 2,800,000 B\)",
-                     executable.explain())
+    assert {name: len(g) for name, g in gathers.items()} == dict.fromkeys(gathers, 0), gathers
+    assert "none: every stage keeps its weights in the layout its tasks use" in (
+        executable.explain())
 
 
 def test_the_steps_match_jax_jit(ran):
@@ -200,10 +195,10 @@ def test_the_priced_plans_are_the_compiled_ones(ran):
             (c.kind, c.axes, c.num_bytes) for c in plan.collectives], name
 
 
-def test_tasks_price_resharding_pair_by_pair_unless_told_otherwise():
-    assert shape_auto_option(None, (2, 2), {}).exact_resharding_columns == (
-        TASK_EXACT_RESHARDING_COLUMNS)
+def test_tasks_take_the_exact_resharding_columns_they_are_given():
+    default = AutoShardingOption().exact_resharding_columns
+    assert shape_auto_option(None, (2, 2), {}).exact_resharding_columns == default
     given = AutoShardingOption(exact_resharding_columns=5)
     assert shape_auto_option(given, (2, 2), {}).exact_resharding_columns == 5
-    assert shape_auto_option(None, (2, 2), {"exact_resharding_columns": 7}
+    assert shape_auto_option(given, (2, 2), {"exact_resharding_columns": 7}
                              ).exact_resharding_columns == 7

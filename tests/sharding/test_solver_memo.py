@@ -1,4 +1,4 @@
-"""Resharding costs shared across ILPs (``solver.MEMO``, issue 26 item 8) and the pricing-only
+"""Resharding costs shared across ILPs (``reshard_memo.MEMO``, issue 26 item 8) and the pricing-only
 planner call (``plan_auto(compare_data_parallel=False)``): both leave every plan as it was."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from _models import mlp, mse, sgd_step
 from _util import plan_fn
 
-from autoshard.sharding import AutoShardingOption, plan_auto, planner, solver
+from autoshard.sharding import AutoShardingOption, plan_auto, planner, reshard_memo
 from autoshard.sharding.cost import CostModel
 
 STEP = sgd_step(mse(mlp))
@@ -38,11 +38,11 @@ def reshards(monkeypatch):
 
 def test_the_memo_gives_the_plans_of_unshared_costs(monkeypatch, reshards):
     # Without it: every ILP starts from empty tables, as when each ILP kept its own.
-    monkeypatch.setattr(solver, "MEMO", solver._Memo(0))
+    monkeypatch.setattr(reshard_memo, "MEMO", reshard_memo._Memo(0))
     alone = [plan(logical_mesh_shape=(2, 4)), plan(logical_mesh_shape=(2, 4))]
     assert len(reshards) > 0
-    memo = solver._Memo(solver.MEMO_MAX_BYTES)
-    monkeypatch.setattr(solver, "MEMO", memo)
+    memo = reshard_memo._Memo(reshard_memo.MEMO_MAX_BYTES)
+    monkeypatch.setattr(reshard_memo, "MEMO", memo)
     reshards.clear()
     first = plan(logical_mesh_shape=(2, 4))
     priced = len(reshards)
@@ -57,8 +57,8 @@ def test_the_memo_gives_the_plans_of_unshared_costs(monkeypatch, reshards):
 
 
 def test_the_byte_bound_evicts_the_oldest_cost_models(monkeypatch):
-    memo = solver._Memo(solver.MEMO_MAX_BYTES)
-    monkeypatch.setattr(solver, "MEMO", memo)
+    memo = reshard_memo._Memo(reshard_memo.MEMO_MAX_BYTES)
+    monkeypatch.setattr(reshard_memo, "MEMO", memo)
     a = plan(logical_mesh_shape=(2, 4))
     plan(logical_mesh_shape=(4, 2))
     meshes = [cost.mesh_shape for cost, *_ in memo.tables]
@@ -66,7 +66,7 @@ def test_the_byte_bound_evicts_the_oldest_cost_models(monkeypatch):
     # What the bound counts: the matrices' data and a fixed price per entry.
     tables = list(memo.tables.values())
     assert memo.nbytes == sum(
-        solver.MEMO_ENTRY_BYTES * (len(t.costs) + len(t.matrices))
+        reshard_memo.MEMO_ENTRY_BYTES * (len(t.costs) + len(t.matrices))
         + sum(m.nbytes for m in t.matrices.values() if m is not None) for t in tables) > 0
     # Over the bound when an ILP starts: the cost models memoised first go until it fits.
     first = next(iter(memo.tables))
@@ -113,8 +113,8 @@ def _plan_priced():
 
 def test_matrices_are_never_written_through(monkeypatch):
     """An edge's accumulated costs are its own arrays: the memoised matrix stays as priced."""
-    memo = solver._Memo(solver.MEMO_MAX_BYTES)
-    monkeypatch.setattr(solver, "MEMO", memo)
+    memo = reshard_memo._Memo(reshard_memo.MEMO_MAX_BYTES)
+    monkeypatch.setattr(reshard_memo, "MEMO", memo)
     plan(logical_mesh_shape=(2, 4))
     saved = {k: m.copy() for t in memo.tables.values() for k, m in t.matrices.items()
              if m is not None}
@@ -126,7 +126,7 @@ def test_matrices_are_never_written_through(monkeypatch):
 
 
 def test_the_per_axis_matrix_is_reshard_per_axis_float_for_float():
-    """``solver.per_axis_matrix`` prices each distinct pair of axis places once; every entry
+    """``reshard_memo.per_axis_matrix`` prices each distinct pair of axis places once; every entry
     is the float ``CostModel.reshard_per_axis`` gives (what decides an edge's exactness)."""
     from autoshard.sharding.spec import candidate_specs
     for mesh in [(2, 4), (2, 2, 2), (4, 1, 2)]:
@@ -135,7 +135,7 @@ def test_the_per_axis_matrix_is_reshard_per_axis_float_for_float():
         shape = (8, 16, 4)
         specs = list(candidate_specs(shape, mesh))
         srcs, dsts = specs[::2] + specs[:3], specs[1::2] + specs[:2]
-        got = solver.per_axis_matrix(cost, srcs, dsts, shape, 2)
+        got = reshard_memo.per_axis_matrix(cost, srcs, dsts, shape, 2)
         want = np.array([[cost.reshard_per_axis(a, b, shape, 2) for b in dsts] for a in srcs])
         assert len(srcs) > 5 and (got != 0).any()
         np.testing.assert_array_equal(got, want)

@@ -69,34 +69,9 @@ def stage_auto_option(default, mesh, overrides: dict) -> AutoShardingOption:
     return shape_auto_option(default, tuple(mesh.devices.shape), overrides)
 
 
-TASK_EXACT_RESHARDING_COLUMNS = 1_000_000
-"""``AutoShardingOption.exact_resharding_columns`` of a pipeline's task plans where the user
-left it at its default (20,000, sized for the plan of a whole step). A forward or backward
-task runs once per micro-batch and holds one stage, so its resharding is priced pair by pair:
-past the default, every edge falls back to per-axis terms, which price a multi-axis reshard
-of an activation over one axis as if the other axes did not split it, so Megatron's layout
-(weights kept split, activations all-reduced) reads dearer than gathering every weight each
-micro-batch (issue 26 item 6: the 39.1B row's (32, 8) stages planned their forward at 314 ms
-with 37 GB of bf16 weights gathered per micro-batch, at 200 ms with none gathered once priced
-exactly; benchmarks/results/pipeline_weights.md). A backward of 24 such layers needs ~130,000
-columns and solves in ~15 s."""
-
-
-def task_exact_columns(base: AutoShardingOption, overrides: dict) -> int:
-    """The ``exact_resharding_columns`` a stage's tasks are planned with: the stage's own
-    dict entry, else the user's value, else (the default) ``TASK_EXACT_RESHARDING_COLUMNS``."""
-    if "exact_resharding_columns" in overrides:
-        return overrides["exact_resharding_columns"]
-    default = AutoShardingOption().exact_resharding_columns
-    if base.exact_resharding_columns != default:
-        return base.exact_resharding_columns
-    return max(default, TASK_EXACT_RESHARDING_COLUMNS)
-
-
 def shape_auto_option(default, shape, overrides: dict) -> AutoShardingOption:
     """``stage_auto_option`` for a sub-mesh of logical ``shape`` (None: the planner chooses
-    it), the pricing of a described cluster's. Resharding is priced exactly up to
-    ``task_exact_columns``."""
+    it), the pricing of a described cluster's."""
     base = default or AutoShardingOption()
     if not isinstance(base, AutoShardingOption):
         raise TypeError(f"default_auto_sharding_option ({base!r}) must be an "
@@ -108,8 +83,7 @@ def shape_auto_option(default, shape, overrides: dict) -> AutoShardingOption:
             f"submesh_autosharding_option_dicts entry {overrides} names {unknown}, which are not "
             f"AutoShardingOption fields. Use fields such as 'force_batch_dim_to_mesh_dim'.")
     changes = {"logical_mesh_shape": None if shape is None else tuple(shape),
-               "show_progress": False,
-               "exact_resharding_columns": task_exact_columns(base, overrides)}
+               "show_progress": False}
     changes.update(overrides)
     axis = changes.get("force_batch_dim_to_mesh_dim", base.force_batch_dim_to_mesh_dim)
     if shape is not None and isinstance(axis, int) and 0 <= axis < len(shape) and (
@@ -242,6 +216,5 @@ def finalize_fn(part: Partition, stage: int, k: int, stacked=frozenset()):
     return fn, pairs
 
 
-__all__ = ["TASK_EXACT_RESHARDING_COLUMNS", "CompiledTask", "acc_dtype", "finalize_fn",
-           "gathered_inputs", "make_submeshes", "shape_auto_option", "stage_auto_option",
-           "task_exact_columns"]
+__all__ = ["CompiledTask", "acc_dtype", "finalize_fn", "gathered_inputs", "make_submeshes",
+           "shape_auto_option", "stage_auto_option"]

@@ -163,7 +163,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .options import AutoShardingOption
-from .spec import Spec, axis_place, dim_shards, shards
+from .spec import Spec, axis_place, dim_shards, shards, used_axes
 
 DEFAULT_ALPHA_S = 5e-6
 """Latency of one collective over an axis inside one host (process), seconds."""
@@ -273,20 +273,23 @@ class CostModel:
         """The alpha part of a collective over ``axes``."""
         return sum(self.alpha[a] for a in axes if self.mesh_shape[a] > 1)
 
-    def axis_step(self, a: int, ds, dd, total_bytes: float) -> tuple[str, float, float] | None:
+    def axis_step(self, a: int, ds, dd, total_bytes: float, other_shards: int | None = None
+                  ) -> tuple[str, float, float] | None:
         """The collective that moves mesh axis ``a`` from place ``ds`` to ``dd`` (None: unused).
 
         A place is ``spec.axis_place``: a dim and the axes more major than ``a`` on it.
 
         Keep (free), add a split (local slice, free), drop a split (all-gather), move a split to
         another dim (all-to-all, or all-gather then slice when all-to-all is off). The step
-        moves the array held by one group of devices along ``a``: the array cut by every other
-        mesh axis. This makes the resharding cost a sum of per-axis terms, which keeps the ILP
-        small; on a 1-D mesh it is exact.
+        moves the array held by one group of devices along ``a``: the array cut into
+        ``other_shards`` pieces by the other mesh axes (None: by every other mesh axis). This
+        makes the resharding cost a sum of per-axis terms, which keeps the ILP small; on a 1-D
+        mesh it is exact (``sharding.reshard_memo`` bounds it on more axes).
         """
         if ds == dd or ds is None or self.mesh_shape[a] == 1:
             return None
-        group_bytes = total_bytes * self.mesh_shape[a] / math.prod(self.mesh_shape)
+        group_bytes = (total_bytes * self.mesh_shape[a] / math.prod(self.mesh_shape)
+                       if other_shards is None else total_bytes / other_shards)
         if dd is None or not self.allow_all_to_all:
             cost = self.collective("all-gather", (a,), group_bytes)
             if not self.allow_all_gather:
@@ -296,9 +299,12 @@ class CostModel:
 
     def reshard_per_axis(self, src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int
                          ) -> float:
-        """The sum of ``axis_step`` costs: what the ILP's per-axis terms price."""
+        """The sum of ``axis_step`` costs, each on the array the other axes splitting it in
+        ``src`` leave: what the ILP's per-axis terms price."""
         total_bytes = math.prod(shape) * itemsize
-        steps = (self.axis_step(a, axis_place(src, a), axis_place(dst, a), total_bytes)
+        steps = (self.axis_step(a, axis_place(src, a), axis_place(dst, a), total_bytes,
+                                other_shards=math.prod(self.mesh_shape[b]
+                                                       for b in used_axes(src) if b != a))
                  for a in range(len(self.mesh_shape)))
         return sum(step[2] for step in steps if step is not None)
 

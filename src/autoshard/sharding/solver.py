@@ -10,7 +10,6 @@ The optional memory budget adds one row per sampled program point.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import warnings
@@ -18,11 +17,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import reshard_memo
 from .build import merged_alpha, merged_latency, merged_reductions
-from .cost import byte_cost, flop_cost
 from .memory import live_bytes, memory_rows, reshard_bytes
 from .problem import Problem
-from .spec import axis_place
+from .reshard_memo import _distinct, axis_terms, per_axis_matrix
 from .strategy import itemsize
 
 OBJECTIVE_SCALE = 1e6
@@ -34,8 +33,6 @@ MEMORY_ROUNDS = 12
 a plan still over it then is no plan (``solve_ilp`` says by how much)."""
 MEMORY_POINTS_PER_ROUND = 8
 """Rows added per round: the points furthest over the budget."""
-MOVED = ("elsewhere",)
-"""A place different from any other: prices moving a split (all-to-all)."""
 
 
 class OverBudget(ValueError):
@@ -64,89 +61,29 @@ class Solution:
         return self.choice[prob.var(node_id)]
 
 
-MEMO_MAX_BYTES = 512 * 2**20
-"""Most bytes the resharding costs shared across ILPs (``_Memo``) hold before an ILP starts:
-the pairwise edge matrices' data plus ``MEMO_ENTRY_BYTES`` per memoised cost or matrix. Over
-it, the cost models memoised first are dropped until it fits (an ILP being built keeps what
-it uses). 512 MiB holds the matrices of every sub-mesh of a Table 1 pipeline search."""
-MEMO_ENTRY_BYTES = 160
-"""What one memoised entry costs besides a matrix's data: its dict slot and key tuple (the
-specs in a key are shared with the strategies, not copied)."""
-
-
-@dataclass
-class _Tables:
-    """What one cost model's ILPs share: resharding costs and pairwise edge matrices."""
-
-    costs: dict = field(default_factory=dict)
-    """(src spec, dst spec, shape, itemsize) -> ``CostModel.reshard`` seconds."""
-    matrices: dict = field(default_factory=dict)
-    """(src specs, dst specs, shape, itemsize) -> exact pairwise cost matrix, or None where the
-    per-axis terms are exact."""
-    matrix_bytes: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.matrix_bytes + MEMO_ENTRY_BYTES * (len(self.costs) + len(self.matrices))
-
-
-class _Memo:
-    """Resharding costs shared across ILPs, per cost model (and device speed).
-
-    ``CostModel.reshard`` and the pairwise matrices built from it are pure functions of the
-    frozen ``CostModel`` and the specs, so the same mesh planned again (another candidate of a
-    mesh search, the forward, backward and apply tasks of a pipeline stage, the stages of one
-    sub-mesh shape) prices them once. Bounded by ``max_bytes`` (checked when an ILP starts)."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self.tables: dict = {}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tables.values())
-
-    def tables_of(self, cost) -> _Tables:
-        # The device speed is in the key too: the costs read none today, but a rule that
-        # prices a local step as compute would read it, and a stale memo would be silent.
-        key = (cost, flop_cost(1.0, 1), byte_cost(1.0, 1))
-        while self.tables and self.nbytes > self.max_bytes:
-            del self.tables[next(iter(self.tables))]  # the oldest cost model first
-        found = self.tables.get(key)
-        if found is None:
-            found = self.tables[key] = _Tables()
-        return found
-
-    def clear(self):
-        self.tables.clear()
-
-
-MEMO = _Memo(MEMO_MAX_BYTES)
-"""The resharding costs every ILP of this process shares (``MEMO.clear()`` empties it)."""
-
-
 class _Edges:
     """Edge costs grouped by (producer var, consumer var, spec maps)."""
 
     def __init__(self, prob: Problem):
         self.prob = prob
         self.cache: dict = {}
-        self.shared = MEMO.tables_of(prob.ctx.cost)
+        self.shared = reshard_memo.MEMO.tables_of(prob.ctx.cost)
         self.reshard_cache: dict = self.shared.costs
         self.forbidden: list[int] = []
         self.groups: dict = {}
+        """(producer var, consumer var, src dims, classes, dst dims) -> [gathers, moves]."""
         self.pairs: dict = {}
         """(producer var, consumer var) -> matrix of exact resharding costs (several axes)."""
         self.fallback: dict = {}
         """(producer var, consumer var) -> per-axis terms, for pairs too large for the ILP."""
 
-    def add_group(self, group, gather: float, move: float):
+    def add_group(self, group, gathers: np.ndarray, moves: np.ndarray):
         entry = self.groups.get(group)
         if entry is None:
-            self.groups[group] = [gather, move]
+            self.groups[group] = [gathers.copy(), moves.copy()]
         else:
-            entry[0] += gather
-            entry[1] += move
+            entry[0] += gathers
+            entry[1] += moves
 
     def reshard(self, src, dst, shape, isize) -> float:
         key = (src, dst, shape, isize)
@@ -235,8 +172,9 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
     # Edge variables. Per (producer var, consumer var, mesh axis), with X_d / Y_d the chosen
     # producer / required dim of the axis (None: not split), the resharding cost is
     #   move * (1 - X_None) + (gather - move) * (1 - X_None) * Y_None - move * sum_d X_d * Y_d
-    # (all-gather when the split is dropped, all-to-all when it moves, free otherwise). The
-    # products become continuous variables bounded by their factors, exact at integral points.
+    # (all-gather when the split is dropped, all-to-all when it moves, free otherwise; gather
+    # and move per class of producer strategies, below). The products become continuous
+    # variables bounded by their factors, exact at integral points.
     c_extra, rows, cols, vals, nrows = [], [], [], [], 0
     ub_rows, ub_cols, ub_vals, nub = [], [], [], 0
 
@@ -249,8 +187,7 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
     # sum_j e_ij = x_i and sum_i e_ij = y_j (exact at integral points, and a tight relaxation).
     # Row and column minima go to the unary costs first; a matrix left all zero needs no e.
     # (Pairs are exact but large, so meshes with one axis keep the per-axis terms above.)
-    reduced = []
-    for (ru, rv), mat in edges.pairs.items():
+    def reduce(ru, rv, mat):
         row = mat.min(axis=1)
         unary[col0[ru]:col0[ru] + K[ru]] += row
         mat = mat - row[:, None]
@@ -258,26 +195,15 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
         unary[col0[rv]:col0[rv] + K[rv]] += col
         mat = mat - col[None, :]
         if not (mat > 0).any():
-            continue
+            return None
         # Strategies with equal cost rows (columns) share their e variables: exact, and the
         # relaxation is the same, but the LP is much smaller.
         mat, row_of = np.unique(mat, axis=0, return_inverse=True)
         mat, col_of = np.unique(mat, axis=1, return_inverse=True)
-        reduced.append((ru, rv, mat, np.ravel(row_of), np.ravel(col_of), row, col))
-    # The LP grows with the pair columns: within AutoShardingOption.exact_resharding_columns
-    # every pair is priced exactly, beyond it every edge keeps the per-axis terms. Never a mix:
-    # half-exact prices mislead the ILP more than consistent approximate ones. The reported
-    # objective is the exact cost of the chosen plan either way.
-    num_pair_columns = sum(r[2].size for r in reduced)
-    exact = (set(range(len(reduced)))
-             if num_pair_columns <= prob.ctx.option.exact_resharding_columns else set())
-    for i, (ru, rv, mat, row_of, col_of, row, col) in enumerate(reduced):
-        if i not in exact:
-            unary[col0[ru]:col0[ru] + K[ru]] -= row
-            unary[col0[rv]:col0[rv] + K[rv]] -= col
-            for group, gather, move in edges.fallback.get((ru, rv), ()):
-                edges.add_group(group, gather, move)
-            continue
+        return ru, rv, mat, np.ravel(row_of), np.ravel(col_of), row, col
+
+    def add_pair(ru, rv, mat, row_of, col_of):
+        nonlocal nrows
         e0 = ncols + len(c_extra)
         c_extra.extend(mat.ravel().tolist())
         nu, nv = mat.shape
@@ -293,7 +219,35 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
             cols.extend(list(range(e0 + b, e0 + nu * nv, nv)) + members)
             vals.extend([1.0] * nu + [-1.0] * len(members))
             nrows += 1
-    for (ru, rv, src_dims, dst_dims), (gather, move) in edges.groups.items():
+
+    reduced = [r for r in (reduce(ru, rv, mat) for (ru, rv), mat in edges.pairs.items())
+               if r is not None]
+    # The LP grows with the pair columns: within AutoShardingOption.exact_resharding_columns
+    # every pair is priced exactly, beyond it every edge keeps the per-axis terms. Never a mix:
+    # half-exact prices mislead the ILP more than consistent approximate ones. The reported
+    # objective is the exact cost of the chosen plan either way.
+    num_pair_columns = sum(r[2].size for r in reduced)
+    exact = (set(range(len(reduced)))
+             if num_pair_columns <= prob.ctx.option.exact_resharding_columns else set())
+    for i, (ru, rv, mat, row_of, col_of, row, col) in enumerate(reduced):
+        if i in exact:
+            add_pair(ru, rv, mat, row_of, col_of)
+            continue
+        unary[col0[ru]:col0[ru] + K[ru]] -= row
+        unary[col0[rv]:col0[rv] + K[rv]] -= col
+        for group, gathers, moves in edges.fallback.get((ru, rv), ()):
+            edges.add_group(group, gathers, moves)
+    def add_var(cost) -> int:
+        c_extra.append(float(cost))
+        return ncols + len(c_extra) - 1
+
+    def add_row(terms):  # sum of coef * column <= 0
+        nonlocal nub
+        for col, coef in terms:
+            ub_rows.append(nub), ub_cols.append(col), ub_vals.append(coef)
+        nub += 1
+
+    for (ru, rv, src_dims, classes, dst_dims), (gathers, moves) in edges.groups.items():
         if prob.no_reshard:  # X_d <= Y_d: a split the producer has, the consumer keeps
             for d in sorted({d for d in src_dims if d is not None}):
                 add_terms(nub, ru, src_dims, d, 1.0)
@@ -302,22 +256,52 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
             continue
         for k, ds in enumerate(src_dims):  # move * (1 - X_None)
             if ds is not None:
-                unary[col0[ru] + k] += move
+                unary[col0[ru] + k] += moves[classes[k]]
         shared = sorted({d for d in src_dims if d is not None} & set(dst_dims) - {None})
-        for d in shared:  # z_d <= X_d, z_d <= Y_d, cost -move * z_d
-            z = ncols + len(c_extra)
-            c_extra.append(-move)
-            for dims, root in ((src_dims, ru), (dst_dims, rv)):
-                ub_rows.append(nub), ub_cols.append(z), ub_vals.append(1.0)
-                add_terms(nub, root, dims, d, -1.0)
+        if len(moves) == 1:
+            gather, move = gathers[0], moves[0]
+            for d in shared:  # z_d <= X_d, z_d <= Y_d, cost -move * z_d
+                z = add_var(-move)
+                for dims, root in ((src_dims, ru), (dst_dims, rv)):
+                    ub_rows.append(nub), ub_cols.append(z), ub_vals.append(1.0)
+                    add_terms(nub, root, dims, d, -1.0)
+                    nub += 1
+            if None in dst_dims and gather > move:  # w >= Y_None - X_None, cost (gather - move) w
+                w = add_var(gather - move)
+                ub_rows.append(nub), ub_cols.append(w), ub_vals.append(-1.0)
+                add_terms(nub, rv, dst_dims, None, 1.0)
+                add_terms(nub, ru, src_dims, None, -1.0)
                 nub += 1
-        if None in dst_dims and gather > move:  # w >= Y_None - X_None, cost (gather - move) w
-            w = ncols + len(c_extra)
-            c_extra.append(gather - move)
-            ub_rows.append(nub), ub_cols.append(w), ub_vals.append(-1.0)
-            add_terms(nub, rv, dst_dims, None, 1.0)
-            add_terms(nub, ru, src_dims, None, -1.0)
-            nub += 1
+            continue
+        # Producer classes c (reshard_memo.axis_terms: the arrays their other axes leave):
+        # the same terms per class, and rows that keep the classes from counting on the same
+        # consumer strategies (a flow from producer classes to consumer places, exact at
+        # integral points): sum_c z_dc <= Y_d, sum_c w_c >= Y_None - X_None and
+        # w_c + sum_d z_dc <= X_c (class c's split strategies).
+        split = [[(col0[ru] + k, -1.0) for k, ds in enumerate(src_dims)
+                  if ds is not None and classes[k] == c] for c in range(len(moves))]
+        takes = [[] for _ in moves]
+        for d in shared:
+            zs = []
+            for c, move in enumerate(moves):
+                ks = [k for k, ds in enumerate(src_dims) if ds == d and classes[k] == c]
+                if ks:
+                    z = add_var(-move)
+                    add_row([(z, 1.0)] + [(col0[ru] + k, -1.0) for k in ks])
+                    zs.append((z, 1.0))
+                    takes[c].append((z, 1.0))
+            add_row(zs + [(col0[rv] + j, -1.0) for j, dd in enumerate(dst_dims) if dd == d])
+        if None in dst_dims:
+            ws = []
+            for c, (gather, move) in enumerate(zip(gathers, moves, strict=True)):
+                w = add_var(gather - move)
+                ws.append((w, -1.0))
+                takes[c].append((w, 1.0))
+            add_row(ws + [(col0[rv] + j, 1.0) for j, dd in enumerate(dst_dims) if dd is None]
+                    + [(col0[ru] + k, -1.0) for k, ds in enumerate(src_dims) if ds is None])
+        for c, vs in enumerate(takes):
+            if vs:
+                add_row(vs + split[c])
     for key, members in merged_reductions(prob).items():  # z_a >= x_rk of merged reductions
         z = ncols + len(c_extra)
         c_extra.append(merged_alpha(prob, key))
@@ -556,67 +540,14 @@ def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
     key = (id(src_list), out_index, id(dst_list), p, value.shape, isize)
     terms = edges.cache.get(key)
     if terms is None:
-        terms = edges.cache[key] = _axis_terms(prob, src_list, out_index, dst_list, p,
-                                               value.shape, isize)
-    for src_dims, dst_dims, gather, move in terms:
-        group = (ru, rv, src_dims, dst_dims)
+        terms = edges.cache[key] = axis_terms(
+            prob.ctx.cost, [s.out_specs[out_index] for s in src_list],
+            [s.in_specs[p] for s in dst_list], value.shape, isize,
+            by_shards=not prob.no_reshard)
+    for src_dims, classes, dst_dims, gathers, moves in terms:
+        group = (ru, rv, src_dims, classes, dst_dims)
         if pairwise:
-            edges.fallback.setdefault((ru, rv), []).append((group, gather * node.mult,
-                                                            move * node.mult))
+            edges.fallback.setdefault((ru, rv), []).append((group, gathers * node.mult,
+                                                            moves * node.mult))
             continue
-        entry = edges.groups.get(group)
-        if entry is None:
-            edges.groups[group] = [gather * node.mult, move * node.mult]
-        else:
-            entry[0] += gather * node.mult
-            entry[1] += move * node.mult
-
-
-def per_axis_matrix(cost, srcs, dsts, shape, isize) -> np.ndarray:
-    """``cost.reshard_per_axis(a, b, shape, isize)`` for every ``a`` of ``srcs`` and ``b`` of
-    ``dsts``, the same floats: per mesh axis, each distinct pair of places priced once
-    (``CostModel.axis_step``) and added in axis order."""
-    total_bytes = math.prod(shape) * isize
-    out = np.zeros((len(srcs), len(dsts)))
-    for a in range(len(cost.mesh_shape)):
-        ps = [axis_place(x, a) for x in srcs]
-        pd = [axis_place(x, a) for x in dsts]
-        (us, si), (ud, di) = _distinct(ps), _distinct(pd)
-        table = np.zeros((len(us), len(ud)))
-        for i, x in enumerate(us):
-            for j, y in enumerate(ud):
-                step = cost.axis_step(a, x, y, total_bytes)
-                if step is not None:
-                    table[i, j] = step[2]
-        out += table[np.ix_(si, di)]
-    return out
-
-
-def _distinct(items) -> tuple[list, list[int]]:
-    """(the distinct items in first-seen order, each item's index among them)."""
-    index: dict = {}
-    at = [index.setdefault(x, len(index)) for x in items]
-    return list(index), at
-
-
-def _axis_terms(prob: Problem, src_list, out_index, dst_list, p, shape, isize):
-    """The resharding cost of an edge as a sum over mesh axes of a term that depends only on
-    where that axis sits in the producer's spec and in the required spec: per axis, the dims
-    it takes under each strategy of either end, and the all-gather / all-to-all unit costs."""
-    src = [s.out_specs[out_index] for s in src_list]
-    dst = [s.in_specs[p] for s in dst_list]
-    total_bytes = float(isize * np.prod(shape, dtype=np.float64))
-    cost = prob.ctx.cost
-    terms = []
-    for a, size in enumerate(cost.mesh_shape):
-        if size == 1:
-            continue
-        src_dims = tuple(axis_place(x, a) for x in src)
-        if all(d is None for d in src_dims):
-            continue  # adding a split is a local slice
-        dst_dims = tuple(axis_place(x, a) for x in dst)
-        other = next(d for d in src_dims if d is not None)
-        gather = cost.axis_step(a, other, None, total_bytes)[2]
-        move = cost.axis_step(a, other, MOVED, total_bytes)[2]
-        terms.append((src_dims, dst_dims, gather, move))
-    return terms
+        edges.add_group(group, gathers * node.mult, moves * node.mult)

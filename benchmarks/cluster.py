@@ -420,6 +420,67 @@ def run_pipeline(name: str) -> dict:
     return row
 
 
+def run_paper_pipeline(name: str) -> dict:
+    """The paper's split of a Table 1 row priced as a pipeline (issue 26 item 8: pricing time).
+
+    p stages of layers / p layers (the step unrolled with a boundary every layers / p
+    layers), each on hosts / p whole hosts as a (hosts / p, 8) mesh (data over hosts, tensor
+    8 in the node, as the paper's t = 8), one sequence per data replica per micro-batch
+    (batch / d micro-batches: 96 to 512), 1F1B; the planner places the arrays inside each
+    stage. Wall and CPU seconds of ``autoshard.plan``."""
+    hidden, heads, layers, gpus, batch, (t, p), paper_tflops = AUTO_ROWS[name]
+    hosts, d = gpus // 8, gpus // (t * p)
+    k = batch // d
+    row = {"model": name, "hidden": hidden, "heads": heads, "layers": layers, "gpus": gpus,
+           "batch": batch, "paper_tensor": t, "paper_pipeline": p, "paper_data": d,
+           "paper_tflops": paper_tflops, "num_micro_batches": k}
+    step = make_step(False, layers_per_boundary=layers // p)
+    args = abstract_args(hidden, heads, layers, batch, scan=False)
+    method = PipeshardParallel(
+        num_micro_batches=k, layer_option="manual",
+        default_auto_sharding_option=AutoShardingOption(show_progress=False),
+        stage_option=ManualStageOption(
+            [[i] for i in range(p)], [(hosts // p, 8)] * p, [(hosts // p, 8)] * p, [{}] * p))
+    cluster = Cluster.a100_80gb(hosts)
+    t0, c0 = time.perf_counter(), time.process_time()
+    est = autoshard.plan(step, *args, cluster=cluster, method=method, batch_argnums=(1, 2))
+    row.update(price_s=time.perf_counter() - t0, price_cpu_s=time.process_time() - c0,
+               load_average=os.getloadavg()[0], step_s=est.step_s,
+               eq3_tflops=paper_flops(hidden, layers, batch) / (est.step_s * gpus * 1e12),
+               memory_gib=est.peak_bytes_per_device / 2**30,
+               bubble_fraction=est.bubble_fraction)
+    print(est.explain(), file=sys.stderr, flush=True)
+    return row
+
+
+def write_paper_pipelines(rows: list[dict]):
+    """cluster_paper_pipelines.{json,md}: the paper's pipelines priced, and how long it took."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "cluster_paper_pipelines.json").write_text(json.dumps({"rows": rows}, indent=1))
+    lines = ["# The paper's pipelines priced (issue 26 item 8)", "",
+             "`autoshard.plan(..., method=PipeshardParallel(stage_option=ManualStageOption(...)))`"
+             " on `Cluster.a100_80gb(GPUs / 8)`: Table 1's (t, p, d) with t = 8 inside each "
+             "node, p stages of layers / p layers on (hosts / p, 8) sub-meshes, one sequence "
+             "per data replica per micro-batch, 1F1B, dropout "
+             f"{rows[0].get('dropout', DROPOUT) if rows else DROPOUT}. {platform.machine()}, "
+             f"{os.cpu_count()} CPUs shared with other jobs: wall seconds move with the load "
+             "(given), CPU seconds of the pricing process do not. Target: < 60 s each.", "",
+             "| model | GPUs | (t, p, d) | micro-batches | step s | eq. 3 TFLOP/s | paper | "
+             "bubble | GiB | price s (wall) | CPU s | load |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "step_s" not in r:
+            lines.append(f"| {r['model']} | | | | {r.get('error', 'stopped')} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['model']} | {r['gpus']} | ({r['paper_tensor']}, {r['paper_pipeline']}, "
+            f"{r['paper_data']}) | {r['num_micro_batches']} | {r['step_s']:.2f} | "
+            f"{r['eq3_tflops']:.0f} | {r['paper_tflops']} | {r['bubble_fraction']:.3f} | "
+            f"{r['memory_gib']:.1f} | {r['price_s']:.0f} | {r['price_cpu_s']:.0f} | "
+            f"{r['load_average']:.1f} |")
+    (RESULTS / "cluster_paper_pipelines.md").write_text("\n".join(lines) + "\n")
+
+
 def run_auto(name: str) -> dict:
     """The row planned by ``AutoParallel``: the whole-mesh plan and pipelines of 2 or more
     stages (sub-meshes of a quarter, half or all the hosts ... whole hosts; layer times
@@ -775,6 +836,10 @@ def main(argv=None):
                         help="text file: paragraphs shown under the comparison (why it moved)")
     parser.add_argument("--auto", nargs="+", choices=list(AUTO_ROWS),
                         help="plan these rows with AutoParallel (cluster_auto.{json,md})")
+    parser.add_argument("--paper-pipelines", nargs="+",
+                        choices=[n for n, r in AUTO_ROWS.items() if r[5] and r[5][1] > 1],
+                        help="price the paper's pipeline of these rows "
+                             "(cluster_paper_pipelines.{json,md})")
     parser.add_argument("--auto-time-limit", type=float, default=AUTO_TIME_LIMIT_S,
                         help="seconds after which an --auto row is stopped (default "
                              f"{AUTO_TIME_LIMIT_S}; raise it on a loaded machine)")
@@ -793,6 +858,16 @@ def main(argv=None):
             before["notes"] = args.before_notes.read_text().split("\n\n")
     if args.rewrite:
         write(saved["rows"], before)
+        return
+    if args.paper_pipelines:
+        rows = []
+        for name in args.paper_pipelines:
+            try:
+                rows.append(run_paper_pipeline(name) | {"dropout": DROPOUT})
+            except (ValueError, RuntimeError) as err:
+                rows.append({"model": name, "error": f"{type(err).__name__}: "
+                                                     f"{str(err).splitlines()[0][:200]}"})
+            write_paper_pipelines(rows)
         return
     if args.auto:
         rows = []

@@ -88,3 +88,48 @@ def gpt_lm_step(state, tokens):
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     return state.apply_gradients(grads=autoshard.grad(loss)(state.params))
+
+
+class BlockLM:
+    """A 39.1B-like step in miniature for pricing tests: an embedding, ``num_blocks``
+    identical residual blocks and a head, a pipeline boundary after the embedding and after
+    each block, Adam (1e-3). ``step(p, opt, tokens, targets)``; ``shapes()`` its abstract
+    arguments (float32 parameters, ``rows`` int32 tokens)."""
+
+    def __init__(self, hidden: int, vocab: int, rows: int, num_blocks: int):
+        import optax
+
+        self.hidden, self.vocab, self.rows, self.num_blocks = hidden, vocab, rows, num_blocks
+        self.tx = optax.adam(1e-3)
+
+    @staticmethod
+    def norm(x):
+        mean = x.mean(-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+    def loss(self, p, tokens, targets):
+        x = p["embed"][tokens]
+        autoshard.mark_pipeline_boundary()
+        for i in range(self.num_blocks):
+            b = p[f"block{i}"]
+            x = x + jnp.tanh(self.norm(x) @ b["up"]) @ b["down"]
+            autoshard.mark_pipeline_boundary()
+        logits = self.norm(x) @ p["head"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:, None], 1))
+
+    def step(self, p, opt, tokens, targets):
+        import optax
+
+        g = autoshard.grad(self.loss)(p, tokens, targets)
+        updates, opt = self.tx.update(g, opt, p)
+        return optax.apply_updates(p, updates), opt
+
+    def shapes(self):
+        f32, h = jnp.float32, self.hidden
+        params = {"embed": jax.ShapeDtypeStruct((self.vocab, h), f32),
+                  "head": jax.ShapeDtypeStruct((h, self.vocab), f32),
+                  **{f"block{i}": {"up": jax.ShapeDtypeStruct((h, 4 * h), f32),
+                                   "down": jax.ShapeDtypeStruct((4 * h, h), f32)}
+                     for i in range(self.num_blocks)}}
+        tokens = jax.ShapeDtypeStruct((self.rows,), jnp.int32)
+        return params, jax.eval_shape(self.tx.init, params), tokens, tokens

@@ -10,52 +10,17 @@ every cache turned off.
 
 from collections import Counter
 
-import jax
-import jax.numpy as jnp
-import optax
 import pytest
+from pipeline_models import BlockLM
 
 import autoshard
 from autoshard import Cluster
 from autoshard.pipeline import price, tasks
 
-HIDDEN, VOCAB, ROWS, NUM_BLOCKS = 32, 64, 16, 4
-TX = optax.adam(1e-3)
+NUM_BLOCKS = 4
+LM = BlockLM(hidden=32, vocab=64, rows=16, num_blocks=NUM_BLOCKS)
 QUIET = autoshard.AutoShardingOption(show_progress=False)
-
-
-def norm(x):
-    mean = x.mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
-
-
-def loss(p, tokens, targets):
-    x = p["embed"][tokens]
-    autoshard.mark_pipeline_boundary()
-    for i in range(NUM_BLOCKS):
-        b = p[f"block{i}"]
-        x = x + jnp.tanh(norm(x) @ b["up"]) @ b["down"]
-        autoshard.mark_pipeline_boundary()
-    logits = norm(x) @ p["head"]
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:, None], 1))
-
-
-def step(p, opt, tokens, targets):
-    g = autoshard.grad(loss)(p, tokens, targets)
-    updates, opt = TX.update(g, opt, p)
-    return optax.apply_updates(p, updates), opt
-
-
-def shapes():
-    f32 = jnp.float32
-    params = {"embed": jax.ShapeDtypeStruct((VOCAB, HIDDEN), f32),
-              "head": jax.ShapeDtypeStruct((HIDDEN, VOCAB), f32),
-              **{f"block{i}": {"up": jax.ShapeDtypeStruct((HIDDEN, 4 * HIDDEN), f32),
-                               "down": jax.ShapeDtypeStruct((4 * HIDDEN, HIDDEN), f32)}
-                 for i in range(NUM_BLOCKS)}}
-    tokens = jax.ShapeDtypeStruct((ROWS,), jnp.int32)
-    return params, jax.eval_shape(TX.init, params), tokens, tokens
-
+loss, step, shapes = LM.loss, LM.step, LM.shapes
 
 CLUSTER = Cluster.a100_80gb(num_hosts=2, devices_per_host=2)
 STAGES = autoshard.AutoStageOption(submesh_physical_shape_space="manual",

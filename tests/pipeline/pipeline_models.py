@@ -133,3 +133,24 @@ class BlockLM:
                      for i in range(self.num_blocks)}}
         tokens = jax.ShapeDtypeStruct((self.rows,), jnp.int32)
         return params, jax.eval_shape(self.tx.init, params), tokens, tokens
+
+
+def marked_train_step(loss_fn, tx):
+    """``train_step((params, opt), *batch) -> ((params, opt), loss)``: ``loss_fn``'s gradient
+    through the marker (``autoshard.value_and_grad``), then ``tx``'s update."""
+    import optax
+
+    def train_step(state, *batch):
+        params, opt = state
+        loss, grads = autoshard.value_and_grad(loss_fn)(params, *batch)
+        updates, opt = tx.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), loss
+
+    return train_step
+
+
+def fan_in_normal(rng):
+    """``w(*shape)``: a float32 array of normal draws from ``rng`` over sqrt(shape[0])."""
+    def w(*shape):
+        return jnp.asarray(rng.normal(size=shape).astype(np.float32) / np.sqrt(shape[0]))
+    return w

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from pipeline_models import fan_in_normal, marked_train_step
 
 import autoshard
 from autoshard import AutoShardingOption, PipeshardParallel, UniformStageOption
@@ -49,18 +50,12 @@ def loss_fn(params, x, y):
     return jnp.mean((out[:, 0] - y) ** 2)
 
 
-def train_step(state, x, y):
-    params, opt = state
-    loss, grads = autoshard.value_and_grad(loss_fn)(params, x, y)
-    updates, opt = TX.update(grads, opt, params)
-    return (optax.apply_updates(params, updates), opt), loss
+train_step = marked_train_step(loss_fn, TX)
 
 
 def make_args():
     rng = np.random.default_rng(0)
-
-    def w(*shape):
-        return jnp.asarray(rng.normal(size=shape).astype(np.float32) / np.sqrt(shape[0]))
+    w = fan_in_normal(rng)
     params = {"w0": w(DIM, DIM), "rnn": {"wx": w(DIM, HIDDEN), "wh": w(HIDDEN, HIDDEN)},
               "w1": w(HIDDEN, HIDDEN), "w2": w(HIDDEN, 1)}
     x = jnp.asarray(rng.normal(size=(BATCH, TIME, DIM)).astype(np.float32))

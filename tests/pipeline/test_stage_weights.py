@@ -19,6 +19,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from pipeline_models import fan_in_normal, marked_train_step
 
 import autoshard
 from autoshard import AutoShardingOption, Cluster, ManualStageOption, PipeshardParallel
@@ -63,18 +64,12 @@ def loss_fn(params, tokens, targets):
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
 
 
-def train_step(state, tokens, targets):
-    params, opt = state
-    loss, grads = autoshard.value_and_grad(loss_fn)(params, tokens, targets)
-    updates, opt = TX.update(grads, opt, params)
-    return (optax.apply_updates(params, updates), opt), loss
+train_step = marked_train_step(loss_fn, TX)
 
 
 def make_args():
     rng = np.random.default_rng(0)
-
-    def w(*shape):
-        return jnp.asarray(rng.normal(size=shape).astype(np.float32) / np.sqrt(shape[0]))
+    w = fan_in_normal(rng)
     layers = [{"ln1": jnp.ones(DIM), "ln2": jnp.ones(DIM),
                "wqkv": w(DIM, 3, HEADS, DIM // HEADS), "wo": w(HEADS, DIM // HEADS, DIM),
                "w1": w(DIM, 4 * DIM), "w2": w(4 * DIM, DIM)} for _ in range(LAYERS)]

@@ -9,53 +9,19 @@ those of ``price._Pricer``, which plans every span, its apply tasks included, wi
 a memory budget that makes some apply tasks count.
 """
 
-import jax
-import jax.numpy as jnp
-import optax
 import pytest
+from pipeline_models import BlockLM
 
 import autoshard
 from autoshard import Cluster
 from autoshard.pipeline import auto, price, tasks
 from autoshard.pipeline.build import cut_program
 
-HIDDEN, VOCAB, ROWS, NUM_BLOCKS = 16, 32, 16, 3
-TX = optax.adam(1e-3)
+NUM_BLOCKS = 3
+MODEL = BlockLM(hidden=16, vocab=32, rows=16, num_blocks=NUM_BLOCKS)
+step, shapes = MODEL.step, MODEL.shapes
 QUIET = autoshard.AutoShardingOption(show_progress=False)
 CLUSTER = Cluster.a100_80gb(num_hosts=1, devices_per_host=8)
-
-
-def norm(x):
-    mean = x.mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
-
-
-def loss(p, tokens, targets):
-    x = p["embed"][tokens]
-    autoshard.mark_pipeline_boundary()
-    for i in range(NUM_BLOCKS):
-        b = p[f"block{i}"]
-        x = x + jnp.tanh(norm(x) @ b["up"]) @ b["down"]
-        autoshard.mark_pipeline_boundary()
-    logits = norm(x) @ p["head"]
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:, None], 1))
-
-
-def step(p, opt, tokens, targets):
-    g = autoshard.grad(loss)(p, tokens, targets)
-    updates, opt = TX.update(g, opt, p)
-    return optax.apply_updates(p, updates), opt
-
-
-def shapes():
-    f32 = jnp.float32
-    params = {"embed": jax.ShapeDtypeStruct((VOCAB, HIDDEN), f32),
-              "head": jax.ShapeDtypeStruct((HIDDEN, VOCAB), f32),
-              **{f"block{i}": {"up": jax.ShapeDtypeStruct((HIDDEN, 4 * HIDDEN), f32),
-                               "down": jax.ShapeDtypeStruct((4 * HIDDEN, HIDDEN), f32)}
-                 for i in range(NUM_BLOCKS)}}
-    tokens = jax.ShapeDtypeStruct((ROWS,), jnp.int32)
-    return params, jax.eval_shape(TX.init, params), tokens, tokens
 
 
 @pytest.fixture

@@ -23,7 +23,11 @@ from pipeline_models import fan_in_normal, marked_train_step
 
 import autoshard
 from autoshard import AutoShardingOption, Cluster, ManualStageOption, PipeshardParallel
-from autoshard.pipeline.compile import gathered_inputs, shape_auto_option
+from autoshard.pipeline.compile import (
+    TASK_EXACT_RESHARDING_COLUMNS,
+    gathered_inputs,
+    shape_auto_option,
+)
 
 BF16 = jnp.bfloat16
 DIM, HEADS, LAYERS, VOCAB, SEQ, BATCH = 128, 4, 8, 64, 16, 8
@@ -190,9 +194,9 @@ def test_the_priced_plans_are_the_compiled_ones(ran):
             (c.kind, c.axes, c.num_bytes) for c in plan.collectives], name
 
 
-def test_tasks_take_the_exact_resharding_columns_they_are_given():
-    default = AutoShardingOption().exact_resharding_columns
-    assert shape_auto_option(None, (2, 2), {}).exact_resharding_columns == default
+def test_tasks_price_resharding_pair_by_pair_unless_told_otherwise():
+    assert shape_auto_option(None, (2, 2), {}).exact_resharding_columns == (
+        TASK_EXACT_RESHARDING_COLUMNS)
     given = AutoShardingOption(exact_resharding_columns=5)
     assert shape_auto_option(given, (2, 2), {}).exact_resharding_columns == 5
     assert shape_auto_option(given, (2, 2), {"exact_resharding_columns": 7}

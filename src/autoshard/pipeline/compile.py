@@ -69,9 +69,33 @@ def stage_auto_option(default, mesh, overrides: dict) -> AutoShardingOption:
     return shape_auto_option(default, tuple(mesh.devices.shape), overrides)
 
 
+TASK_EXACT_RESHARDING_COLUMNS = 1_000_000
+"""``AutoShardingOption.exact_resharding_columns`` of a pipeline's task plans where the user
+left it at its default (20,000, sized for the plan of a whole step). A task runs once per
+micro-batch and holds one stage, so its resharding is priced pair by pair up to here. The
+per-axis terms past it price each axis on the bytes the producer holds (``reshard_memo``), but
+read high where a consumer adds splits: Table 1's 76.1B paper pipeline (one sequence per data
+replica per micro-batch on (32, 8) stages) planned its backward tasks at 0.55 s per
+micro-batch with them, gathering the MLP activations over both axes, and at 0.18 s priced
+exactly (step 39.98 -> 20.49 s, pricing 9.2 -> 13.1 CPU s;
+``benchmarks/results/cluster_paper_pipelines.md``)."""
+
+
+def task_exact_columns(base: AutoShardingOption, overrides: dict) -> int:
+    """The ``exact_resharding_columns`` a stage's tasks are planned with: the stage's own
+    dict entry, else the user's value, else (the default) ``TASK_EXACT_RESHARDING_COLUMNS``."""
+    if "exact_resharding_columns" in overrides:
+        return overrides["exact_resharding_columns"]
+    default = AutoShardingOption().exact_resharding_columns
+    if base.exact_resharding_columns != default:
+        return base.exact_resharding_columns
+    return max(default, TASK_EXACT_RESHARDING_COLUMNS)
+
+
 def shape_auto_option(default, shape, overrides: dict) -> AutoShardingOption:
     """``stage_auto_option`` for a sub-mesh of logical ``shape`` (None: the planner chooses
-    it), the pricing of a described cluster's."""
+    it), the pricing of a described cluster's. Resharding is priced exactly up to
+    ``task_exact_columns``."""
     base = default or AutoShardingOption()
     if not isinstance(base, AutoShardingOption):
         raise TypeError(f"default_auto_sharding_option ({base!r}) must be an "
@@ -83,7 +107,8 @@ def shape_auto_option(default, shape, overrides: dict) -> AutoShardingOption:
             f"submesh_autosharding_option_dicts entry {overrides} names {unknown}, which are not "
             f"AutoShardingOption fields. Use fields such as 'force_batch_dim_to_mesh_dim'.")
     changes = {"logical_mesh_shape": None if shape is None else tuple(shape),
-               "show_progress": False}
+               "show_progress": False,
+               "exact_resharding_columns": task_exact_columns(base, overrides)}
     changes.update(overrides)
     axis = changes.get("force_batch_dim_to_mesh_dim", base.force_batch_dim_to_mesh_dim)
     if shape is not None and isinstance(axis, int) and 0 <= axis < len(shape) and (
@@ -216,5 +241,6 @@ def finalize_fn(part: Partition, stage: int, k: int, stacked=frozenset()):
     return fn, pairs
 
 
-__all__ = ["CompiledTask", "acc_dtype", "finalize_fn", "gathered_inputs", "make_submeshes",
-           "shape_auto_option", "stage_auto_option"]
+__all__ = ["TASK_EXACT_RESHARDING_COLUMNS", "CompiledTask", "acc_dtype", "finalize_fn",
+           "gathered_inputs", "make_submeshes", "shape_auto_option", "stage_auto_option",
+           "task_exact_columns"]

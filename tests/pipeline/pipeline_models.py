@@ -154,3 +154,18 @@ def fan_in_normal(rng):
     def w(*shape):
         return jnp.asarray(rng.normal(size=shape).astype(np.float32) / np.sqrt(shape[0]))
     return w
+
+
+def run_beside_jit(step, method, state, batch, steps):
+    """``steps`` steps of ``parallelize(step, method)`` and of ``jax.jit(step)`` from
+    ``state`` on ``batch`` (a tuple, batch arguments 1.. of ``step``): (the last executable,
+    its final state, jax.jit's, [(loss, jax.jit's loss)] per step)."""
+    run = autoshard.parallelize(step, method=method,
+                                batch_argnums=tuple(range(1, len(batch) + 1)))
+    want_step = jax.jit(step)
+    got, want, losses = state, state, []
+    for _ in range(steps):
+        got, loss = run(got, *batch)
+        want, want_loss = want_step(want, *batch)
+        losses.append((float(loss), float(want_loss)))
+    return run.get_last_executable(), got, want, losses

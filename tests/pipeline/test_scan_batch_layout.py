@@ -22,7 +22,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from pipeline_models import fan_in_normal, marked_train_step
+from pipeline_models import fan_in_normal, marked_train_step, run_beside_jit
 
 import autoshard
 from autoshard import AutoShardingOption, PipeshardParallel, UniformStageOption
@@ -71,14 +71,7 @@ METHOD = PipeshardParallel(
 @pytest.fixture(scope="module")
 def ran():
     state, x, y = make_args()
-    run = autoshard.parallelize(train_step, method=METHOD, batch_argnums=(1, 2))
-    want_step = jax.jit(train_step)
-    got, want, losses = state, state, []
-    for _ in range(STEPS):
-        got, loss = run(got, x, y)
-        want, want_loss = want_step(want, x, y)
-        losses.append((float(loss), float(want_loss)))
-    return run.get_last_executable(), got, want, losses
+    return run_beside_jit(train_step, METHOD, state, (x, y), STEPS)
 
 
 def all_gathers(text: str) -> list[tuple[int, ...]]:

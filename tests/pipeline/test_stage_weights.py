@@ -19,7 +19,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from pipeline_models import fan_in_normal, marked_train_step
+from pipeline_models import fan_in_normal, marked_train_step, run_beside_jit
 
 import autoshard
 from autoshard import AutoShardingOption, Cluster, ManualStageOption, PipeshardParallel
@@ -105,14 +105,7 @@ def task_weight_gathers(executable) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def ran():
     state, tokens = make_args()
-    run = autoshard.parallelize(train_step, method=METHOD, batch_argnums=(1, 2))
-    want_step = jax.jit(train_step)
-    got, want, losses = state, state, []
-    for _ in range(STEPS):
-        got, loss = run(got, tokens, tokens)
-        want, want_loss = want_step(want, tokens, tokens)
-        losses.append((float(loss), float(want_loss)))
-    return run.get_last_executable(), got, want, losses, make_args()
+    return (*run_beside_jit(train_step, METHOD, state, (tokens, tokens), STEPS), make_args())
 
 
 def test_the_counter_sees_a_weight_gathered_in_a_task():

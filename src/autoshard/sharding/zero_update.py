@@ -21,12 +21,12 @@ def zero_update(prob: Problem) -> None:
     gradients are reduce-scattered, the optimizer state is held and updated in shards (one dim
     split over every mesh axis) and the new parameters are all-gathered. Here the data-parallel
     plan is solved first (resharding forbidden), then the nodes that feed the forward and
-    backward passes (``build.feeds_chain_mask``: activations, parameters, loop boundaries) keep their
-    data-parallel strategy, heavy ops outside it (weight gradients) keep their operands' specs
-    and may change only where the reduction lands, and the rest (the update, the optimizer
-    state) is free, with the all-gather the cost model allows under this option. Without the
-    first solve, allowing the parameters' all-gather let the plan gather activations as well
-    (the tokens of an MoE dispatch), which is not data parallel.
+    backward passes (``build.feeds_chain_mask``: activations, parameters, loop boundaries)
+    keep their data-parallel strategy, heavy ops outside it (weight gradients) keep their
+    operands' specs and may change only where the reduction lands, and the rest (the update,
+    the optimizer state) is free, with the all-gather the cost model allows under this
+    option. Without the first solve, allowing the parameters' all-gather let the plan gather
+    activations as well (the tokens of an MoE dispatch), which is not data parallel.
     """
     g, option = prob.graph, prob.ctx.option
     dp = Problem(g, prob.ctx, prob.strategies, prob.parent, free=prob.free, no_reshard=True,

@@ -31,8 +31,10 @@ What the views translate (everything else is autoshard's own object):
   per device (``dynamic-slice`` at the partition's offset); such a pair counts as the
   reduce-scatter it is, and a combined all-reduce holding such sliced results beside whole
   ones counts as one reduce-scatter and one all-reduce (what a GPU build's combiners keep).
-* An executable's ``get_hlo_text()`` is autoshard's one compiled module, printed with operand
-  shapes inline as Alpa's XLA printed them (the tests match ``gather(f32[64,32]``).
+* An executable's ``get_hlo_text()`` is autoshard's, printed with operand shapes inline as
+  Alpa's XLA printed them (the tests match ``gather(f32[64,32]``): the compiled module, or for
+  a step with gradient accumulation Alpa's two modules (accumulate_grad, apply_grad) cut from
+  it as autoshard's ``get_hlo_text()`` cuts them.
 """
 
 from __future__ import annotations
@@ -301,14 +303,18 @@ class _Executable:
         return getattr(self._ex, name)
 
     def get_hlo_text(self) -> str:
-        """The compiled module printed as Alpa's XLA printed it: operand shapes inline
-        (``gather(f32[64,32]{1,0} %x, ...)``); autoshard's ``get_hlo_text`` omits them."""
+        """autoshard's ``get_hlo_text`` printed as Alpa's XLA printed it: operand shapes
+        inline (``gather(f32[64,32]{1,0} %x, ...)``; autoshard's omits them); a step with
+        gradient accumulation as Alpa's two modules, accumulate_grad then apply_grad
+        (``autoshard.sharding.hlo.accumulate_apply_modules``)."""
         from jaxlib import _hlo
 
         options = _hlo.HloPrintOptions()
         options.print_operand_shape = True
         modules = self._ex.compiled.runtime_executable().hlo_modules()
-        return "\n".join(m.to_string(options) for m in modules)
+        text = "\n".join(m.to_string(options) for m in modules)
+        parts = hlo_reader.accumulate_apply_modules(text)
+        return text if parts is None else "".join(p.rstrip("\n") + "\n\n" for p in parts)
 
     @property
     def grad_sync_channel_ids(self) -> str:

@@ -14,6 +14,7 @@ import numpy as np
 from ._program import Program
 from .ir import _compat
 from .ir._jaxpr import FlatArgs, flatten_args
+from .sharding.hlo import accumulate_apply_modules
 from .sharding.plan import ShardingPlan
 
 MISS = object()
@@ -109,7 +110,20 @@ class Executable:
         return None if o is None else o.total_s if o.alpa_units is None else o.alpa_units
 
     def get_hlo_text(self) -> str:
-        """Optimized HLO after SPMD partitioning (per-device shapes and collectives)."""
+        """Optimized HLO after SPMD partitioning (per-device shapes and collectives).
+
+        A step that accumulates gradients over micro-batches reads as Alpa's two modules,
+        ``accumulate_grad`` (the micro-batch loop and the gradient reduction after it) then
+        ``apply_grad`` (the update): the compiled module cut there
+        (``sharding.hlo.accumulate_apply_modules``); it still runs as one.
+        ``get_compiled_hlo_text()`` is the module as compiled.
+        """
+        text = self.get_compiled_hlo_text()
+        parts = accumulate_apply_modules(text)
+        return text if parts is None else "".join(p.rstrip("\n") + "\n\n" for p in parts)
+
+    def get_compiled_hlo_text(self) -> str:
+        """The one module XLA compiled for the step (after SPMD partitioning)."""
         return self.compiled.as_text()
 
     def get_total_allocation_size(self) -> int:
@@ -122,7 +136,7 @@ class Executable:
         """Predicted against compiled collectives and memory (``sharding.audit.Audit``)."""
         from .sharding.audit import audit
 
-        return audit(self.plan, self.get_hlo_text(), self.get_total_allocation_size(),
+        return audit(self.plan, self.get_compiled_hlo_text(), self.get_total_allocation_size(),
                      platform=self.mesh.devices.flat[0].platform)
 
     def explain(self) -> str:
@@ -160,7 +174,7 @@ class Executable:
             "outputs": {leaf.path: str(leaf.spec) for leaf in self.plan.outputs}}
         files = {
             "before_partitioning.hlo": self._lowered.as_text(dialect="hlo"),
-            "after_partitioning.hlo": self.get_hlo_text(),
+            "after_partitioning.hlo": self.get_compiled_hlo_text(),
             "plan.txt": self.plan.explain() + "\n",
             "plan_specs.json": json.dumps(specs, indent=1),
             "jaxpr.txt": str(self.program.closed),

@@ -36,6 +36,7 @@ from .ir._local import LocalEval, P, R, split
 from .ir._prims import KEY_USERS, LINEAR
 from .ir._walk import site
 from .sharding.apply import PlanEvaluator
+from .sharding.hlo import ACCUMULATE_SCOPE
 from .sharding.plan import spec_axes
 
 
@@ -115,12 +116,16 @@ def build_step(closed, *, batch_invars: Sequence[bool], num_micro_batches: int,
             if marker is None:
                 return _finish(pinned, [env.read(v) for v in jaxpr.outvars])
             marked = [env.read(v) for v in marker.invars]
+            if hooks.gradients is not None:
+                marked = hooks.gradients(marked)
         else:
-            marked, rows = loop(env, fwd_args, pinned)
+            # the loop and the reduction after it: Alpa's accumulate_grad in get_hlo_text()
+            with jax.named_scope(ACCUMULATE_SCOPE):
+                marked, rows = loop(env, fwd_args, pinned)
+                if hooks.gradients is not None:
+                    marked = hooks.gradients(marked)
             for (v, _, _), value in zip(joined, rows, strict=True):
                 env.write(v, value)
-        if hooks.gradients is not None:
-            marked = hooks.gradients(marked)
         marked = _rebind_marker(marker, marked)
         for v, a in zip(jaxpr.invars, flat_args, strict=True):
             env.write(v, a)  # the update sees the inputs as they arrive (e.g. sharded)
@@ -257,9 +262,7 @@ def _run(env: Env, pinned, jaxpr, indices, key_hook=None) -> None:
 
 
 def _finish(pinned, outs):
-    if pinned is not None:
-        pinned.finish()
-    return outs
+    return outs if pinned is None else pinned.finish(outs)
 
 
 def _rebind_marker(marker, values):

@@ -233,10 +233,11 @@ def test_gradient_accumulation_reduce_scatter():
     """Covers test_gradient_accumulation.py::test_gradient_accumulation_reduce_scatter: with
     prefer_reduce_scatter and 2 micro-batches on (1, 4), the kernels' gradients are reduced
     once after the loop, reduce-scattered (each device updates a quarter of each kernel and
-    holds a quarter of its momentum), then the kernels are all-gathered; nothing is
-    communicated inside the micro-batch loop. On the CPU XLA lowers the reduce-scatter as an
-    all-reduce whose result each device slices, so bytes and placements are checked, not
-    opcodes. The step equals jax.jit's."""
+    holds a quarter of its momentum), then the kernels are all-gathered, both in one buffer
+    (``apply.gather_outputs_once``, as without micro-batches); nothing is communicated inside
+    the micro-batch loop. On the CPU XLA lowers the reduce-scatter as an all-reduce whose
+    result each device slices, so bytes and placements are checked, not opcodes. The step
+    equals jax.jit's."""
     step, state, batch = mlp_step(2, 256, 16, tx=optax.sgd(1e-2, momentum=0.9),
                                   grad=autoshard.grad)
     opt = option(prefer_reduce_scatter=True, allow_all_to_all=False)
@@ -249,7 +250,7 @@ def test_gradient_accumulation_reduce_scatter():
     found = hlo.collectives(ex.get_hlo_text())
     assert not any(c.in_loop for c in found)
     gathers = [c for c in found if c.kind == "all-gather"]
-    assert sorted(c.num_bytes for c in gathers) == [16 * 16 * 4] * 2
+    assert [c.num_bytes for c in gathers] == [2 * 16 * 16 * 4]
     assert [c.kind for c in found if c.kind != "all-gather"] == ["all-reduce"]
     # each device's kernel update reads a quarter of the reduced gradient
     assert len(re.findall(r"f32\[16,4\]\{[01],[01]\} dynamic-slice", ex.get_hlo_text())) >= 2

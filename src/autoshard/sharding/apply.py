@@ -57,8 +57,9 @@ class _Pins:
         if len(spec) > jax.numpy.ndim(x):
             raise PlanMismatch(
                 f"the plan pins the value at site {key!r} with {PartitionSpec(*spec)}, but the "
-                f"program has a rank-{jax.numpy.ndim(x)} value of shape {jax.numpy.shape(x)} there: the plan was "
-                "made for another program. Plan this step again (or check the plan's "
+                f"program has a rank-{jax.numpy.ndim(x)} value of shape "
+                f"{jax.numpy.shape(x)} there: the plan was made for another program. Plan "
+                "this step again (or check the plan's "
                 "fingerprint before applying it).")
         y = lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
         self.pinned[id(y)] = (y, spec)
@@ -177,6 +178,7 @@ class PlanEvaluator:
         self.pins = _Pins(plan, mesh)
         self._apply = _Apply(self.pins)
         self._in_specs = plan.in_specs
+        self._out_specs = plan.out_specs
 
     def run(self, jaxpr, indices, env: dict, key_hook: Callable | None = None) -> None:
         """Evaluate ``jaxpr.eqns[i]`` for ``i`` in ``indices`` on ``env`` (var -> value).
@@ -210,8 +212,12 @@ class PlanEvaluator:
         return lax.with_sharding_constraint(x, NamedSharding(
             self.pins.mesh, PartitionSpec(*(((None,) + spec) if stacked else spec))))
 
-    def finish(self) -> None:
+    def finish(self, outs: list) -> list:
+        """``outs`` (the step's flat outputs), after checking as ``apply_plan`` does that
+        every pin was used, with the outputs computed split and returned whole gathered in
+        one buffer as ``apply_plan`` gathers them (``gather_outputs_once``)."""
         self.pins.check_all_used()
+        return gather_outputs_once(outs, self._out_specs, self.pins, self.pins.mesh)
 
 
 class _Apply(Walker):

@@ -87,7 +87,6 @@ def _callees(body: str) -> list[str]:
 def execution_counts(text: str) -> dict[str, int]:
     """Computation name -> how many times it runs per step (while trip counts multiply)."""
     comps = computations(text)
-    entry = next((n for n in comps if comps[n].startswith("ENTRY")), None)
     counts: dict[str, int] = {}
 
     def visit(name: str, times: int):
@@ -104,8 +103,9 @@ def execution_counts(text: str) -> dict[str, int]:
                 for callee in _callees(line):
                     visit(callee, times)
 
-    if entry is not None:
-        visit(entry, 1)
+    for name, body in comps.items():  # every module's entry (Alpa's view holds two)
+        if body.startswith("ENTRY"):
+            visit(name, 1)
     return counts
 
 
@@ -133,6 +133,151 @@ def collectives(text: str, axis_names=(), mesh_shape=()) -> list[CompiledCollect
                                             axes=axes, shape=shape, in_loop=times > 1,
                                             group_size=size))
     return found
+
+
+ACCUMULATE_SCOPE = "autoshard_accumulate_grad"
+"""The name scope (``jax.named_scope``) gradient accumulation traces its micro-batch loop and
+the reduction after it under: the op names of their compiled instructions hold it."""
+
+_ENTRY_INSTR = re.compile(r"^\s*(?P<root>ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>.*?) "
+                          r"(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$")
+_CALL_ATTRS = re.compile(
+    r"(?:body|condition|calls|to_apply|branch_computations)=(?:\{[^}]*\}|%?[\w.\-]+)")
+_LEAVES = ("constant", "partition-id", "replica-id", "iota")
+
+
+def accumulate_apply_modules(text: str) -> tuple[str, str] | None:
+    """A compiled step with gradient accumulation cut into Alpa's two modules, or None.
+
+    Alpa compiles such a step as two executables, ``accumulate_grad`` (a micro-batch's
+    gradients added to the accumulators, then reduced over the devices) and ``apply_grad``
+    (the update). autoshard compiles one module: the micro-batch loop (a ``while``), the one
+    reduction after it, the update. This cuts that module's entry computation after the
+    reduction: the first module holds what the loop and the reduction (both traced under
+    ``ACCUMULATE_SCOPE``) need and returns the values the rest reads; the second holds the
+    rest and takes the entry parameters it reads and those values as its parameters. Every
+    instruction of the compiled entry is in exactly one module (a constant or partition id in
+    each that reads it), each with the computations it calls. A view of one compiled program,
+    not two: the step still runs as one executable. None when the entry has no loop traced
+    under ``ACCUMULATE_SCOPE`` or nothing runs after it.
+    """
+    if not text.startswith("HloModule"):
+        return None
+    comps = computations(text)
+    entry = next((n for n, body in comps.items() if body.startswith("ENTRY")), None)
+    if entry is None:
+        return None
+    instrs = {m["name"]: m for m in map(_ENTRY_INSTR.match, comps[entry].splitlines()[1:]) if m}
+    ops = {n: [u for u in dict.fromkeys(re.findall(r"%([\w.\-]+)", _CALL_ATTRS.sub("", m["rest"])))
+               if u in instrs and u != n] for n, m in instrs.items()}
+    tagged = [n for n, m in instrs.items()
+              if m["op"] != "parameter" and ACCUMULATE_SCOPE in m["rest"]]
+    if not any(instrs[n]["op"] == "while" for n in tagged):
+        return None
+    acc, todo = set(), list(tagged)
+    while todo:  # the loop, the reduction and everything they read
+        n = todo.pop()
+        if n not in acc:
+            acc.add(n)
+            todo += ops[n]
+    root = next(n for n, m in instrs.items() if m["root"])
+    if root in acc:
+        return None
+
+    def free(n):  # read where needed rather than passed: parameters, constants, ids
+        return instrs[n]["op"] == "parameter" or (instrs[n]["op"] in _LEAVES and not ops[n])
+
+    acc_own = [n for n in instrs if n in acc and not free(n)]
+    apply_own = [n for n in instrs if n not in acc and not free(n)]
+    apply_reads = {u for n in apply_own for u in ops[n]}
+    outs = [n for n in acc_own if n in apply_reads]
+    acc_reads = {u for n in acc_own for u in ops[n]}
+    unused = [n for n in instrs if instrs[n]["op"] == "parameter" and n not in acc_reads]
+    acc_part = [n for n in instrs if n in acc_own or (free(n) and n in acc_reads)]
+    apply_part = [n for n in instrs if n in apply_own or (free(n) and (
+        n in apply_reads or n in unused))]
+    out_shapes = [instrs[n]["shape"] for n in outs]
+    acc_root = (f"  ROOT %{entry}_accumulate_grad_outputs = ({', '.join(out_shapes)}) "
+                f"tuple({', '.join('%' + n for n in outs)})")
+    first = _module_text(text, comps, entry, instrs, acc_part, [], acc_root,
+                         f"({', '.join(out_shapes)})", "accumulate_grad")
+    second = _module_text(text, comps, entry, instrs, apply_part, outs, None,
+                          instrs[root]["shape"], "apply_grad")
+    return first, second
+
+
+def _module_text(text, comps, entry, instrs, part, passed, root_line, root_shape, kind) -> str:
+    """One module of ``accumulate_apply_modules``: ``part`` (entry instruction names, in
+    order) with its parameters renumbered, ``passed`` (values of the other module) as
+    parameters after them, and the computations the part calls."""
+    numbered = {n: int(re.match(r"\d+", instrs[n]["rest"]).group(0))
+                for n in part if instrs[n]["op"] == "parameter"}
+    params = sorted(numbered, key=numbered.get)
+    number = {n: i for i, n in enumerate(params + passed)}
+    lines = [f"  %{n} = {instrs[n]['shape']} parameter({number[n]})" for n in passed]
+    for n in part:
+        line = instrs[n].group(0)
+        if n in number:
+            line = re.sub(r" parameter\(\d+\)", f" parameter({number[n]})", line, count=1)
+        lines.append(line)
+    if root_line is not None:
+        lines.append(root_line)
+    shapes = [instrs[n]["shape"] for n in params + passed]
+    signature = ", ".join(f"{n}: {_without_layout(s)}" for n, s in zip(
+        params + passed, shapes, strict=True))
+    body = (f"ENTRY %{entry}_{kind} ({signature}) -> {_without_layout(root_shape)} {{\n"
+            + "\n".join(lines) + "\n}\n")
+    called, todo = [], _callees("\n".join(lines))
+    while todo:
+        c = todo.pop()
+        if c in comps and c not in called and c != entry:
+            called.append(c)
+            todo += _callees(comps[c])
+    listed = "".join(comps[c].rstrip("\n") + "\n\n" for c in comps if c in called)
+    renumber = {old: number[n] for n, old in numbered.items()}
+    header = _header(text, kind, f"({', '.join(shapes)})->{root_shape}",
+                     renumber if root_line is None else None)
+    first = min((text.find(comps[c]) for c in comps), default=len(text))
+    prelude = text[text.find("\n") + 1:first].strip("\n")  # the stack frames metadata names
+    return header + "\n\n" + (prelude + "\n\n" if prelude else "") + listed + body
+
+
+def _header(text: str, kind: str, layout: str, renumber: dict | None) -> str:
+    """The module's header line: ``_{kind}`` added to its name, another entry computation
+    layout, the donations (``input_output_alias``) kept with parameters renumbered by
+    ``renumber`` (dropped when it is None: new outputs), attributes sized by the old
+    signature dropped."""
+    line = text[:text.find("\n")]
+    attrs, depth, at = [], 0, line.find(",")
+    for i in range(at + 1, len(line) + 1):
+        if i == len(line) or (line[i] == "," and depth == 0):
+            attrs.append(line[at + 1:i].strip())
+            at = i
+        elif i < len(line):
+            depth += {"{": 1, "}": -1}.get(line[i], 0)
+    kept = []
+    for attr in attrs:
+        key, _, value = attr.partition("=")
+        if key == "entry_computation_layout":
+            value = "{" + layout + "}"
+        elif key == "input_output_alias":
+            if renumber is None:
+                continue
+            pairs = [f"{{{o}}}: ({renumber[int(p)]}, {{{i}}}, {kind})" for o, p, i, kind in
+                     re.findall(r"\{([\d,]*)\}: \((\d+), \{([\d,]*)\}, ([\w\-]+)\)", value)
+                     if int(p) in renumber]
+            if not pairs:
+                continue
+            value = "{ " + ", ".join(pairs) + " }"
+        elif key.startswith("allow_spmd_sharding_propagation"):
+            continue
+        kept.append(f"{key}={value}")
+    name = line.split()[1].rstrip(",")
+    return ", ".join([f"HloModule {name}_{kind}"] + kept)
+
+
+def _without_layout(shape: str) -> str:
+    return re.sub(r"\{[^{}]*\}", "", shape)
 
 
 def _axis_groups(names: tuple[str, ...], shape: tuple[int, ...]) -> dict:

@@ -1,4 +1,5 @@
-"""Reading compiled HLO text: computations, loop trip counts, collectives and their mesh axes.
+"""Reading compiled HLO text: computations, loop trip counts, collectives and their mesh axes;
+a step with gradient accumulation cut into Alpa's two modules (``accumulate_apply_modules``).
 
 XLA's optimized HLO is the ground truth of what a plan costs. This module turns its text into
 ``CompiledCollective`` records: the kind, the bytes one device receives (from the result
@@ -249,7 +250,7 @@ def _header(text: str, kind: str, layout: str, renumber: dict | None) -> str:
     signature dropped."""
     line = text[:text.find("\n")]
     attrs, depth, at = [], 0, line.find(",")
-    for i in range(at + 1, len(line) + 1):
+    for i in range(at + 1, len(line) + 1) if at >= 0 else ():
         if i == len(line) or (line[i] == "," and depth == 0):
             attrs.append(line[at + 1:i].strip())
             at = i

@@ -4,7 +4,7 @@ least-bytes plans found, so ``explain()`` shows what a memory budget would cost.
 The planner finds several plans on the chosen mesh: the fastest (its first ILP), the one
 ``least_memory`` trades some time for, and here one more, a plan of much less memory
 (``least_peak``: the same ILP weighing the bytes live where the chosen plan peaks 3x as much
-as its time; one or two solves, a few seconds on the families benchmark). Each is
+as its time; usually one solve, a few seconds on the families benchmark). Each is
 costed as the plan it is: collective bytes one device receives per step (``received_bytes``)
 and the estimated peak bytes per device (``memory.peak_bytes``). Of the plans found, the row
 of fewest bytes and the row of least memory are shown next to the chosen one
@@ -26,7 +26,16 @@ fraction of peak memory. Lower weights solved far slower (the families decoder a
 default size: 0.001 took 93 s and found 0.91x the chosen plan's memory, 0.3 4.5 s and 0.80x;
 at its tiny size 0.01 took 13 s for 0.49x, 0.3 1.4 s for 0.65x)."""
 ROUNDS = 2
-"""Most solves of the least-memory ILP (``least_peak``)."""
+"""Most solves of the least-memory ILP (``least_peak``); each costs about as much as the
+planner's first solve (its root LP)."""
+NEAR_PEAK = 0.05
+"""The first solve weighs every point where the chosen plan's live bytes are within this
+fraction of its peak (a plateau: a plan that lowers one point of it peaks at the next)."""
+MAX_POINTS = 16
+"""Most points the first solve weighs (the highest)."""
+ENOUGH = 0.1
+"""A solve whose plan peaks this fraction below the chosen plan ends the search: a second round
+(weighing where that plan peaks) is for a first round that found no plan of less memory."""
 SCALE = 1e3
 """The objective is a sum of fractions near 1; HiGHS wants it away from its tolerances."""
 NODE_LIMIT = 2000
@@ -74,8 +83,6 @@ def trade_off(ilp, found, make_plan) -> tuple[TradeOffRow, ...]:
     first; ``make_plan(solution)``: the ``ShardingPlan`` of a solution. The least-memory plan
     is solved here (``least_peak``) and joins ``found``.
     """
-    from .memory import peak_bytes
-
     chosen = found[0]
     extra = least_peak(ilp, chosen)
     plans = []
@@ -85,10 +92,10 @@ def trade_off(ilp, found, make_plan) -> tuple[TradeOffRow, ...]:
         if key in seen:
             continue
         seen.add(key)
-        peak = peak_bytes(ilp.prob, sol.choice)
+        plan = make_plan(sol)   # its objective's peak is memory.peak_bytes of the choice
+        peak = plan.objective.peak_bytes_per_device
         if plans and ilp.memory_budget is not None and peak > ilp.memory_budget:
             continue   # over the budget the plan was made under: not a plan
-        plan = make_plan(sol)
         plans.append((received_bytes(plan.collectives, plan.mesh_sizes), peak,
                       sol.objective_s))
     fewest = min(plans, key=lambda p: (p[0], p[1], p[2]))
@@ -106,7 +113,8 @@ def with_trade_off(plan, ilp, chosen, make_plan):
     ``Objective.trade_off``; the other plans found on its mesh are ``chosen.info["found"]``
     (set by ``least_memory``)."""
     found = [chosen, *chosen.info.get("found", ())]
-    rows = trade_off(ilp, found, make_plan)
+    # The chosen solution's plan is ``plan`` (the same collectives and peak): not made again.
+    rows = trade_off(ilp, found, lambda sol: plan if sol is chosen else make_plan(sol))
     return dataclasses.replace(plan, objective=dataclasses.replace(plan.objective,
                                                                    trade_off=rows))
 
@@ -117,10 +125,12 @@ def least_peak(ilp, first):
     7x the planning time): the least this search finds.
 
     One more solve of the same ILP (its constraints, the budget's rows included) with the
-    objective ``live / P + TIME_WEIGHT * time / T``: ``live`` the bytes live at ``first``'s
-    peak point (one row of the memory model), ``P`` and ``T`` ``first``'s peak and time. Where
-    that plan peaks at another point, the next solve weighs both points' live bytes (at most
-    ``ROUNDS`` solves); the plan of least peak is kept.
+    objective ``live / P + TIME_WEIGHT * time / T``: ``live`` the mean bytes live at the points
+    where ``first`` peaks (within ``NEAR_PEAK``; rows of the memory model), ``P`` and ``T``
+    ``first``'s peak and time. Where that plan peaks at another point and is not ``ENOUGH``
+    below ``first``, a second solve weighs that point too; the plan of least peak is kept.
+    Weighing the whole plateau found in one solve what the peak point alone took two for (the
+    suite's 2-D GPT, the families decoder at 2 and 16 layers: 1.3-2.7 CPU s each).
     """
     from scipy.optimize import milp  # loads on first use
 
@@ -134,7 +144,7 @@ def least_peak(ilp, first):
     peak = float(live.max()) if len(live) else 0.0
     if peak <= 0:
         return None
-    points, best = [int(np.argmax(live))], None
+    points, best = _near_peak(live), None
     options = dict(ilp.options, mip_rel_gap=GAP, presolve=False,
                    node_limit=min(NODE_LIMIT, ilp.options.get("node_limit", NODE_LIMIT)))
     for _ in range(ROUNDS):
@@ -151,7 +161,7 @@ def least_peak(ilp, first):
         if best is None or live.max() < best[1]:
             best = (choice, float(live.max()))
         top = int(np.argmax(live))
-        if top in points:
+        if top in points or live.max() <= (1 - ENOUGH) * peak:
             break
         points.append(top)
     if best is None:
@@ -159,6 +169,15 @@ def least_peak(ilp, first):
     return solver.Solution(best[0], "least peak memory found",
                            solver.evaluate(prob, best[0], ilp.edges), 0.0,
                            num_ilp_vars=ilp.total)
+
+
+def _near_peak(live: np.ndarray) -> list[int]:
+    """The points where ``live`` is within ``NEAR_PEAK`` of its maximum (at most
+    ``MAX_POINTS``, the highest first): a plan that only lowers one point of a plateau peaks
+    at its neighbour."""
+    top = np.flatnonzero(live >= live.max() * (1 - NEAR_PEAK))
+    top = top[np.argsort(-live[top], kind="stable")[:MAX_POINTS]]
+    return sorted(int(p) for p in top)
 
 
 def table_lines(rows: tuple[TradeOffRow, ...], mesh_shape) -> list[str]:

@@ -66,6 +66,11 @@ class _Tables:
     """(src specs, dst specs, shape, itemsize) -> exact pairwise cost matrix, or None where the
     per-axis terms are exact."""
     matrix_bytes: int = 0
+    terms: dict = field(default_factory=dict)
+    """(src specs, dst specs, shape, itemsize, by_shards) -> ``axis_terms``: the edges of every
+    unrolled layer (unshared strategy lists of equal specs) and of the data-parallel ILP beside
+    the plan priced once. Not in ``nbytes``: a few small arrays per distinct edge, about as many
+    entries as ``matrices``, evicted with them."""
 
     @property
     def nbytes(self) -> int:
@@ -98,6 +103,10 @@ class _Memo:
         if found is None:
             found = self.tables[key] = _Tables()
         return found
+
+    def existing(self, cost):
+        """The tables of ``cost`` if an ILP made them (no eviction, nothing created), else None."""
+        return self.tables.get((cost, flop_cost(1.0, 1), byte_cost(1.0, 1)))
 
     def clear(self):
         self.tables.clear()
@@ -149,8 +158,20 @@ def axis_terms(cost, srcs, dsts, shape, isize, *, by_shards: bool = True) -> lis
     (``src_dims[k]`` not None) and consumer ``j`` ``gathers[classes[k]]`` if ``dst_dims[j]`` is
     None, nothing if it equals ``src_dims[k]``, else ``moves[classes[k]]``: summed over the
     terms, ``per_axis_matrix``'s entry. ``by_shards=False``: one class, its costs unused (an
-    ILP that forbids resharding reads only the dims).
+    ILP that forbids resharding reads only the dims). Memoised in ``MEMO`` by content while
+    an ILP of ``cost`` is built (callers must not change the arrays).
     """
+    tables = MEMO.existing(cost)
+    if tables is None:
+        return _axis_terms(cost, srcs, dsts, shape, isize, by_shards)
+    key = (tuple(srcs), tuple(dsts), tuple(shape), isize, by_shards)
+    found = tables.terms.get(key)
+    if found is None:
+        found = tables.terms[key] = _axis_terms(cost, key[0], key[1], shape, isize, by_shards)
+    return found
+
+
+def _axis_terms(cost, srcs, dsts, shape, isize, by_shards) -> list[tuple]:
     total_bytes = float(isize * np.prod(shape, dtype=np.float64))
     terms = []
     for a, size in enumerate(cost.mesh_shape):

@@ -72,6 +72,10 @@ def parse_args(argv=None):
     p.add_argument("--plans", default="all",
                    help="comma-separated: dp, fsdp, tp, 2d_AxB, autoshard, autoshard_budget")
     p.add_argument("--steps", type=int, default=3, help="steps compared with jax.jit")
+    p.add_argument("--budget-mesh", default="",
+                   help="comma-separated AxB meshes the budget plan is planned on (fixed "
+                        "logical_mesh_shape; the first is the judged autoshard_budget row, "
+                        "the others autoshard_budget_AxB); empty: the planner's mesh search")
     p.add_argument("--devices16", action=argparse.BooleanOptionalAction, default=True,
                    help="also the decoder on 16 devices (a child process)")
     p.add_argument("--sweep-layers", default="4,8,16,32",
@@ -265,12 +269,21 @@ def run_model(name: str, args, devices) -> list[dict]:
     if wanted is None or "autoshard" in wanted:
         done(measure_autoshard(case, "autoshard", None, devices, args.steps))
     if (wanted is None or "autoshard_budget" in wanted) and budget is not None:
-        try:
-            done(measure_autoshard(case, "autoshard_budget", budget, devices, args.steps))
-        except ValueError as e:           # the planner says the budget cannot be met
-            records.append({"plan": "autoshard_budget", "model": name, "num_devices": n,
-                            "budget": budget, "error": str(e)[-1500:]})
-            print(f"  {name} x{n} autoshard_budget: {str(e)[:200]}", flush=True)
+        meshes = [tuple(int(x) for x in m.split("x")) for m in args.budget_mesh.split(",") if m]
+        for i, mesh_shape in enumerate(meshes or [None]):
+            plan = ("autoshard_budget" if i == 0
+                    else f"autoshard_budget_{'x'.join(map(str, mesh_shape))}")
+            t0 = time.perf_counter()
+            try:
+                done(measure_autoshard(case, plan, budget, devices, args.steps,
+                                       mesh_shape=mesh_shape))
+                records[-1]["wall_s"] = time.perf_counter() - t0
+            except ValueError as e:           # the planner says the budget cannot be met
+                records.append({"plan": plan, "model": name, "num_devices": n,
+                                "budget": budget, "error": str(e)[-1500:],
+                                "mesh_shape": list(mesh_shape or ()),
+                                "wall_s": time.perf_counter() - t0})
+                print(f"  {name} x{n} {plan}: {str(e)[:200]}", flush=True)
     return records
 
 

@@ -251,10 +251,10 @@ def test_ilp_cutoff_skips_meshes_that_cannot_win_without_changing_the_plan(monke
 def test_memory_rows_are_added_where_the_plan_goes_over_the_budget(monkeypatch):
     from autoshard.sharding import memory, solver
 
-    def first_point_only(prob, col0, K, total, num_points=48, points=None):
+    def first_point_only(prob, col0, K, total, num_points=48, points=None, **kw):
         # Sample only the first program point, so the budget rows miss the peak.
         return memory.memory_rows(prob, col0, K, total,
-                                  points=np.array([0]) if points is None else points)
+                                  points=np.array([0]) if points is None else points, **kw)
     monkeypatch.setattr(solver, "memory_rows", first_point_only)
     args, budget = _mlp_args(batch=64, hidden=256), 700_000
     monkeypatch.setattr(solver, "MEMORY_ROUNDS", 0)

@@ -8,6 +8,8 @@ estimate a plan reports (``Executable.audit()`` compares it with XLA's allocatio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .fusion import BITCASTS, FOLDED, fusion_charges
@@ -267,11 +269,124 @@ def _partials(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
     return found
 
 
-def memory_rows(prob: Problem, col0, K, total, num_points: int = 48, points=None):
+@dataclass(frozen=True)
+class CopyBounds:
+    """Lower bounds of the resharded copies (``reshard_bytes``) for the ILP's memory rows.
+
+    A copy of value ``u`` in spec ``d`` depends on two choices (its producer's spec and a
+    reader's in_spec). A reader holds ``sum_d b_d Y_d (1 - X_d)`` bytes of copies, ``Y_d``:
+    it takes a strategy reading ``d``, ``X_d``: the producer makes ``d``, ``b_d``: bytes per
+    device in ``d``. That is at least ``sum_j b(dst_j) y_j - sum_i b(src_i) x_i`` over the
+    producer strategies ``i`` whose spec some strategy of the reader reads: exact for a
+    gather from a spec the reader cannot read, short by the producer's bytes otherwise (an
+    all-to-all of equal sizes counts 0), exact when one variable chooses both ends. (Exact
+    bounds, one column ``max(0, Y_d - X_d)`` per spec, made the families decoder's budgeted
+    ILP 5-8x slower: the solver's rounds, ``solver.solve_ilp``, take the rest.) A copy lives
+    until its last reader, so the points between two readers of ``u`` count one column
+    ``m >= 0`` bounded below by every later reader's bound (the largest: readers that need
+    one spec share one copy)."""
+
+    spans: list[tuple[int, int]]
+    """Per column: the first and last program point it counts at."""
+    terms: list[tuple[int, list[tuple[int, np.ndarray]]]]
+    """(column, [(variable, coefficient per strategy)]): column >= the sum."""
+    chain: list[tuple[int, int]]
+    """(a, b): column a >= column b (a's readers include b's)."""
+
+
+def copy_bounds(prob: Problem) -> CopyBounds:
+    """The copy columns of ``prob`` (see ``CopyBounds``)."""
+    g, mesh = prob.graph, prob.ctx.mesh_shape
+    ready = _ready_points(g)
+    readers: dict[int, list[tuple[int, int, int]]] = {}
+    for node in g.nodes:
+        for p, u in enumerate(node.operands):
+            if u is not None and g.values[u].producer not in prob.free:
+                readers.setdefault(u, []).append((g.loop_ends.get(node.id, node.id), node.id, p))
+    spans, terms, chain = [], [], []
+    for u, found in readers.items():
+        v = g.values[u]
+        size = itemsize(v.dtype) * int(np.prod(v.shape, dtype=np.int64))
+        producer = v.producer
+        out = g.nodes[producer].outputs.index(u)
+        src = [st.out_specs[out] for st in prob.strategies[producer]]
+        src_bytes = np.array([size // shards(s, mesh) for s in src], dtype=float)
+        ru = prob.var(producer)
+        by_end: dict[int, list] = {}
+        for end, node_id, p in found:
+            dsts = [st.in_specs[p] if p < len(st.in_specs) else None
+                    for st in prob.strategies[node_id]]
+            rv = prob.var(node_id)
+            if ru == rv:
+                coef = np.array([0.0 if d is None or d == a else size // shards(d, mesh)
+                                 for a, d in zip(src, dsts, strict=True)])
+                bound = [(ru, coef)] if coef.max() > 0 else []
+            else:
+                read = set(dsts)
+                dst_bytes = np.array([0.0 if d is None else size // shards(d, mesh)
+                                      for d in dsts])
+                sub = np.where([s in read for s in src], -src_bytes, 0.0)
+                bound = ([(rv, dst_bytes), (ru, sub)]
+                         if dst_bytes.max() + sub.max() > 0 else [])
+            if bound:
+                by_end.setdefault(end, []).append(bound)
+        first = ready.get(u, producer)
+        previous = None
+        for end in sorted(by_end):
+            col = len(spans)
+            spans.append((first, end))
+            for bound in by_end[end]:
+                terms.append((col, bound))
+            if previous is not None:
+                chain.append((previous, col))
+            previous, first = col, end + 1
+    return CopyBounds(spans=spans, terms=terms, chain=chain)
+
+
+def copy_bound_bytes(prob: Problem, bounds: CopyBounds, choice: dict[int, int]) -> np.ndarray:
+    """Per program point, the bytes ``bounds``' columns hold at least under ``choice``
+    (what the ILP's rows count for the copies ``reshard_bytes`` holds)."""
+    value = np.zeros(len(bounds.spans))
+    for col, bound in bounds.terms:
+        value[col] = max(value[col], sum(coef[choice[r]] for r, coef in bound))
+    for a, b in reversed(bounds.chain):   # chains run forward: settle the later ones first
+        value[a] = max(value[a], value[b])
+    n = len(prob.graph.nodes) + 1
+    delta = np.zeros(n + 1)
+    for (a, b), size in zip(bounds.spans, value, strict=True):
+        delta[a] += size
+        delta[b + 1] -= size
+    return np.cumsum(delta)[:n]
+
+
+def copy_bound_rows(bounds: CopyBounds, col0, K, total: int, aux0: int, scale: float = 1.0):
+    """``bounds``' rows ``sum - column <= 0`` (its columns from ``aux0``; bytes times
+    ``scale``) as a sparse matrix."""
+    import scipy.sparse as sp  # loads on first use
+    rows, cols, vals = [], [], []
+    n = 0
+    for col, bound in bounds.terms:
+        for r, coef in bound:
+            nz = np.flatnonzero(coef)
+            rows.extend([n] * len(nz))
+            cols.extend((col0[r] + nz).tolist())
+            vals.extend((coef[nz] * scale).tolist())
+        rows.append(n), cols.append(aux0 + col), vals.append(-1.0)
+        n += 1
+    for a, b in bounds.chain:
+        rows.extend([n, n]), cols.extend([aux0 + b, aux0 + a]), vals.extend([1.0, -1.0])
+        n += 1
+    return sp.csr_array((vals, (rows, cols)), shape=(n, total))
+
+
+def memory_rows(prob: Problem, col0, K, total, num_points: int = 48, points=None,
+                copies: tuple[CopyBounds, int] | None = None):
     """One row per sampled program point: bytes per device of everything live there.
 
     Points: the half with the largest replicated live set, plus evenly spaced ones; or the
     given ``points`` (node indices, ascending), e.g. where a solved plan went over budget.
+    ``copies``: (``copy_bounds(prob)``, its first column): the rows count the copy columns
+    live at each point as well.
     """
     import scipy.sparse as sp  # loads on first use
     spans = liveness(prob)
@@ -311,6 +426,14 @@ def memory_rows(prob: Problem, col0, K, total, num_points: int = 48, points=None
             rows.extend([row] * K[r])
             cols.extend(range(col0[r], col0[r] + K[r]))
             vals.extend(float(s) for s in sizes)
+    if copies is not None:
+        bounds, aux0 = copies
+        for col, (a, b) in enumerate(bounds.spans):
+            inside = np.arange(np.searchsorted(points, a),
+                               np.searchsorted(points, b, side="right"))
+            rows.extend(inside.tolist())
+            cols.extend([aux0 + col] * len(inside))
+            vals.extend([1.0] * len(inside))
     return sp.csr_array((vals, (rows, cols)), shape=(len(points), total))
 
 
@@ -377,11 +500,36 @@ def reshard_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
 
 def _ready_points(g) -> dict[int, int]:
     """Per value: the point from which XLA may compute a copy of it (its producer; a step
-    input's first reader), which is where its scheduler puts the copy."""
-    ready = {}
+    input's first reader), which is where its scheduler puts the copy.
+
+    A value computed from step inputs alone (an Adam moment times its decay, read by an
+    update that runs in another spec) is ready with the first input read: XLA's scheduler
+    computes and gathers it there, before the forward pass, and holds the gathered copy until
+    the update (read from XLA's live ranges of such a plan)."""
+    memo = g.memo.get("ready_points")
+    if memo is not None:
+        return memo
+    from_inputs = [False] * len(g.values)
+    for node in g.nodes:
+        if node.kind == "input":
+            from_inputs[node.outputs[0]] = True
+        elif node.kind not in LOOP_NODE_KINDS and node.operands and all(
+                u is None or from_inputs[u] for u in node.operands):
+            for v in node.outputs:
+                from_inputs[v] = True
+    ready, start = {}, None
     for node in g.nodes:
         for u in node.operands:
             if u is not None and u not in ready:
                 p = g.values[u].producer
-                ready[u] = node.id if g.nodes[p].kind == "input" else p
+                if g.nodes[p].kind == "input":
+                    ready[u] = node.id
+                    start = node.id if start is None else start
+                else:
+                    ready[u] = min(p, start) if from_inputs[u] and start is not None else p
+    g.memo["ready_points"] = ready
     return ready
+
+
+LOOP_NODE_KINDS = frozenset({"carry", "carry_back", "xs", "ys", "cond_out"})
+"""The graph's loop nodes: a value they make is the loop's, not one XLA computes up front."""

@@ -19,7 +19,15 @@ import numpy as np
 
 from . import reshard_memo
 from .build import merged_alpha, merged_latency, merged_reductions
-from .memory import live_bytes, memory_rows, reshard_bytes
+from .memory import (
+    CopyBounds,
+    copy_bound_bytes,
+    copy_bound_rows,
+    copy_bounds,
+    live_bytes,
+    memory_rows,
+    reshard_bytes,
+)
 from .problem import Problem
 from .reshard_memo import _distinct, axis_terms, per_axis_matrix
 from .strategy import itemsize
@@ -125,6 +133,8 @@ class Ilp:
     build_s: float
     lp: tuple | None = None
     """(LP relaxation objective in seconds or None if it found none), once computed."""
+    copies: tuple[CopyBounds, int] | None = None
+    """Under a budget: the copy columns' bounds and their first column (memory.CopyBounds)."""
 
     @property
     def total(self) -> int:
@@ -310,7 +320,11 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
             ub_cols.extend([col0[r] + k for k in ks] + [z])
             nub += 1
     num_edge = len(c_extra)
-    total = ncols + num_edge
+    # Under a budget, the resharded copies get columns bounded below by their readers'
+    # choices (memory.CopyBounds), so the memory rows see most of them.
+    copies = copy_bounds(prob) if memory_budget is not None else None
+    num_copy = len(copies.spans) if copies is not None else 0
+    total = ncols + num_edge + num_copy
     rhs = [0.0] * nrows
     for r in roots:  # one-hot rows
         for k in range(K[r]):
@@ -318,6 +332,7 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
         rhs.append(1.0)
         nrows += 1
     upper = np.ones(total)
+    upper[ncols + num_edge:] = np.inf
     for col in edges.forbidden:
         upper[col] = 0.0
     for allowed in (prob.allowed, extra_allowed or {}):
@@ -326,28 +341,45 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
             for k in range(K[r]):
                 if k not in ks:
                     upper[col0[r] + k] = 0.0
-    c = np.concatenate([unary, np.array(c_extra)])
+    c = np.concatenate([unary, np.array(c_extra), np.zeros(num_copy)])
     A = sp.csr_array((vals, (rows, cols)), shape=(nrows, total))
     constraints = [LinearConstraint(A, np.array(rhs), np.array(rhs))]
     if nub:
         A_ub = sp.csr_array((ub_vals, (ub_rows, ub_cols)), shape=(nub, total))
         constraints.append(LinearConstraint(A_ub, -np.inf, np.zeros(nub)))
     if memory_budget is not None:
-        M = memory_rows(prob, col0, K, total)
-        constraints.append(LinearConstraint(M, -np.inf, float(memory_budget)))
-    integrality = np.concatenate([np.ones(ncols), np.zeros(num_edge)])
+        aux = (copies, ncols + num_edge)
+        M = _in_budgets(memory_rows(prob, col0, K, total, copies=aux), memory_budget,
+                        ncols + num_edge)
+        constraints.append(LinearConstraint(M, -np.inf, 1.0))
+        if num_copy:
+            B = copy_bound_rows(copies, col0, K, total, ncols + num_edge,
+                                scale=1.0 / memory_budget)
+            constraints.append(LinearConstraint(B, -np.inf, np.zeros(B.shape[0])))
+    integrality = np.concatenate([np.ones(ncols), np.zeros(num_edge + num_copy)])
     # HiGHS works in microseconds: seconds put every cost below its tolerances.
     options = {"time_limit": float(time_limit_s), "mip_rel_gap": 1e-4,
                "disp": bool(os.environ.get("AUTOSHARD_SOLVER_LOG"))}
     if node_limit is not None:
         options["node_limit"] = int(node_limit)
-    info = {"rows": nrows + nub, "edge_vars": num_edge,
+    info = {"rows": nrows + nub, "edge_vars": num_edge, "copy_vars": num_copy,
             "approximate_pairs": len(reduced) - len(exact)}
     return Ilp(prob=prob, c=c, integrality=integrality, bounds=(np.zeros(total), upper),
                constraints=constraints, options=options, col0=col0, K=K, roots=roots,
                unary=unary, edges=edges, approximate=len(exact) < len(reduced), info=info,
                memory_budget=memory_budget, time_limit_s=time_limit_s,
-               build_s=time.perf_counter() - t0)
+               build_s=time.perf_counter() - t0,
+               copies=None if copies is None else (copies, ncols + num_edge))
+
+
+def _in_budgets(rows, memory_budget: int, aux0: int):
+    """Memory ``rows`` in budgets instead of bytes (HiGHS wants coefficients near 1): the
+    strategy and edge columns (before ``aux0``) divided by the budget; the copy columns
+    (from ``aux0``) hold budgets already."""
+    import scipy.sparse as sp  # loads on first use
+    scale = np.ones(rows.shape[1])
+    scale[:aux0] = 1.0 / memory_budget
+    return sp.csr_array(rows @ sp.diags_array(scale))
 
 
 def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:
@@ -392,11 +424,16 @@ def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:
         if not len(over):
             break
         worst = np.sort(over[np.argsort(-live[over], kind="stable")[:MEMORY_POINTS_PER_ROUND]])
-        # The rows hold what one strategy choice decides; the resharded copies this plan
-        # holds at those points come off their bound (a choice of two ends at once).
+        # The rows see the copies' lower bounds (memory.CopyBounds); what this plan's copies
+        # hold beyond them at those points comes off the rows' bound.
         copies = reshard_bytes(prob, choice)[worst]
-        constraints.append(LinearConstraint(memory_rows(prob, col0, K, total, points=worst),
-                                            -np.inf, float(memory_budget) - copies))
+        if ilp.copies is not None:
+            copies = np.maximum(
+                copies - copy_bound_bytes(prob, ilp.copies[0], choice)[worst], 0.0)
+        constraints.append(LinearConstraint(_in_budgets(
+            memory_rows(prob, col0, K, total, points=worst, copies=ilp.copies),
+            memory_budget, total if ilp.copies is None else ilp.copies[1]),
+            -np.inf, 1.0 - copies / memory_budget))
         info["memory_rounds"] = info.get("memory_rounds", 0) + 1
         res = milp(c * OBJECTIVE_SCALE, integrality=integrality, bounds=bounds,
                    constraints=constraints, options=options)

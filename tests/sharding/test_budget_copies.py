@@ -6,8 +6,8 @@ FSDP x TP plan under the 2d_4x2 expert's budget (refused at 1.207x before):
 * the ILP's memory rows count a column per resharded copy (``CopyBounds``), bounded below by
   the choices at both ends; before, the rows saw values only and the budget's rounds lowered
   a row's bound by the copies of the last plan, which moved them elsewhere;
-* a copy of a value computed from the step's inputs alone (an Adam moment times its decay,
-  read by an update planned in another spec) is made where the step first reads an input:
+* a copy of a value computed from the step's donated state alone (an Adam moment times its
+  decay, read by an update planned in another spec) is made where the step first reads an input:
   XLA computes and gathers it before the forward pass (read from its live ranges; the plan
   that did it compiled 1.26x its estimate).
 """
@@ -21,17 +21,18 @@ import numpy as np
 import autoshard
 from autoshard.sharding.build import build_problem
 from autoshard.sharding.graph import build_graph
-from autoshard.sharding.memory import copy_bound_bytes, copy_bounds, reshard_bytes
+from autoshard.sharding.memory import _ready_points, copy_bound_bytes, copy_bounds, reshard_bytes
 from autoshard.sharding.solver import build_ilp, solve_ilp
 from autoshard.sharding.spec import shards
 
 FULL = 64 * 64 * 4
 
 
-def _problem(fn, *args, mesh=(8,), batch=None):
+def _problem(fn, *args, mesh=(8,), batch=None, aliases=((0, 1),)):
     closed = jax.make_jaxpr(fn)(*args)
     names = [f"a{i}" for i in range(len(closed.jaxpr.invars))]
     g = build_graph(closed, names, [f"o{i}" for i in range(len(closed.jaxpr.outvars))])
+    g.memo["aliases"] = aliases   # mu is donated state, replaced by the second output
     return build_problem(g, mesh, autoshard.AutoShardingOption(show_progress=False),
                          batch_invars=batch or [False] * len(names), aliases=(), warned=set())
 
@@ -40,8 +41,8 @@ def _late_update(mu, x):
     h = jnp.tanh(x @ x.T)
     for _ in range(4):
         h = jnp.tanh(h * 1.5 + 1.0)
-    decayed = mu * 0.9                        # computed from an input alone, read last
-    return h.sum() + jnp.einsum("ab,cb->ac", decayed, decayed).sum()
+    decayed = mu * 0.9                        # computed from the state alone, read last
+    return h.sum() + jnp.einsum("ab,cb->ac", decayed, decayed).sum(), decayed + 1.0
 
 
 def _gathered_choice(prob):
@@ -50,7 +51,7 @@ def _gathered_choice(prob):
     mu_node = g.nodes[g.inputs[0]]
     (mul,) = [n for n in g.nodes if n.kind == "mul" and mu_node.outputs[0] in n.operands]
     decayed = mul.outputs[0]
-    (reader,) = [n for n in g.nodes if decayed in n.operands]
+    (reader,) = [n for n in g.nodes if decayed in n.operands and n.kind == "dot_general"]
     choice = {prob.var(n.id): 0 for n in g.nodes}
     mesh = prob.ctx.mesh_shape
     split = [k for k, s in enumerate(prob.strategies[mu_node.id])
@@ -100,3 +101,28 @@ def test_budgeted_ilp_counts_copies_in_its_rows():
     assert (res_copies <= reshard_bytes(prob, sol.choice) + 1e-9).all()
     assert ilp.total == col + ilp.info["copy_vars"]
     assert np.isinf(ilp.bounds[1][col:]).all() and (ilp.c[col:] == 0).all()
+
+
+def test_activation_copies_start_at_their_producer():
+    # Values the batch feeds (not state alone) are copied where they are computed.
+    prob = _problem(_late_update, jnp.ones((64, 64)), jnp.ones((32, 16)))
+    g = prob.graph
+    ready = _ready_points(g)
+    x = g.nodes[g.inputs[1]].outputs[0]
+    for u, at in ready.items():
+        producer = g.values[u].producer
+        if g.nodes[producer].kind != "input" and u in _feeds(g, x):
+            assert at == producer
+
+
+def _feeds(g, root):
+    found, todo = set(), [root]
+    while todo:
+        u = todo.pop()
+        for n in g.nodes:
+            if u in n.operands:
+                for v in n.outputs:
+                    if v not in found:
+                        found.add(v)
+                        todo.append(v)
+    return found

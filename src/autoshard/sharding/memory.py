@@ -502,17 +502,20 @@ def _ready_points(g) -> dict[int, int]:
     """Per value: the point from which XLA may compute a copy of it (its producer; a step
     input's first reader), which is where its scheduler puts the copy.
 
-    A value computed from step inputs alone (an Adam moment times its decay, read by an
-    update that runs in another spec) is ready with the first input read: XLA's scheduler
-    computes and gathers it there, before the forward pass, and holds the gathered copy until
-    the update (read from XLA's live ranges of such a plan)."""
+    A value computed from the step's donated state alone (``Graph.memo["aliases"]``: an Adam
+    moment times its decay, read by an update that runs in another spec) is ready with the
+    first input read: XLA's scheduler computes and gathers it there, before the forward
+    pass, and holds the gathered copy until the update (read from XLA's live ranges of such
+    a plan)."""
     memo = g.memo.get("ready_points")
     if memo is not None:
         return memo
     from_inputs = [False] * len(g.values)
+    for i, _ in g.memo.get("aliases", ()):
+        from_inputs[g.nodes[g.inputs[i]].outputs[0]] = True
     for node in g.nodes:
         if node.kind == "input":
-            from_inputs[node.outputs[0]] = True
+            continue
         elif node.kind not in LOOP_NODE_KINDS and node.operands and all(
                 u is None or from_inputs[u] for u in node.operands):
             for v in node.outputs:

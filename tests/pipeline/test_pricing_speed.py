@@ -125,3 +125,29 @@ def test_pricing_skips_the_data_parallel_comparison(monkeypatch):
         for (name, p), (_, q) in zip(mine.plans, theirs.plans, strict=True):
             assert p.objective.data_parallel_s is None and q.objective.data_parallel_s is not None
             assert p.in_specs == q.in_specs and p.objective.total_s == q.objective.total_s, name
+
+
+def test_the_stage_search_chooses_one_logical_mesh_per_sub_mesh(monkeypatch):
+    """A stage runs on one logical mesh, so the search prices every span of a sub-mesh on the
+    mesh the most common layer's forward chooses there: one mesh search per sub-mesh (it was
+    one per distinct layer and sub-mesh, plus one per stage when the chosen layout was priced:
+    39.1B's search spent most of its 466 s there), and the layout found is priced on the
+    meshes the search priced it on."""
+    calls = []
+    real = tasks.plan_auto
+
+    def plan_auto(closed, **kw):
+        got = real(closed, **kw)
+        calls.append((kw["num_devices"], kw["option"].logical_mesh_shape, got.mesh_shape))
+        return got
+    monkeypatch.setattr(tasks, "plan_auto", plan_auto)
+    est = plan(autoshard.PipeshardParallel(num_micro_batches=2, layer_option="manual",
+                                           default_auto_sharding_option=QUIET,
+                                           stage_option=STAGES))
+    searched = [(n, chosen) for n, fixed, chosen in calls if fixed is None]
+    assert sorted(n for n, _ in searched) == [2, 4]  # the two sub-meshes, once each
+    chosen = dict(searched)
+    planned_on = {(n, tuple(fixed)) for n, fixed, _ in calls if fixed is not None}
+    assert planned_on == {(n, tuple(chosen[n])) for n in chosen}  # every other plan on them
+    for stage in est.stages:
+        assert tuple(stage.mesh_shape) == tuple(chosen[stage.devices[1]])

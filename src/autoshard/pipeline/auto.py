@@ -443,7 +443,7 @@ class _SpanPricer(_Pricer):
                     continue
                 sub = shape_cluster(self.cluster, shape)
                 self.span_stats["planned"] += 1
-                sp = self._measure(without_apply, s, sub, overrides)
+                sp = self._measure(without_apply, s, (i, j), sub, overrides, num_layers)
                 measured[(i, j, c)] = sp
                 if sp is not None and limit is not None:
                     pending.append((i, j, c, part, s, sub, sp[1], bound))
@@ -457,18 +457,19 @@ class _SpanPricer(_Pricer):
                 continue
             for i, j, c, part, s, sub, _, _ in group:
                 self.span_stats["apply_planned"] += 1
-                measured[(i, j, c)] = self._measure(part, s, sub, overrides)
+                measured[(i, j, c)] = self._measure(part, s, (i, j), sub, overrides,
+                                                    num_layers)
         for k, v in measured.items():
             if v is None:
                 measured[k] = (math.inf, math.inf, None)
         self.cache[key] = measured
         return measured
 
-    def _measure(self, part, s, sub, overrides):
-        """(F + B seconds, peak bytes, logical mesh shape) of stage ``s`` on ``sub``; None
-        when it has no plan within the memory."""
+    def _measure(self, part, s, span, sub, overrides, num_layers):
+        """(F + B seconds, peak bytes, logical mesh shape) of stage ``s`` (layers ``span``)
+        on ``sub`` (``plan_span``); None when it has no plan within the memory."""
         try:
-            sp = self.plan_stage_on(part, s, sub, overrides)
+            sp = self.plan_span(part, s, span, sub, overrides, num_layers)
         except ValueError as err:
             if "memory" not in str(err):
                 raise

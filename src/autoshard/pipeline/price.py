@@ -87,11 +87,12 @@ def price_pipeline(method, program, cluster: Cluster, *,
     option = method.stage_option
     virtual = virtual_of(method)  # interleaved: model stage s on sub-mesh s % (stages / virtual)
     if isinstance(option, AutoStageOption):
-        stage_of_layer, placement = pricer.search_stages(option, num_layers, k)
+        stage_of_layer, placement, fixed_shapes = pricer.search_stages(option, num_layers, k)
         notes.append(f"stages searched by the stage DP on planned layer times "
                      f"({option.layer_profile_mode}) over sub-meshes (hosts x devices) "
-                     f"{submesh_shapes(option, cluster)}")
-        fixed_shapes = [None] * len(placement)
+                     f"{submesh_shapes(option, cluster)}; each stage planned on the logical "
+                     "mesh the search priced it on (per sub-mesh, the one the forward of the "
+                     "step's most common layer chooses there)")
     else:
         # interleaved: stages as the runtime cuts them, over `virtual` times the devices
         stage_of_layer, placement, fixed_shapes = given_stages(
@@ -204,10 +205,7 @@ class _Pricer:
         """``task`` planned on ``sub`` as the runtime plans it: traced with its micro-batch
         index where it draws random numbers, with the stage's options (``shape_auto_option``),
         its inputs pinned to ``fixed`` (``tasks.plan_task``); identical tasks once."""
-        random = task.kind != "apply" and task.draws_random
-        consts, invars, outvars, acc, abstract = task_signature(task, part, random)
-        fn = task_fn(task.eqns, invars, outvars, acc, consts, random)
-        closed = jax.make_jaxpr(fn)(*abstract)
+        closed, invars, outvars, acc, random = _traced(part, task)
         n, extra = len(invars), len(acc) + random
         batch = [part.holds_rows(v) for v in invars] + [False] * extra
         aliases = list(aliases) + [(n + i, len(outvars) + i) for i in range(len(acc))]
@@ -305,8 +303,9 @@ class _Pricer:
     # The stage search ------------------------------------------------------------------------
     def search_stages(self, option: AutoStageOption, num_layers: int, k: int,
                       num_stages: int | None = None):
-        """(stage of each layer, placement) of the stage DP's best layout (with exactly
-        ``num_stages`` stages when given; None when that many have no layout)."""
+        """(stage of each layer, placement, logical mesh shape per stage) of the stage DP's
+        best layout (with exactly ``num_stages`` stages when given; None when that many have
+        no layout)."""
         found = self.stage_layout(option, num_layers, k, num_stages)
         if found is None and num_stages is None:
             shapes = submesh_shapes(option, self.cluster)
@@ -314,7 +313,7 @@ class _Pricer:
                 f"AutoStageOption found no stage layout for {self.cluster.describe()}: every "
                 f"candidate stage on sub-meshes {shapes} has no plan within the memory "
                 "budget, or the sub-mesh sizes cannot cover the devices exactly. " + FIXES)
-        return None if found is None else found[:2]
+        return None if found is None else found[:3]
 
     def stage_layout(self, option: AutoStageOption, num_layers: int, k: int,
                      num_stages: int | None = None):
@@ -367,15 +366,15 @@ class _Pricer:
         spans = ([(i, i + 1) for i in range(num_layers)] if individual else
                  [(i, j) for i in range(num_layers) for j in range(i + 1, num_layers + 1)])
         budget = option.memory_budget_per_device
+        option_c = {"memory_budget_per_device": budget} if budget is not None else {}
         measured: dict = {}
         for i, j in spans:
             part, s = self.cut.span(i, j, self.program.batch_invars,
                                     self.method.layer_option.remat)
             for c, shape in enumerate(shapes):
                 sub = shape_cluster(self.cluster, shape)
-                option_c = ({"memory_budget_per_device": budget} if budget is not None else {})
                 try:
-                    sp = self.plan_stage_on(part, s, sub, option_c)
+                    sp = self.plan_span(part, s, (i, j), sub, option_c, num_layers)
                     measured[(i, j, c)] = (sum(v for kd, v in sp.times.items()
                                                if kd != "apply"), sp.peak_bytes, sp.mesh_shape)
                 except ValueError as err:
@@ -385,11 +384,82 @@ class _Pricer:
         self.cache[key] = measured
         return measured
 
-    def plan_stage_on(self, part, s, sub, overrides) -> _StagePlans:
-        """Times of stage ``s``'s F and B planned on ``sub``, and the peak memory of every
-        task of the stage, its apply (optimizer) tasks included (for the stage search)."""
+    def plan_span(self, part, s, span, sub, overrides, num_layers) -> _StagePlans:
+        """Layers ``span`` as stage ``s`` of ``part`` on ``sub`` (``plan_stage_on``), on the
+        sub-mesh's logical mesh (``submesh_mesh``); on a mesh of its own where the span has
+        no plan within the memory there."""
+        with_apply = bool(part.apply)  # the forward's outputs include what apply reads
+        mesh = self.submesh_mesh(sub, overrides, num_layers, with_apply)
+        if mesh is not None and span[1] - span[0] == 1 and str(
+                _traced(part, part.forward[s])[0]) == self._representative(
+                    num_layers, with_apply)[1]:
+            mesh = None  # the representative's own plan (searched), from the cache
+        try:
+            return self.plan_stage_on(part, s, sub, overrides, mesh)
+        except ValueError as err:
+            if mesh is None or "memory" not in str(err):
+                raise
+            return self.plan_stage_on(part, s, sub, overrides)
+
+    def representative_layer(self, num_layers: int) -> int:
+        """The first of the layers whose forward occurs most often in the step (identical
+        jaxprs): its plan chooses each sub-mesh's logical mesh in the stage search."""
+        key = ("representative layer", num_layers)
+        if key in self.cache:
+            return self.cache[key]
+        count: dict = {}
+        first: dict = {}
+        for i in range(num_layers):
+            part, s = self.cut.span(i, i + 1, self.program.batch_invars,
+                                    self.method.layer_option.remat)
+            kind = str(_traced(part, part.forward[s])[0])
+            count[kind] = count.get(kind, 0) + 1
+            first.setdefault(kind, i)
+        self.cache[key] = found = first[max(count, key=lambda k: (count[k], -first[k]))]
+        return found
+
+    def _representative(self, num_layers: int, with_apply: bool):
+        """((partition, stage) of the representative layer alone, its forward's jaxpr)."""
+        key = ("representative", num_layers, with_apply)
+        if key in self.cache:
+            return self.cache[key]
+        i = self.representative_layer(num_layers)
+        part, s = self.cut.span(i, i + 1, self.program.batch_invars,
+                                self.method.layer_option.remat)
+        if not with_apply:
+            part = dataclasses.replace(part, apply=[])
+        self.cache[key] = found = ((part, s), str(_traced(part, part.forward[s])[0]))
+        return found
+
+    def submesh_mesh(self, sub: Cluster, overrides, num_layers: int,
+                     with_apply: bool = True) -> tuple | None:
+        """The logical mesh every span on sub-mesh ``sub`` is planned on in the stage search:
+        the one the representative layer's forward chooses there (``plan_auto``'s mesh
+        search, once per sub-mesh; None where that layer has no plan within the memory).
+
+        A stage runs on one logical mesh, so its layers are priced on one; searching the
+        meshes for every distinct layer and span was most of the search's time (39.1B on
+        sub-meshes of 16, 32 and 64 hosts: 466 s). ``with_apply``: the layer's partition
+        keeps its apply tasks (the forward then also outputs what they read)."""
+        key = ("submesh mesh", num_layers, sub, repr(overrides), with_apply)
+        if key in self.cache:
+            return self.cache[key]
+        part, s = self._representative(num_layers, with_apply)[0]
+        try:
+            mesh = tuple(self.plan_task(part, part.forward[s], sub, None, overrides).mesh_shape)
+        except ValueError as err:
+            if "memory" not in str(err):
+                raise
+            mesh = None
+        self.cache[key] = mesh
+        return mesh
+
+    def plan_stage_on(self, part, s, sub, overrides, shape=None) -> _StagePlans:
+        """Times of stage ``s``'s F and B planned on ``sub`` (on the logical mesh ``shape``;
+        None: the forward's plan chooses it), and the peak memory of every task of the stage,
+        its apply (optimizer) tasks included (for the stage search)."""
         times, peak = {}, 0
-        f = self.plan_task(part, part.forward[s], sub, None, overrides)
+        f = self.plan_task(part, part.forward[s], sub, shape, overrides)
         times["F"], peak = f.objective.total_s, f.objective.peak_bytes_per_device or 0
         names = tuple(f.axis_names)
         if part.has_backward:
@@ -404,6 +474,14 @@ class _Pricer:
                 peak = max(peak, a.objective.peak_bytes_per_device or 0)
         return _StagePlans(times=times, plans=[], mesh_shape=f.mesh_shape, peak_bytes=peak,
                            residual_bytes=0, out_bytes={}, producer_kind={})
+
+
+def _traced(part, task):
+    """(closed jaxpr, inputs, outputs, accumulators, draws random) of ``task`` as it runs."""
+    random = task.kind != "apply" and task.draws_random
+    consts, invars, outvars, acc, abstract = task_signature(task, part, random)
+    fn = task_fn(task.eqns, invars, outvars, acc, consts, random)
+    return jax.make_jaxpr(fn)(*abstract), invars, outvars, acc, random
 
 
 def _sends(part, stage_plans, placement, cluster: Cluster, split: bool) -> list[dict]:

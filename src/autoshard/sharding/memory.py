@@ -281,7 +281,7 @@ class CopyBounds:
     gather from a spec the reader cannot read, short by the producer's bytes otherwise (an
     all-to-all of equal sizes counts 0), exact when one variable chooses both ends. (Exact
     bounds, one column ``max(0, Y_d - X_d)`` per spec, made the families decoder's budgeted
-    ILP 5-8x slower: the solver's rounds, ``solver.solve_ilp``, take the rest.) A copy lives
+    ILP 2-8x slower: the solver's rounds, ``solver.solve_ilp``, take the rest.) A copy lives
     until its last reader, so the points between two readers of ``u`` count one column
     ``m >= 0`` bounded below by every later reader's bound (the largest: readers that need
     one spec share one copy)."""

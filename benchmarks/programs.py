@@ -52,8 +52,11 @@ RESULTS = Path(__file__).parent / "results"
 TOLERANCE = 1e-4          # largest relative difference that counts as equal (float32)
 NOISE_FLOOR = 1e-3        # a state leaf's scale is at least this fraction of its field's largest
 MAX_K_RATIO = 1.5         # a micro-batched step at most this much slower than its k=1 step
-METHODS = ("ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel",
-           "PipeshardParallel", "default")
+METHODS = ("ShardParallel", "ShardParallel@measured", "DataParallel", "Zero2Parallel",
+           "Zero3Parallel", "PipeshardParallel", "default")
+"""``ShardParallel@measured``: ``ShardParallel(cluster=Cluster.measure())``, the plan priced
+for what these CPU devices deliver (measured once per run) instead of the accelerator-like
+description ``Cluster.from_devices`` gives CPUs."""
 ALL_CELLS = tuple(f"{m}:{k}" for m in METHODS if m != "default" for k in (1, 4)) + ("default",)
 QUICK_CELLS = ("ShardParallel:1", "ShardParallel:4", "DataParallel:4", "Zero3Parallel:4",
                "PipeshardParallel:1", "PipeshardParallel:4", "default")
@@ -77,8 +80,21 @@ def make_method(cell: str, program: models.Program):
         return autoshard.PipeshardParallel(
             num_micro_batches=k, layer_option=layers,
             stage_option=autoshard.UniformStageOption(num_stages=2))
+    if name.endswith("@measured"):
+        return autoshard.ShardParallel(num_micro_batches=None if k == 1 else k,
+                                       cluster=measured_cluster())
     method = getattr(autoshard, name)
     return method() if k == 1 else method(num_micro_batches=k)
+
+
+_MEASURED: dict = {}
+
+
+def measured_cluster() -> autoshard.Cluster:
+    """``Cluster.measure()`` of the devices, once per run (its figures go into the JSON)."""
+    if "cluster" not in _MEASURED:
+        _MEASURED["cluster"] = autoshard.Cluster.measure()
+    return _MEASURED["cluster"]
 
 
 def cell_k(cell: str) -> int:
@@ -392,6 +408,16 @@ def markdown(result: dict) -> str:
         lines += [f"`{name}` with k > 1 is compared with a plain-JAX reference of the "
                   f"micro-batch rule, {rule}; its distance to the whole-batch step is in "
                   "the JSON (`loss_rel_diff_to_whole_batch`).", ""]
+    if result.get("measured_cluster"):
+        c = autoshard.Cluster.from_dict(result["measured_cluster"])
+        lines += ["`ShardParallel@measured` cells plan with `ShardParallel(cluster=Cluster."
+                  "measure())`: priced for what these devices delivered when measured ("
+                  f"{c.peak_flops / 1e9:.1f} GFLOP/s and {c.memory_bandwidth / 1e9:.1f} GB/s "
+                  f"of memory per device, all-reduces at {c.intra_host_bandwidth / 1e9:.2f} "
+                  f"GB/s and {c.intra_host_latency_s * 1e6:.0f} us per ring hop), where "
+                  "`ShardParallel` cells get `Cluster.from_devices`' accelerator-like "
+                  "description (100 TFLOP/s, 10 GB/s, 5 us per hop): the plan an "
+                  "accelerator would get, run on CPU devices.", ""]
     lines += [*targets(result), ""]
     for p in result["programs"]:
         rows = [r for r in result["records"] if r["program"] == p["name"]]
@@ -646,6 +672,8 @@ def main(argv=None) -> int:
             print(f"    {status}", flush=True)
             result["records"].append(record)
     derive(result["records"])
+    if "cluster" in _MEASURED:
+        result["measured_cluster"] = _MEASURED["cluster"].to_dict()
     result["wall_s"] = time.perf_counter() - t0
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "programs.json").write_text(json.dumps(_finite(result), indent=1) + "\n")

@@ -50,7 +50,8 @@ def plan(fun: Callable, *args, method: ParallelMethod | None = None,
 
     ``args``: arrays or ``jax.ShapeDtypeStruct``s (nothing is allocated). ``method``:
     ``ShardParallel()`` (the default) with any ``auto_sharding_option``. ``cluster``: the
-    hardware to cost for (default: the devices of ``method``, ``Cluster.from_devices``).
+    hardware to cost for (default: the method's ``cluster``, else the devices of ``method``,
+    ``Cluster.from_devices``).
     ``static_argnums``, ``batch_argnums``, ``donate_argnums``: as in ``parallelize``, so the
     plan fits the program ``parallelize`` traces with the same arguments.
 
@@ -78,8 +79,14 @@ def plan(fun: Callable, *args, method: ParallelMethod | None = None,
         raise TypeError(f"method ({method!r}) must be a ParallelMethod such as "
                         "autoshard.ShardParallel(), PipeshardParallel(...) or "
                         "AutoParallel().")
+    own = getattr(method, "cluster", None)
+    if cluster is not None and own is not None and cluster != own:
+        raise ValueError(
+            f"autoshard.plan: cluster ({cluster.name}) and the method's cluster ({own.name}) "
+            "differ. Give the cluster once, to plan(..., cluster=...) or to the method.")
     if cluster is None:
-        cluster = Cluster.from_devices(resolve_devices(method.devices)[0])
+        cluster = own if own is not None else Cluster.from_devices(
+            resolve_devices(method.devices)[0])
     if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster ({cluster!r}) must be an autoshard.Cluster, e.g. "
                         "Cluster.a100_80gb(num_hosts=4).")

@@ -178,6 +178,41 @@ class Cluster:
             preset, memory_bytes=memory if memory is not None else preset.memory_bytes,
             name=f"{getattr(devices[0], 'device_kind', 'device')}, {num_hosts} x {dph}")
 
+    @classmethod
+    def measure(cls, devices: Sequence[Any] | None = None, *, repeats: int = 5) -> Cluster:
+        """The cluster of ``devices`` (default ``jax.devices()``) with its figures measured.
+
+        ``from_devices`` gives GPUs their preset and other devices (CPUs) the cost model's
+        defaults, an accelerator-like description: plans made on CPU devices are then the
+        plans an accelerator would get. This runs short micro-benchmarks on the devices
+        instead (``autoshard._measure``: a matrix product, a streamed array, a chain of small
+        all-reduces and one large one over the devices of a host and, with several hosts,
+        over one device per host) and describes what they deliver, so plans are priced for
+        running on them: on XLA:CPU, whose collectives cost hundreds of microseconds and
+        whose products run at tens of GFLOP/s, it prices compute and latency as they are.
+        It takes a few seconds on CPU devices; every process must call it (it runs
+        collectives). Plan with it through ``autoshard.plan(..., cluster=Cluster.measure())``
+        and run the plan with ``ShardParallel(plan=...)``.
+        """
+        import jax
+
+        from . import _measure
+
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+            raise ValueError(f"Cluster.measure: repeats ({repeats!r}) must be a positive int "
+                             "(timed calls per micro-benchmark; the median is used).")
+        devices = sorted(jax.devices() if devices is None else devices,
+                         key=lambda d: d.process_index)
+        base = cls.from_devices(devices)
+        found = _measure.measure(devices, base.num_hosts, base.devices_per_host, repeats)
+        figures = dict(peak_flops=found.flops, flops_efficiency=1.0,
+                       memory_bandwidth=found.memory_bandwidth)
+        for link in ("intra_host", "inter_host"):
+            if getattr(found, f"{link}_bandwidth") is not None:
+                figures[f"{link}_bandwidth"] = getattr(found, f"{link}_bandwidth")
+                figures[f"{link}_latency_s"] = getattr(found, f"{link}_latency_s")
+        return dataclasses.replace(base, name=f"{base.name}, measured", **figures)
+
     # What the planner reads ------------------------------------------------------------------
     @property
     def num_devices(self) -> int:

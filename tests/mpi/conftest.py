@@ -1,5 +1,7 @@
 """MPI tests run in the plain suite (1 rank) and under mpirun (`make test-mpi`, 2 and 3 ranks)."""
 
+import pathlib
+
 import pytest
 
 try:
@@ -19,8 +21,12 @@ except ImportError as e:   # no mpi4py, no libmpi, or the native part not built
         return _WithoutMpi.from_parent(parent, path=module_path)
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    # pytest calls this hook with every item of the session, not only this directory's.
+    here = pathlib.Path(__file__).parent
     for item in items:
+        if here not in item.path.parents:
+            continue
         item.add_marker(pytest.mark.mpi)
         # A rank whose partner failed would wait forever; fail the test instead.
         item.add_marker(pytest.mark.timeout(120))

@@ -32,10 +32,23 @@ def compile_auto(method, program: Program, call: Call) -> Compiled:
         return _compiled(plan, program, devices, user_mesh)
     # Across processes, process 0 plans and the others receive its plan (after checking
     # that they traced the same program); with one process this just plans.
-    plan = call.agree(program, lambda: plan_program(
-        method, program, Cluster.from_devices(devices)))
+    plan = call.agree(program, lambda: plan_program(method, program, _cluster(method, devices)))
     return _meet_budget(method, program, call, _compiled(plan, program, devices, user_mesh),
                         devices, user_mesh)
+
+
+def _cluster(method, devices) -> Cluster:
+    """The hardware ``method`` plans for: its ``cluster`` when given (checked against the
+    devices it runs on), else ``Cluster.from_devices(devices)``."""
+    cluster = getattr(method, "cluster", None)
+    if cluster is None:
+        return Cluster.from_devices(devices)
+    if cluster.num_devices != len(devices):
+        raise ValueError(
+            f"ShardParallel's cluster ({cluster.name}) has {cluster.num_devices} devices but the "
+            f"step runs on {len(devices)}. Describe the devices it runs on, e.g. "
+            "Cluster.measure(devices) with the same devices as the method's.")
+    return cluster
 
 
 def _compiled(plan, program: Program, devices, user_mesh) -> Compiled:
@@ -84,8 +97,7 @@ def _meet_budget(method, program: Program, call: Call, first: Compiled, devices,
              f"{memory:,} B per device, {memory / budget:.3f}x memory_budget_per_device "
              f"({budget:,} B, {memory - budget:,} B over)")
     try:
-        plan = call.agree(program, lambda: plan_program(
-            retry, program, Cluster.from_devices(devices)))
+        plan = call.agree(program, lambda: plan_program(retry, program, _cluster(method, devices)))
     except ValueError as err:
         raise _missed(budget, memory, first.plan.mesh_shape,
                       f"{tried}; re-planned under {tight:,} B (the budget times its estimate "

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._program import Program
+from ..cluster import Cluster
 from ..sharding.options import AutoShardingOption
 from ..sharding.plan import ShardingPlan
 from ._auto import compile_auto, plan_program
@@ -73,9 +74,23 @@ class ShardParallel(ParallelMethod):
     plan: ShardingPlan | None = None
     """A plan made earlier (``autoshard.plan``, ``ShardingPlan.load``): used without re-planning
     after checking that it was made for this program and device count."""
+    cluster: Cluster | None = None
+    """The hardware the automatic plan is priced for. None: ``Cluster.from_devices`` of the
+    devices (GPU presets; CPUs priced like an accelerator, so a CPU run shows the plan an
+    accelerator would get); ``Cluster.measure()``: what these devices deliver (on CPUs, the
+    plan that runs fastest there)."""
 
     def __post_init__(self):
         self._validate_common()
+        if self.cluster is not None and not isinstance(self.cluster, Cluster):
+            raise TypeError(f"cluster ({self.cluster!r}) must be an autoshard.Cluster, e.g. "
+                            "Cluster.measure() or Cluster.from_devices(jax.devices()).")
+        if self.cluster is not None and (self.plan is not None
+                                         or self.manual_sharding_option is not None):
+            raise ValueError(
+                "ShardParallel's cluster prices the automatic plan; with plan=... or "
+                "manual_sharding_option=... nothing is planned. Drop cluster, or pass it to "
+                "autoshard.plan(..., cluster=...) when making the plan.")
         if self.plan is not None and not isinstance(self.plan, ShardingPlan):
             raise TypeError(f"plan ({type(self.plan).__name__}) must be a ShardingPlan, e.g. "
                             "autoshard.plan(...) or ShardingPlan.load(path).")

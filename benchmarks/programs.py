@@ -604,7 +604,8 @@ def parse_args(argv=None):
     p.add_argument("--size", choices=sorted(models.SIZES), default=None,
                    help="model and batch sizes (default: 'default', or 'quick' with --quick); "
                         "'large' has 4x the rows per device of 'default', to separate XLA:CPU's "
-                        "per-op cost from the micro-batch loop's")
+                        "per-op cost from the micro-batch loop's; 'xlarge' is compute-bound "
+                        "(8-32x default's rows, longer sequences, larger images)")
     p.add_argument("--steps", type=int, default=None, help="steps compared (default 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps before timing")
     p.add_argument("--repeats", type=int, default=None, help="timed steps (median)")

@@ -70,6 +70,12 @@ SIZES = {
         "lstm": dict(batch=256, seq=16, vocab=128, dim=32, hidden=32),
         "gpt": dict(batch=256, seq=32, vocab=128, dim=64, heads=4, layers=2),
     },
+    "xlarge": {  # compute-bound steps: 16-64 rows per device in each of 4 micro-batches
+        "lm": dict(batch=512, seq=64, vocab=128, dim=64, heads=4, mlp=256, layers=2),
+        "resnet": dict(batch=512, image=16, channels=16, classes=10),
+        "lstm": dict(batch=2048, seq=16, vocab=128, dim=32, hidden=32),
+        "gpt": dict(batch=512, seq=64, vocab=128, dim=64, heads=4, layers=2),
+    },
 }
 
 

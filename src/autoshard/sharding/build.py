@@ -80,7 +80,7 @@ def _combine_tail_reductions(prob: Problem) -> None:
     of one gradient all-reduce per weight looked costlier than one that gathers activations to
     save a few small reductions, which XLA would have merged anyway.
     """
-    g, cost = prob.graph, prob.ctx.cost
+    g = prob.graph
     feeds_chain = feeds_chain_mask(g)
     feeds_body = _feeds_chain_in_body(g)
     replaced: dict[int, list] = {}  # one new list per shared list: repeated layers share it
@@ -91,13 +91,22 @@ def _combine_tail_reductions(prob: Problem) -> None:
         if not any(k in COMBINED_KINDS for s in strategies for k, _, _ in s.collectives):
             continue
         prob.combined.add(node.id)
-        new = replaced.get(id(strategies))
-        if new is None:
-            new = replaced[id(strategies)] = [dataclasses.replace(s, comm_s=s.comm_s - sum(
-                cost.latency(axes) for k, axes, _ in s.collectives if k in COMBINED_KINDS))
-                for s in strategies]
-        prob.strategies[node.id] = new
+        _without_latency(prob, node.id, replaced)
     prob.keepalive.extend(replaced.values())
+
+
+def _without_latency(prob: Problem, node_id: int, replaced: dict[int, list]) -> None:
+    """Give the node strategies whose merged collectives carry no latency (the ILP pays it
+    once per group, ``merged_reductions``); one new list per shared list (``replaced``):
+    repeated layers share their strategy lists."""
+    strategies = prob.strategies[node_id]
+    new = replaced.get(id(strategies))
+    if new is None:
+        cost = prob.ctx.cost
+        new = replaced[id(strategies)] = [dataclasses.replace(s, comm_s=s.comm_s - sum(
+            cost.latency(axes) for k, axes, _ in s.collectives if k in COMBINED_KINDS))
+            for s in strategies]
+    prob.strategies[node_id] = new
 
 
 def _combine_sibling_reductions(prob: Problem) -> None:
@@ -113,7 +122,7 @@ def _combine_sibling_reductions(prob: Problem) -> None:
     Alpa's cost parameters (``build_problem``'s ``alpa_costs``): those plan as Alpa's ILP
     does, which prices these reductions one latency each.
     """
-    g, cost = prob.graph, prob.ctx.cost
+    g = prob.graph
     reducing = [any(k in COMBINED_KINDS for s in prob.strategies[n.id] for k, _, _ in s.collectives)
                 for n in g.nodes]
     level = [0] * len(g.nodes)
@@ -131,13 +140,7 @@ def _combine_sibling_reductions(prob: Problem) -> None:
                 or node.comm_mult is not None):
             continue
         prob.siblings[node.id] = level[node.id]
-        strategies = prob.strategies[node.id]
-        new = replaced.get(id(strategies))
-        if new is None:
-            new = replaced[id(strategies)] = [dataclasses.replace(s, comm_s=s.comm_s - sum(
-                cost.latency(axes) for k, axes, _ in s.collectives if k in COMBINED_KINDS))
-                for s in strategies]
-        prob.strategies[node.id] = new
+        _without_latency(prob, node.id, replaced)
     prob.keepalive.extend(replaced.values())
 
 

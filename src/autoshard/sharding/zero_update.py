@@ -30,8 +30,7 @@ def zero_update(prob: Problem) -> None:
     """
     g, option = prob.graph, prob.ctx.option
     dp = Problem(g, prob.ctx, prob.strategies, prob.parent, free=prob.free, no_reshard=True,
-                 allowed=prob.allowed, combined=prob.combined,
-                 siblings=prob.siblings)
+                 allowed=prob.allowed, combined=prob.combined)
     sol = None
     for no_reshard in (True, False):
         dp.no_reshard = no_reshard

@@ -26,8 +26,11 @@ it may be recomputed on several devices (``rules_linalg._heavy_filter``)."""
 def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardingOption, *,
                   batch_invars, aliases, warned: set[str],
                   devices_per_host: int | None = None,
-                  axis_names: tuple[str, ...] = (), fixed_in_specs=None) -> Problem:
-    """``fixed_in_specs``: per input its only allowed spec (internal form), or None."""
+                  axis_names: tuple[str, ...] = (), fixed_in_specs=None,
+                  alpa_costs: bool = False) -> Problem:
+    """``fixed_in_specs``: per input its only allowed spec (internal form), or None.
+    ``alpa_costs``: the user gave Alpa's cost parameters (``mesh_alpha`` and ``mesh_beta``):
+    the reductions later work reads are priced one latency each, as Alpa's ILP does."""
     cost = CostModel.from_option(mesh_shape, option, devices_per_host)
     light = LIGHT_OP_FRACTION * heaviest_flops(graph.nodes, graph.values)
     ctx = RuleContext(mesh_shape, cost, option, warned, keep_whole=conv_spatial_dims(graph),
@@ -39,6 +42,8 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
     if option.prefer_reduce_scatter:
         _prefer_reduce_scatter(prob)
     _combine_tail_reductions(prob)
+    if not alpa_costs:
+        _combine_sibling_reductions(prob)
     for a, b in graph.ties:
         prob.union(a, b)
     for i, o in aliases:
@@ -75,7 +80,7 @@ def _combine_tail_reductions(prob: Problem) -> None:
     of one gradient all-reduce per weight looked costlier than one that gathers activations to
     save a few small reductions, which XLA would have merged anyway.
     """
-    g, cost = prob.graph, prob.ctx.cost
+    g = prob.graph
     feeds_chain = feeds_chain_mask(g)
     feeds_body = _feeds_chain_in_body(g)
     replaced: dict[int, list] = {}  # one new list per shared list: repeated layers share it
@@ -86,12 +91,56 @@ def _combine_tail_reductions(prob: Problem) -> None:
         if not any(k in COMBINED_KINDS for s in strategies for k, _, _ in s.collectives):
             continue
         prob.combined.add(node.id)
-        new = replaced.get(id(strategies))
-        if new is None:
-            new = replaced[id(strategies)] = [dataclasses.replace(s, comm_s=s.comm_s - sum(
-                cost.latency(axes) for k, axes, _ in s.collectives if k in COMBINED_KINDS))
-                for s in strategies]
-        prob.strategies[node.id] = new
+        _without_latency(prob, node.id, replaced)
+    prob.keepalive.extend(replaced.values())
+
+
+def _without_latency(prob: Problem, node_id: int, replaced: dict[int, list]) -> None:
+    """Give the node strategies whose merged collectives carry no latency (the ILP pays it
+    once per group, ``merged_reductions``); one new list per shared list (``replaced``):
+    repeated layers share their strategy lists."""
+    strategies = prob.strategies[node_id]
+    new = replaced.get(id(strategies))
+    if new is None:
+        cost = prob.ctx.cost
+        new = replaced[id(strategies)] = [dataclasses.replace(s, comm_s=s.comm_s - sum(
+            cost.latency(axes) for k, axes, _ in s.collectives if k in COMBINED_KINDS))
+            for s in strategies]
+    prob.strategies[node_id] = new
+
+
+def _combine_sibling_reductions(prob: Problem) -> None:
+    """Charge the reductions that feed later work one latency per level between them.
+
+    The reductions ``_combine_tail_reductions`` leaves (their results feed heavy ops: a
+    normalisation's statistics, an activation's partial sums) are merged by XLA too where they
+    do not depend on each other: a batch norm's mean and mean of squares, the two sums of its
+    backward pass, the statistics of parallel branches. Two reductions with the same number of
+    reducing nodes on the longest path before them (their level) cannot depend on each other,
+    so those of one level in one loop body pay each mesh axis's latency once
+    (``merged_reductions``); a level with one reduction pays what it paid before. Not with
+    Alpa's cost parameters (``build_problem``'s ``alpa_costs``): those plan as Alpa's ILP
+    does, which prices these reductions one latency each.
+    """
+    g = prob.graph
+    reducing = [any(k in COMBINED_KINDS for s in prob.strategies[n.id] for k, _, _ in s.collectives)
+                for n in g.nodes]
+    level = [0] * len(g.nodes)
+    for node in g.nodes:
+        before = 0
+        for u in node.operands:
+            if u is None:
+                continue
+            p = g.values[u].producer
+            before = max(before, level[p] + (1 if reducing[p] else 0))
+        level[node.id] = before
+    replaced: dict[int, list] = {}
+    for node in g.nodes:
+        if (not reducing[node.id] or node.id in prob.combined or node.kind in LOOP_KINDS
+                or node.comm_mult is not None):
+            continue
+        prob.siblings[node.id] = level[node.id]
+        _without_latency(prob, node.id, replaced)
     prob.keepalive.extend(replaced.values())
 
 
@@ -122,12 +171,20 @@ def _feeds_chain_in_body(g: Graph) -> list[bool]:
     return feeds
 
 
-def merge_group(prob: Problem, node_id: int) -> tuple[int, float]:
-    """(loop body, times it runs per step) within which a merged reduction shares its
+def merge_group(prob: Problem, node_id: int) -> tuple:
+    """(loop body, times it runs per step[, level]) within which a merged reduction shares its
     latency: the step (-1, once) for the gradients after the backward pass (and those a loop
     accumulates and the micro-batch loop defers, ``Node.after_loop``), each iteration of a
-    loop body for the reductions of one iteration (``_combine_tail_reductions``)."""
-    return prob.graph.nodes[node_id].merge_group
+    loop body for the reductions of one iteration (``_combine_tail_reductions``), and one
+    level of that for the reductions later work reads (``_combine_sibling_reductions``)."""
+    group = prob.graph.nodes[node_id].merge_group
+    level = prob.siblings.get(node_id)
+    return group if level is None else group + (level,)
+
+
+def is_merged(prob: Problem, node_id: int) -> bool:
+    """Whether the node's reductions share their latency with others' (``merge_group``)."""
+    return node_id in prob.combined or node_id in prob.siblings
 
 
 def _prefer_reduce_scatter(prob: Problem) -> None:
@@ -168,7 +225,7 @@ def merged_reductions(prob: Problem) -> dict[tuple, list[tuple[int, list[int]]]]
     run of the group if any is chosen (``merged_alpha``)."""
     members: dict[tuple, list[tuple[int, list[int]]]] = {}
     seen = set()
-    for node_id in sorted(prob.combined):
+    for node_id in sorted(prob.combined | set(prob.siblings)):
         r = prob.var(node_id)
         group = merge_group(prob, node_id)
         if (r, group) in seen:
@@ -184,7 +241,7 @@ def merged_reductions(prob: Problem) -> dict[tuple, list[tuple[int, list[int]]]]
 
 def merged_alpha(prob: Problem, key: tuple) -> float:
     """Seconds a ``merged_reductions`` key costs when used: its axis's alpha per run."""
-    a, _, times = key
+    a, times = key[0], key[2]
     return prob.ctx.cost.alpha[a] * times
 
 
@@ -227,7 +284,7 @@ def data_parallel_variant(prob: Problem, batch_invars) -> Problem:
                       axis_names=prob.ctx.axis_names,
                       keep_whole=prob.ctx.keep_whole, light_flops=prob.ctx.light_flops)
     dp = Problem(prob.graph, ctx, prob.strategies, list(prob.parent), free=prob.free,
-                 no_reshard=True, combined=prob.combined)
+                 no_reshard=True, combined=prob.combined, siblings=prob.siblings)
     _input_masks(dp, batch_invars)
     return dp
 

@@ -119,7 +119,7 @@ def _reduction_cost(prob: Problem, node_id: int, kind: str, axes, num_bytes: int
     group = num_bytes * (math.prod(prob.ctx.mesh_shape[a] for a in axes)
                          if kind == "reduce-scatter" else 1)
     paid = cost.collective(kind, axes, group)
-    if node_id in prob.combined:  # its latency is paid once for all merged reductions
+    if node_id in prob.combined or node_id in prob.siblings:  # latency paid once per group
         paid -= cost.latency(axes)
     return paid
 

@@ -18,7 +18,14 @@ from tqdm.auto import tqdm
 
 from . import solver
 from .alpa_units import alpa_objective
-from .build import COMBINED_KINDS, build_problem, data_parallel_variant, merge_group, merged_latency
+from .build import (
+    COMBINED_KINDS,
+    build_problem,
+    data_parallel_variant,
+    is_merged,
+    merge_group,
+    merged_latency,
+)
 from .cost import ClusterCosts, CostModel, device_speed, dominated_meshes
 from .flops import eqn_roles, model_flops
 from .graph import Graph, build_graph
@@ -166,7 +173,9 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                                  aliases=aliases, warned=warned,
                                  devices_per_host=devices_per_host, axis_names=names,
                                  fixed_in_specs=_fixed_specs(fixed_in_specs, closed_jaxpr,
-                                                             names))
+                                                             names),
+                                 alpa_costs=option.mesh_alpha is not None
+                                 and option.mesh_beta is not None)
             if option.force_data_parallel and option.prefer_reduce_scatter and (
                     fixed_in_specs is None):
                 zero_update(prob)   # ZeRO-2: only the update leaves data parallelism
@@ -503,7 +512,7 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
         for kind, axes, num_bytes in s.collectives:
             dtype = g.values[node.outputs[0]].dtype if node.outputs else ""
             cost_s = ctx.cost.collective(kind, axes, num_bytes)
-            if node.id in prob.combined and kind in COMBINED_KINDS:
+            if is_merged(prob, node.id) and kind in COMBINED_KINDS:
                 # Merged by XLA: one latency per axis (per run of its merge group), charged
                 # to the first reduction over it.
                 group = merge_group(prob, node.id)

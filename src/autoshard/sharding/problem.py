@@ -36,6 +36,11 @@ class Problem:
     combined: set[int] = field(default_factory=set)
     """Nodes whose reductions XLA merges with others': their strategies carry no latency, the
     ILP pays it once per mesh axis (``build._combine_tail_reductions``)."""
+    siblings: dict[int, int] = field(default_factory=dict)
+    """Reductions that feed later work (a normalisation's statistics) -> their level: the
+    reducing nodes on the longest path before them. Those of one level in one loop body do
+    not depend on each other, so XLA merges them and the ILP pays their latency once per mesh
+    axis and level (``build._combine_sibling_reductions``)."""
     partial_sums: list = field(default_factory=list)
     """Sums whose two terms may stay partial sums and be reduced once
     (``partial_sums.Candidate``, found by ``partial_sums.fold_partial_sums``)."""

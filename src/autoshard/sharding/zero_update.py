@@ -30,7 +30,8 @@ def zero_update(prob: Problem) -> None:
     """
     g, option = prob.graph, prob.ctx.option
     dp = Problem(g, prob.ctx, prob.strategies, prob.parent, free=prob.free, no_reshard=True,
-                 allowed=prob.allowed, combined=prob.combined)
+                 allowed=prob.allowed, combined=prob.combined,
+                 siblings=prob.siblings)
     sol = None
     for no_reshard in (True, False):
         dp.no_reshard = no_reshard

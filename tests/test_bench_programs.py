@@ -13,8 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -82,6 +84,34 @@ def test_one_cell_end_to_end(tmp_path):
     (record,) = result["records"]
     assert record["status"] == "ok", record["error"]
     assert record["compared"] and record["matches"], record
+    assert record["matches_stepwise"] and record["replay_rel_diff"] < 1e-4, record
     assert set(record["metric_rel_diff"]) == {"loss_sum", "correct", "count"}
     assert record["step_time_s"] > 0 and record["audit"]["compiled_bytes"] > 0
     assert result["machine"]["num_devices"] == 8
+
+
+def test_replay_tells_a_sensitive_trajectory_from_another_step():
+    """The reference replayed from a cell's own states: a cell whose every step is the
+    reference's step matches step-wise even when its trajectory left the reference's; a cell
+    that computes another step does not."""
+    class State(NamedTuple):
+        params: np.ndarray
+
+    def step(state, batch, rng):
+        w = state.params - 0.1 * jnp.mean(batch * state.params)
+        return State(w), {"loss": jnp.sum(w)}
+
+    def other(state, batch, rng):       # another step: a different learning rate
+        w = state.params - 0.1001 * jnp.mean(batch * state.params)
+        return State(w), {"loss": jnp.sum(w)}
+
+    program = SimpleNamespace(state=State(np.ones(4, np.float32)), state_fields=("params",),
+                              batch=np.arange(4.0, dtype=np.float32))
+    args = SimpleNamespace(steps=3)
+    _, same = programs.run_steps(jax.jit(step), program, None, args)
+    assert len(same["states"]) == 4
+    assert programs.replay(program, same, jax.jit(step), None)["replay_rel_diff"] == 0.0
+    _, wrong = programs.run_steps(jax.jit(other), program, None, args)
+    found = programs.replay(program, wrong, jax.jit(step), None)
+    assert not found["matches_stepwise"] and found["replay_rel_diff"] > 1e-4, found
+    assert found["replay_worst"].startswith("step "), found

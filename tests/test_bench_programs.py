@@ -115,3 +115,30 @@ def test_replay_tells_a_sensitive_trajectory_from_another_step():
     found = programs.replay(program, wrong, jax.jit(step), None)
     assert not found["matches_stepwise"] and found["replay_rel_diff"] > 1e-4, found
     assert found["replay_worst"].startswith("step "), found
+
+
+def test_replay_accepts_a_step_as_exact_as_the_reference():
+    """A step whose float32 result loses digits to cancellation: a cell that returns the float64
+    value (rounded to float32) differs from the float32 reference by 4e-3 of the value, but is
+    closer to the exact step than the reference; a cell off by more does not pass."""
+    class State(NamedTuple):
+        params: np.ndarray
+
+    def step(state, batch, rng):
+        w = state.params
+        out = (w * 1e4 + batch) - w * 1e4            # exactly batch; float32 keeps 0.0996
+        return State(out), {"loss": jnp.sum(out)}
+
+    program = SimpleNamespace(state=State(np.ones(1, np.float32)), state_fields=("params",),
+                              batch=np.full(1, 0.1, np.float32))
+    exact = programs.float64_step(program, jax.jit(step), program.state, None)
+    assert exact["params"].dtype == np.float64   # the batch's float32 0.1, added exactly
+    np.testing.assert_allclose(exact["params"], [np.float32(0.1)], rtol=1e-12)
+
+    def trace_of(value):
+        out = State(np.full(1, value, np.float32))
+        return {"metrics": [{"loss": np.float32(value)}], "states": [program.state, out]}
+    good = programs.replay(program, trace_of(0.1), jax.jit(step), None)
+    assert good["matches_stepwise"] and good["replay_float64_ratio"] < 1e-3, good
+    bad = programs.replay(program, trace_of(0.105), jax.jit(step), None)
+    assert not bad["matches_stepwise"] and bad["replay_float64_ratio"] > 2, bad

@@ -38,6 +38,21 @@ PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 """Matrix products: priced by their FLOPs, operand reads included."""
 PROLOGUE = _prims.LAYOUT | {"convert_element_type", "copy", "copy_p"}
 """Ops XLA folds into a product's operand read when only products read their result."""
+CHEAP = _prims.LAYOUT | frozenset("""
+neg sign floor ceil round is_finite abs not imag real conj integer_pow square reduce_precision
+convert_element_type copy copy_p population_count clz sin cos add add_any sub mul max min and
+or xor eq ne lt le gt ge shift_left shift_right_logical shift_right_arithmetic select_n clamp
+complex
+""".split())
+"""Ops XLA duplicates into every kernel that reads them (those its ``IsExpensive`` calls
+cheap on the CPU: tanh, exp, log, logistic, rsqrt, sqrt, erf, pow and floating division are
+not, nor a reduction or a product). A division by a constant is cheap too (XLA multiplies by
+its inverse): see ``recomputed``."""
+LOOP_FUSIBLE = _prims.ELEMENTWISE | _prims.LAYOUT | {
+    "copy", "copy_p", "pad", "slice", "dynamic_slice", "dynamic_update_slice", "concatenate",
+    "gather", "rev", "iota"}
+"""Readers XLA fuses a cheap producer into (its CPU ``CanBeLoopFused``, less the reduction:
+see ``taken_products``)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +147,85 @@ def fusion_charges(graph: Graph, free: set[int]) -> dict[int, Charge]:
     return charges
 
 
+def taken_products(graph: Graph, free: set[int]) -> dict[int, int]:
+    """Reduction node id -> the ``mul`` node its kernel takes, for every reduction of a
+    product of two values that only the reduction reads (mesh independent).
+
+    XLA's CPU hands a reduction to a kernel of its own, which takes at most the multiply
+    that feeds it: a reduction's operand is read from memory, or, when it is such a
+    multiply, the multiply's operands are (read from XLA's fusions of the families ViT and
+    LLaMA steps: the normalisations' scale gradients, ``sum(g * x_hat)``)."""
+    nodes, consumers = graph.nodes, graph.consumers()
+    taken = {}
+    for node in nodes:
+        if node.kind not in REDUCTIONS or node.id in free or not node.operands:
+            continue
+        u = node.operands[0]
+        if u is None:
+            continue
+        p = graph.values[u].producer
+        if nodes[p].kind == "mul" and p not in free and {
+                c for c, _ in consumers_of(graph, consumers, u)} == {node.id}:
+            taken[node.id] = p
+    return taken
+
+
+def recomputed(graph: Graph, free: set[int], charges: dict[int, Charge]) -> set[int]:
+    """Values a fusion group writes (read outside it) that XLA computes again in each of
+    their readers' kernels instead (mesh independent).
+
+    XLA's fusion duplicates a cheap producer (``CHEAP``) into every reader that can take it
+    (``LOOP_FUSIBLE``, in the same loop body; not a reduction, nor the multiply a
+    reduction's kernel takes, ``taken_products``), unless the producer reads more than one
+    full-size operand (``_at_most_unary``: XLA's ``ComputeGloballyUnfusible``). When all of
+    its readers take it, nothing writes it, and its readers read what it is computed from.
+    So of a tanh-GELU's pieces, kept by autodiff for the backward pass, XLA writes the tanh
+    (expensive) and ``x * 0.5 (1 + t)`` (two full-size operands; a matrix product reads
+    it); the bias add, the cube's scaling, ``1 - t`` and ``0.5 (1 + t)`` are recomputed in
+    the backward's kernels from the matrix product's result and the tanh (read from XLA's
+    buffer assignment of the families ViT: 3 of 6 pieces per block)."""
+    nodes, consumers = graph.nodes, graph.consumers()
+    taken = set(taken_products(graph, free).values())
+    found = set()
+    for node_id, charge in charges.items():
+        node = nodes[node_id]
+        if (not charge.writes or isinstance(charge, Roofline) or not _cheap(graph, node, free)
+                or not _at_most_unary(graph, node, free)):
+            continue
+        for j in charge.writes:
+            v = node.outputs[j]
+            readers = [nodes[c] for c, _ in consumers_of(graph, consumers, v)]
+            if readers and all(r.kind in LOOP_FUSIBLE and r.id not in taken
+                               and r.body == node.body and r.mult == node.mult
+                               for r in readers):
+                found.add(v)
+    return found
+
+
+def _cheap(graph: Graph, node, free: set[int]) -> bool:
+    """Whether XLA duplicates ``node`` into its readers' kernels (``CHEAP``)."""
+    if node.kind in CHEAP:
+        return True
+    if node.kind == "div" and len(node.operands) == 2:   # x / constant: x * (1 / constant)
+        u = node.operands[1]
+        return u is None or graph.values[u].producer in free
+    return False
+
+
+def _at_most_unary(graph: Graph, node, free: set[int]) -> bool:
+    """At most one operand as large as the result, counting dims above 1 (XLA's
+    ``EffectivelyAtMostUnary``: a bias, a per-row statistic or a constant does not count)."""
+    out = max((_true_rank(graph.values[v].shape) for v in node.outputs), default=0)
+    large = [u for u in node.operands if u is not None
+             and graph.values[u].producer not in free
+             and _true_rank(graph.values[u].shape) >= out]
+    return len(large) <= 1
+
+
+def _true_rank(shape) -> int:
+    return sum(1 for d in shape if d != 1)
+
+
 def consumers_of(graph: Graph, consumers, value_id: int):
     """(consumer node, operand position) pairs reading value ``value_id``."""
     producer = graph.values[value_id].producer
@@ -173,5 +267,5 @@ def _charged_s(node, outs, s, charge: Charge, mesh) -> float:
     return max(s.compute_s, touched) if isinstance(charge, Roofline) else touched
 
 
-__all__ = ["BITCASTS", "Charge", "FUSIBLE", "PROLOGUE", "REDUCTIONS", "Roofline",
-           "fuse_memory_bound", "fusion_charges"]
+__all__ = ["BITCASTS", "CHEAP", "Charge", "FUSIBLE", "LOOP_FUSIBLE", "PROLOGUE", "REDUCTIONS",
+           "Roofline", "fuse_memory_bound", "fusion_charges", "recomputed", "taken_products"]

@@ -12,11 +12,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .fusion import BITCASTS, FOLDED, fusion_charges
+from .fusion import (
+    BITCASTS,
+    FOLDED,
+    REDUCTIONS,
+    Roofline,
+    fusion_charges,
+    recomputed,
+    taken_products,
+)
 from .problem import Problem, value_bytes
 from .rules import ELEMENTWISE
 from .spec import shards
-from .strategy import itemsize
+from .strategy import itemsize, nbytes
 
 
 def liveness(prob: Problem) -> list[tuple[int, int, int]]:
@@ -27,12 +35,17 @@ def liveness(prob: Problem) -> list[tuple[int, int, int]]:
     * inputs are arguments, allocated for the whole step; outputs live from their producer to
       the end;
     * a donated input and the output that replaces it (``Graph.memo["aliases"]``, the
-      planner's ``aliases``) share one buffer: the output takes memory of its own only while
-      the input is still read after the output exists;
+      planner's ``aliases``, where ``Graph.memo["donated"]``, per input, says it is donated)
+      share one buffer: the output takes memory of its own only while the input is still
+      read after the output exists;
     * a scan's stacked output (``ys``) is a buffer of the loop, written slice by slice: it
       lives from the loop's first node, not from after its last iteration;
     * a value XLA never writes to memory takes none (``materialized``): its readers read the
-      values it is computed from, which stay live until its last reader.
+      values it is computed from, which stay live until its last reader;
+    * a convolution's operand that XLA copies into another layout (``_copied_operands``) is
+      read through the copy (``_transients``, made where the operand is): a forward image
+      need not stay for its weight-gradient convolution (XLA's buffer assignment of three
+      convolutions with ReLU keeps each convolution's result and the image's copy).
     """
     g = prob.graph
     kept = materialized(prob)
@@ -41,8 +54,9 @@ def liveness(prob: Problem) -> list[tuple[int, int, int]]:
         if node.kind == "output":
             continue
         read_until = g.loop_ends.get(node.id, node.id)  # a scanned input: every iteration
-        for u in node.operands:
-            if u is not None:
+        copied = _copied_operands(node) if node.kind in WORKSPACE_KINDS else ()
+        for p, u in enumerate(node.operands):
+            if u is not None and p not in copied:   # a copied operand: the copy is read
                 end[u] = max(end[u], read_until)
         if node.outputs and not any(kept[v] for v in node.outputs):
             last = max(end[v] for v in node.outputs)  # its readers read its operands
@@ -55,7 +69,10 @@ def liveness(prob: Problem) -> list[tuple[int, int, int]]:
             end[u] = node.id - 1
     last = len(g.nodes)
     aliased = {}
+    donated = g.memo.get("donated")   # per input (None: every aliased input is donated)
     for i, o in g.memo.get("aliases", ()):
+        if donated is not None and not donated[i]:
+            continue
         vi = g.nodes[g.inputs[i]].outputs[0]
         vo = g.nodes[g.outputs[o]].operands[0]
         if vo is not None and vo != vi:
@@ -142,11 +159,15 @@ def materialized(prob: Problem) -> list[bool]:
     """Per value: whether XLA writes it to memory.
 
     Not written: the values of a fusion group that only the group reads (``fusion``: one
-    kernel reads the group's external inputs and writes what is read outside it) and the
-    members of a group of bitcasts (a reshape of a buffer is the same buffer). Everything
-    else is: products' operand prologues (XLA's CPU backend copies a transposed operand into
-    the layout its matrix product wants) and values a strategy may reduce over devices (the
-    collective splits the kernel; e.g. a bias gradient's sum before the update reads it).
+    kernel reads the group's external inputs and writes what is read outside it), the
+    members of a group of bitcasts (a reshape of a buffer is the same buffer), and the cheap
+    values a group would write that XLA computes again in every kernel that reads them
+    (``fusion.recomputed``: most pieces of a GELU kept for the backward pass). Everything
+    else is: products' results (XLA's CPU runs each matrix product as a kernel of its own,
+    the epilogue a fusion group takes reads it from memory), products' operand prologues
+    (XLA's CPU backend copies a transposed operand into the layout its matrix product
+    wants) and values a strategy may reduce over devices (the collective splits the kernel;
+    e.g. a bias gradient's sum before the update reads it).
     """
     g = prob.graph
     key = ("materialized", tuple(prob.ctx.mesh_shape))
@@ -157,18 +178,89 @@ def materialized(prob: Problem) -> list[bool]:
     charges = g.memo.get("fusion")
     if charges is None:   # the same groups the compute term prices (mesh independent)
         charges = g.memo["fusion"] = fusion_charges(g, prob.free)
+    again = g.memo.get("recomputed")
+    if again is None:
+        again = g.memo["recomputed"] = recomputed(g, prob.free, charges)
     for node_id, charge in charges.items():
         node = g.nodes[node_id]
-        if charge is FOLDED and node.kind not in BITCASTS:
-            continue  # a prologue folded into a product's read: XLA's CPU copies it
+        if (charge is FOLDED and node.kind not in BITCASTS) or isinstance(charge, Roofline):
+            continue  # a prologue folded into a product's read (XLA's CPU copies it); a product
         if any(kind in REDUCING_KINDS for st in prob.strategies[node_id]
                for kind, _, _ in st.collectives):
             continue  # a reduction over devices ends the kernel: its operand is written
         for j, v in enumerate(node.outputs):
-            if j not in charge.writes:
+            if j not in charge.writes or v in again:
                 kept[v] = False
+    taken = g.memo.get("taken_products")
+    if taken is None:
+        taken = g.memo["taken_products"] = taken_products(g, prob.free)
+    for node in g.nodes:   # what a reduction's kernel reads is written (``taken_products``)
+        if node.kind not in REDUCTIONS or node.id in prob.free or not node.operands:
+            continue
+        if node.id in taken:
+            mul = g.nodes[taken[node.id]]
+            kept[mul.outputs[0]] = False
+            reads = [u for u in mul.operands if u is not None
+                     and not _broadcast_dims(g, u, mul.outputs[0])]
+        else:
+            reads = node.operands[:1]
+        for u in reads:
+            u = _unbitcast(g, u)
+            if u is not None and g.values[u].producer not in prob.free:
+                kept[u] = True
     g.memo[key] = kept
     return kept
+
+
+def _unbitcast(g, u):
+    """The value whose buffer ``u`` is (through reshapes, which move no data)."""
+    while u is not None and g.nodes[g.values[u].producer].kind in BITCASTS:
+        u = g.nodes[g.values[u].producer].operands[0]
+    return u
+
+
+def _broadcast_dims(g, u: int, out: int) -> list[int]:
+    """Dims of value ``out`` along which operand ``u`` of an element-wise op is repeated."""
+    shape, full = tuple(g.values[u].shape), tuple(g.values[out].shape)
+    shape = (1,) * (len(full) - len(shape)) + shape
+    return [d for d, (a, b) in enumerate(zip(shape, full, strict=True)) if a == 1 and b > 1]
+
+
+def _broadcast_buffers(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
+    """The repeated operands XLA writes out in full for a reduction's kernel: (first node,
+    last node, variable, bytes per strategy).
+
+    The kernel that takes a reduction's multiply (``fusion.taken_products``) repeats an
+    operand along the reduced dims itself, but one repeated along a kept dim (a norm's
+    scale in ``sum(g * x_hat * scale, -1)``, its per-row ``rsqrt`` in the scale gradient
+    ``sum(g * x_hat, (0, 1))``) is a broadcast XLA writes to memory at the product's size.
+    It depends only on the small operand, so XLA makes it as soon as that exists (the
+    scale's: at the step's first reads, the ``rsqrt``'s: in the forward pass) and holds it
+    until the backward's reduction: read from XLA's live ranges of the families ViT, two
+    per LayerNorm."""
+    g, mesh = prob.graph, prob.ctx.mesh_shape
+    taken = g.memo.get("taken_products")
+    if taken is None:
+        taken = g.memo["taken_products"] = taken_products(g, prob.free)
+    ready = _ready_points(g)
+    found = []
+    for reduce_id, mul_id in taken.items():
+        axes = set(g.nodes[reduce_id].params.get("axes", ()))
+        mul = g.nodes[mul_id]
+        out = g.values[mul.outputs[0]]
+        size = itemsize(out.dtype) * int(np.prod(out.shape, dtype=np.int64))
+        for u in mul.operands:
+            if u is None or g.values[u].producer in prob.free:
+                continue
+            dims = _broadcast_dims(g, u, out.id)
+            if not dims or all(d in axes for d in dims):
+                continue
+            root = _unbitcast(g, u)
+            first = ready.get(root, g.values[root].producer)
+            found.append((min(first, mul_id), reduce_id, prob.var(mul_id),
+                          [size // shards(st.out_specs[0], mesh)
+                           for st in prob.strategies[mul_id]]))
+    return found
 
 
 WORKSPACE_KINDS = {"conv_general_dilated"}
@@ -198,6 +290,42 @@ def _copied_operands(node) -> list[int]:
     return out
 
 
+def dot_layout_copies(g) -> list[tuple[int, int]]:
+    """(dot node, operand position) of every matrix product operand that is a step input
+    XLA's CPU copies into another layout first (mesh independent).
+
+    XLA's CPU matrix product reads each operand as (batch dims, rows, contracting dims) for
+    the left and (batch dims, contracting dims, columns) for the right, each group in the
+    order the dimension numbers give, or a plain matrix transposed (two dims, no batch).
+    Any other order is a transposed copy: the input-gradient products of a multi-head
+    projection read its kernel (dim, heads, head_dim) with the heads and head_dim
+    contracted. Read from XLA's buffer assignment of the families ViT: the copies of the
+    q, k, v and o kernels are made at the step's first reads and held until the backward
+    product (4 per block). Copies of computed values, made next to their product, are not
+    counted."""
+    memo = g.memo.get("dot_layout_copies")
+    if memo is not None:
+        return memo
+    found = []
+    for node in g.nodes:
+        if node.kind != "dot_general":
+            continue
+        (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+        for p, (contracting, batch) in enumerate(((lc, lb), (rc, rb))):
+            u = node.operands[p] if p < len(node.operands) else None
+            root = _unbitcast(g, u)
+            if root is None or g.nodes[g.values[root].producer].kind != "input":
+                continue
+            rank = len(node.in_avals[p].shape)
+            rest = [d for d in range(rank) if d not in contracting and d not in batch]
+            order = (list(batch) + rest + list(contracting) if p == 0
+                     else list(batch) + list(contracting) + rest)
+            if order != list(range(rank)) and not (rank == 2 and not batch):
+                found.append((node.id, p))
+    g.memo["dot_layout_copies"] = found
+    return found
+
+
 def _transients(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
     """(first node, last node, variable, bytes per strategy) of every buffer no value names.
 
@@ -207,7 +335,12 @@ def _transients(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
     weight-gradient convolutions, and the swapped kernels of the input-gradient ones, are
     made in the forward pass and held through the backward, next to the images themselves.
 
+    Layout copies of step inputs for matrix products (``dot_layout_copies``): from the
+    input's first read to the product; they stand for the input's resharded copy for that
+    product, if any (``reshard_bytes`` and ``copy_bounds`` leave it out).
+
     Partial sums (``_partials``): a reduction's result is a new buffer beside its operand.
+    Repeated operands of a reduction's multiply (``_broadcast_buffers``).
     """
     g, found = prob.graph, []
     mesh = prob.ctx.mesh_shape
@@ -226,7 +359,14 @@ def _transients(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
             found.append((first, node.id, prob.var(node.id),
                           [size // shards(st.in_specs[p], mesh)
                            for st in prob.strategies[node.id]]))
-    return found + _partials(prob)
+    ready = _ready_points(g)
+    for node_id, p in dot_layout_copies(g):
+        node = g.nodes[node_id]
+        u = node.operands[p]
+        size = nbytes(node.in_avals[p])
+        found.append((ready.get(u, node_id), node_id, prob.var(node_id),
+                      [size // shards(st.in_specs[p], mesh) for st in prob.strategies[node_id]]))
+    return found + _partials(prob) + _broadcast_buffers(prob)
 
 
 REDUCING_KINDS = ("all-reduce", "reduce-scatter")
@@ -299,9 +439,11 @@ def copy_bounds(prob: Problem) -> CopyBounds:
     g, mesh = prob.graph, prob.ctx.mesh_shape
     ready = _ready_points(g)
     readers: dict[int, list[tuple[int, int, int]]] = {}
+    layout = set(dot_layout_copies(g))   # counted as transients
     for node in g.nodes:
         for p, u in enumerate(node.operands):
-            if u is not None and g.values[u].producer not in prob.free:
+            if (u is not None and g.values[u].producer not in prob.free
+                    and (node.id, p) not in layout):
                 readers.setdefault(u, []).append((g.loop_ends.get(node.id, node.id), node.id, p))
     spans, terms, chain = [], [], []
     for u, found in readers.items():
@@ -475,10 +617,12 @@ def reshard_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
     g, mesh = prob.graph, prob.ctx.mesh_shape
     spans: dict[tuple[int, object], list[int]] = {}
     ready = _ready_points(g)
+    layout = set(dot_layout_copies(g))   # a layout copy (a transient) stands for the copy
     for node in g.nodes:
         s = prob.strategies[node.id][choice[prob.var(node.id)]]
         for p, u in enumerate(node.operands):
-            if u is None or p >= len(s.in_specs) or s.in_specs[p] is None:
+            if (u is None or p >= len(s.in_specs) or s.in_specs[p] is None
+                    or (node.id, p) in layout):
                 continue
             v = g.values[u]
             if v.producer in prob.free:

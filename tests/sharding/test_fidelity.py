@@ -33,7 +33,11 @@ def test_model_parallel_mlp_compiles_to_exactly_its_prediction():
     ex = _executable("mlp", (8,), sizes=dict(dim=32, layers=1, classes=8, features=16, batch=4))
     a = ex.audit()
     rows = {(r.kind, r.axes): (r.predicted_bytes, r.compiled_bytes) for r in a.rows}
-    assert rows == {("all-gather", ("x",)): (128, 128), ("all-reduce", ("x",)): (2048, 2048)}
+    # Two plans tie (2,176 B, times within 0.03%): a 128 B gather and a 2,048 B all-reduce,
+    # or 640 B and 1,536 B; the memory estimate's trade-off picks one. Either compiles to
+    # exactly its prediction.
+    assert rows in ({("all-gather", ("x",)): (128, 128), ("all-reduce", ("x",)): (2048, 2048)},
+                    {("all-gather", ("x",)): (640, 640), ("all-reduce", ("x",)): (1536, 1536)})
     assert a.unpredicted == ()
 
 

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
+import autoshard
 from autoshard.sharding import AutoShardingOption, apply_plan, plan_auto
 
 _COLLECTIVE = re.compile(
@@ -73,3 +74,18 @@ def assert_close(a, b, rtol=1e-4, atol=1e-5):
     assert len(la) == len(lb)
     for x, y in zip(la, lb, strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def compiled_vs_estimated(step, state, batch, mesh_shape=(2, 4)):
+    """Plan ``step`` on a fixed mesh of the first 8 devices (state donated) and return
+    (XLA's allocation per device, the planner's peak estimate, the audit)."""
+    opt = autoshard.AutoShardingOption(show_progress=False, logical_mesh_shape=mesh_shape)
+    f = autoshard.parallelize(step, donate_argnums=(0,), method=autoshard.ShardParallel(
+        devices=jax.devices()[:8], auto_sharding_option=opt))
+    ex = f.get_executable(state, *batch)
+    a = ex.audit()
+    m = ex.compiled.memory_analysis()
+    compiled = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                - m.alias_size_in_bytes)
+    assert a.compiled_memory == compiled, (a.compiled_memory, compiled)
+    return compiled, a.predicted_memory, a

@@ -69,6 +69,23 @@ class Program:
             self.__dict__["_whole"] = jax.make_jaxpr(self.flat_fun)(*self.in_avals)
         return self.__dict__["_whole"]
 
+    def scaled_batch_closed(self) -> tuple[Any, int]:
+        """(the user's step traced on more rows, how many times more): the whole batch when
+        ``num_micro_batches`` is above 1, else twice the batch. Paired with ``closed``, it
+        tells which dim of each value holds the rows (``after_grad.row_dims``)."""
+        k = self.num_micro_batches
+        if k > 1:
+            return self.whole_batch_closed(), k
+        if "_doubled" not in self.__dict__:
+            if self.flat_fun is None:
+                raise ValueError("This Program was built without its function; trace it with "
+                                 "trace_program to re-trace it on more rows.")
+            avals = [jax.ShapeDtypeStruct((2 * a.shape[0],) + tuple(a.shape[1:]), a.dtype,
+                                          weak_type=a.weak_type) if b and a.shape else a
+                     for a, b in zip(self.in_avals, self.batch_invars, strict=True)]
+            self.__dict__["_doubled"] = jax.make_jaxpr(self.flat_fun)(*avals)
+        return self.__dict__["_doubled"], 2
+
     def full_jaxpr(self):
         """The whole step (accumulation included) as one ClosedJaxpr on full-batch inputs."""
         if "_full" not in self.__dict__:

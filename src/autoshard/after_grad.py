@@ -181,10 +181,29 @@ def row_dim(micro_aval, whole_aval, k: int) -> int | None:
     return differ[0] if len(differ) == 1 and ws[differ[0]] == k * ms[differ[0]] else None
 
 
+def row_dims(micro, other, factor: int) -> dict | None:
+    """The dim holding the rows of each variable of ``micro`` (its inputs and what its
+    top-level equations define), from ``other``, the same step traced on ``factor`` times the
+    rows: the one dim ``factor`` times longer there (None where no dim is, or more than one).
+    A dim that merely has the micro-batch's size (a scan's time steps when there are as many
+    as rows) keeps its length and is told apart this way. None when the two traces differ in
+    structure (the step's Python code depends on the batch size)."""
+    me, oe = micro.jaxpr.eqns, other.jaxpr.eqns
+    if len(me) != len(oe) or len(micro.jaxpr.invars) != len(other.jaxpr.invars) or any(
+            a.primitive is not b.primitive or len(a.outvars) != len(b.outvars)
+            for a, b in zip(me, oe, strict=True)):
+        return None
+    pairs = list(zip(micro.jaxpr.invars, other.jaxpr.invars, strict=True))
+    pairs += [(u, w) for a, b in zip(me, oe, strict=True)
+              for u, w in zip(a.outvars, b.outvars, strict=True)]
+    return {u: row_dim(u.aval, w.aval, factor) for u, w in pairs
+            if hasattr(getattr(u, "aval", None), "shape")}
+
+
 def _where(v, producer) -> str:
     e = producer.get(v) if isinstance(v, Var) else None
     line = None if e is None else _compat.source_line(e)
     return line or "an unknown source line"
 
 
-__all__ = ["AfterGrad", "row_dim", "whole_batch_update"]
+__all__ = ["AfterGrad", "row_dim", "row_dims", "whole_batch_update"]

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..after_grad import AfterGrad, whole_batch_update
+from ..after_grad import AfterGrad, row_dims, whole_batch_update
 from ..ir._compat import Var
 from ..ir._markers import pipeline_p
 from ..methods._mesh import resolve_devices
@@ -223,6 +223,10 @@ class Cut:
     after: AfterGrad | None = None
     """The whole-batch update and the values the runtime provides it (None: the update reads
     no batch)."""
+    row_dims: dict | None = None
+    """The dim holding the rows of each value (``after_grad.row_dims``), where a dim of
+    another size equals the micro-batch's rows; None: dim 0 holds them wherever it has their
+    size."""
 
     def span(self, i: int, j: int, batch_invars, remat: bool) -> tuple[Partition, int]:
         """The partition with layers ``[i, j)`` as one stage (the layers before and after
@@ -231,7 +235,8 @@ class Cut:
         ids = {s: k for k, s in enumerate(dict.fromkeys(stage_of_layer))}
         part = build_partition(self.closed, layer_of_fwd=self.layer_of, fwd_end=self.fwd_end,
                                stage_of_layer=[ids[s] for s in stage_of_layer],
-                               batch_invars=batch_invars, remat=remat, after=self.after)
+                               batch_invars=batch_invars, remat=remat, after=self.after,
+                               row_dims=self.row_dims)
         return part, ids[1]
 
 
@@ -252,7 +257,31 @@ def cut_program(program, method) -> Cut:
     fwd_end = forward_end(pre, inference)
     layer_of, num_layers = choose_layers(pre, fwd_end, method.layer_option)
     return Cut(closed=closed, pre=pre, marker=marker, post=post, inference=inference,
-               fwd_end=fwd_end, layer_of=layer_of, num_layers=num_layers, after=after)
+               fwd_end=fwd_end, layer_of=layer_of, num_layers=num_layers, after=after,
+               row_dims=_row_dims(program, pre))
+
+
+def _row_dims(program, pre) -> dict | None:
+    """Which dim of each value holds the micro-batch's rows, from the step traced on more
+    rows, when the size of the rows is also the size of another dim (the batch's sequence
+    length, a parameter's width, a value's other dim): there the size alone does not say
+    (a time-major scan's [steps, rows, ...] residuals would be split over their steps)."""
+    traced = program.closed.jaxpr.invars   # on one micro-batch (in_avals: the whole batch)
+    rows = next((v.aval.shape[0] for v, b in zip(traced, program.batch_invars, strict=True)
+                 if b and v.aval.shape), None)
+    if rows is None or program.flat_fun is None:
+        return None
+    sizes = {n for v, b in zip(traced, program.batch_invars, strict=True)
+             for n in (tuple(v.aval.shape)[1:] if b else tuple(v.aval.shape))}
+    sizes |= {n for e in pre for o in e.outvars
+              for n in tuple(getattr(o.aval, "shape", ()))[1:]}
+    if rows not in sizes:
+        return None
+    try:
+        other, factor = program.scaled_batch_closed()
+    except Exception:  # noqa: BLE001 - the step does not trace on other rows (a "batch"
+        return None    # argument that is not one): the size alone, as without this check
+    return row_dims(program.closed, other, factor)
 
 
 def check_cover(sizes, num_devices: int, what: str):
@@ -348,7 +377,8 @@ def plan_partition(program, method, devices) -> tuple[Partition, PipelinePlan, l
     sizes, logical, dicts = sizes[:num_ranks], logical[:num_ranks], dicts[:num_ranks]
     part = build_partition(closed, layer_of_fwd=layer_of, fwd_end=fwd_end,
                            stage_of_layer=stage_of_layer, batch_invars=program.batch_invars,
-                           remat=method.layer_option.remat, after=cut.after)
+                           remat=method.layer_option.remat, after=cut.after,
+                           row_dims=cut.row_dims)
     ids, start, rank_devs = [], 0, []
     for r in range(num_ranks):
         rank_devs.append(tuple(d.id for d in devices[start:start + sizes[r]]))

@@ -89,19 +89,28 @@ class Partition:
     in row order -> that variable (``after_grad``)."""
     batch_inputs: frozenset = frozenset()
     """The step's batch inputs (their dim 0 is the batch)."""
+    row_dims: dict | None = None
+    """The dim holding the rows of each value, where the rows' size alone does not tell
+    (``build.Cut.row_dims``); None: dim 0 wherever it has their size."""
 
     @property
     def mb_rows(self) -> int | None:
         """Rows of one micro-batch: dim 0 of the batch inputs as traced (None: no batch)."""
         return next((v.aval.shape[0] for v in self.batch_inputs if v.aval.shape), None)
 
+    def rows_first(self, v) -> bool:
+        """Whether ``v`` is computed from the batch with the micro-batch's rows on dim 0: dim 0
+        has their size and, where that size is also another dim's (``row_dims``), it is the
+        dim that grows with the rows."""
+        shape = getattr(getattr(v, "aval", None), "shape", ())
+        return (bool(shape) and shape[0] == self.mb_rows and v in self.batch_dependent
+                and (self.row_dims is None or self.row_dims.get(v, 0) == 0))
+
     def holds_rows(self, v) -> bool:
         """Whether ``v`` holds one micro-batch's rows on dim 0: a batch input, or a value
         computed once per micro-batch from one, whose dim 0 is the micro-batch's rows. The
         one test the runtime, pricing and profiling share."""
-        shape = getattr(getattr(v, "aval", None), "shape", ())
-        return (bool(shape) and shape[0] == self.mb_rows and v in self.batch_dependent
-                and (v in self.batch_inputs or v in self.per_micro_batch))
+        return self.rows_first(v) and (v in self.batch_inputs or v in self.per_micro_batch)
 
     @property
     def join_sources(self) -> set:
@@ -236,6 +245,7 @@ def build_partition(
     batch_invars,
     remat: bool = False,
     after=None,
+    row_dims: dict | None = None,
 ) -> Partition:
     """Tasks for a step whose forward equation ``i`` (index into the pre-marker part) runs in
     layer ``layer_of_fwd[i]``; layer ``l`` runs on stage ``stage_of_layer[l]``. ``after``: an
@@ -350,6 +360,7 @@ def build_partition(
         sums=sums,
         whole_inputs=whole_inputs,
         joined=joined,
+        row_dims=row_dims,
     )
 
 

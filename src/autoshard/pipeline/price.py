@@ -107,7 +107,8 @@ def price_pipeline(method, program, cluster: Cluster, *,
         fixed_shapes = [rank_shapes[s % num_ranks] for s in range(num_stages)]
     part = build_partition(cut.closed, layer_of_fwd=cut.layer_of, fwd_end=cut.fwd_end,
                            stage_of_layer=stage_of_layer, batch_invars=program.batch_invars,
-                           remat=method.layer_option.remat, after=cut.after)
+                           remat=method.layer_option.remat, after=cut.after,
+                           row_dims=cut.row_dims)
     work = balance.stage_flops(part)
     balance.warn_idle_stages(work, method.layer_option, [
         stage_layers(stage_of_layer, s) for s in range(num_stages)])

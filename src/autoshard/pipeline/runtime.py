@@ -336,7 +336,7 @@ class PipelineExecutable:
         # Forward values with the micro-batch's rows are joined back; everything else (a
         # scalar loss, gradients returned without a marker) is the mean over micro-batches.
         forward = any(v in t.outvars for t in self.part.forward)
-        rows = forward and bool(v.aval.shape) and v.aval.shape[0] == self.part.mb_rows
+        rows = forward and self.part.rows_first(v)
         if rows:
             stacked = jnp.stack(pieces, axis=1)
             return stacked.reshape((-1,) + stacked.shape[2:])

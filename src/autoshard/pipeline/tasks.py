@@ -224,8 +224,7 @@ class Specs:
             shapes = {targets[s].mesh_shape for s in stages}
             aval = v.aval
             self.spec[v] = P()
-            if (mb_rows is not None and v in part.batch_dependent and v not in marker_in
-                    and getattr(aval, "shape", ()) and aval.shape[0] == mb_rows
+            if (mb_rows is not None and v not in marker_in and part.rows_first(v)
                     and len(shapes) == 1):
                 target = targets[next(iter(stages))]
                 axes = target.axis_names

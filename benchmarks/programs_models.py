@@ -125,6 +125,13 @@ def _create(model_params, tx, **extra):
     return _host(state.replace(step=jnp.zeros((), jnp.int32)))
 
 
+def _micro_batches(batch, k: int):
+    """``batch`` as ``k`` micro-batches stacked on a new dim 0: micro-batch j is rows j, j+k,
+    ... (each device's block of rows gives every micro-batch its share: no rows move)."""
+    return jax.tree.map(
+        lambda a: jnp.swapaxes(a.reshape((a.shape[0] // k, k) + a.shape[1:]), 0, 1), batch)
+
+
 def _cross_entropy(logits, labels):
     return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0]
 
@@ -196,11 +203,40 @@ def make_lm(size: dict, dropout: float, *, markers: bool = False, seed: int = 0)
                    "denominator": jnp.sum(weights)}
         return state.apply_gradients(grads=grads), metrics
 
+    def hand_loop(k: int) -> Callable:
+        """Plain JAX: micro-batch j is rows j, j+k, ...; each micro-batch's loss is its
+        weighted sum over the whole batch's weights, so the gradients and the loss are sums
+        over micro-batches, and so are the metrics."""
+        def loop_step(state, batch, rng):
+            rng = jax.random.fold_in(rng, state.step)
+            total = jnp.sum((batch["tokens"] > 0).astype(jnp.float32))
+
+            def one(mb):
+                tokens = mb["tokens"]
+                weights = (tokens > 0).astype(jnp.float32)
+
+                def loss_fn(params):
+                    logits = model.apply({"params": params}, tokens, rngs={"dropout": rng})
+                    return jnp.sum(_cross_entropy(logits, tokens) * weights) / total, logits
+
+                (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                    state.params)
+                return loss, jnp.sum((jnp.argmax(logits, -1) == tokens) * weights), grads
+
+            losses, correct, grads = jax.lax.map(one, _micro_batches(batch, k))
+            loss = jnp.sum(losses)
+            metrics = {"loss": loss, "loss_sum": loss * total,
+                       "accuracy_sum": jnp.sum(correct), "denominator": total}
+            return state.apply_gradients(grads=jax.tree.map(
+                lambda g: jnp.sum(g, axis=0), grads)), metrics
+        return loop_step
+
     name = "lm_marked" if markers else "lm"
     what = ("Transformer LM, pipeline markers between blocks" if markers
             else "Transformer LM (lm1b-like), metrics after the gradient")
     return Program(name=name, description=what, state=state,
-                   batch={"tokens": np.asarray(tokens)}, step=step, has_markers=markers)
+                   batch={"tokens": np.asarray(tokens)}, step=step, has_markers=markers,
+                   hand_loop=hand_loop)
 
 
 # ResNet with BatchNorm (imagenet-like) ----------------------------------------------------------
@@ -275,9 +311,7 @@ def make_resnet(size: dict, dropout: float, *, seed: int = 0) -> Program:
         logits each row's own (from its micro-batch's forward)."""
         def ref_step(state, batch, rng):
             del rng
-            micro = jax.tree.map(
-                lambda a: jnp.swapaxes(a.reshape((a.shape[0] // k, k) + a.shape[1:]), 0, 1),
-                batch)
+            micro = _micro_batches(batch, k)
 
             def one(mb):
                 (loss, (updates, logits)), grads = jax.value_and_grad(
@@ -375,9 +409,7 @@ def make_lstm(size: dict, dropout: float, *, seed: int = 0) -> Program:
         over micro-batches, the sums and counts their sum (what the accumulated step returns)."""
         def loop_step(state, batch, rng):
             rng = jax.random.fold_in(rng, state.step)
-            micro = jax.tree.map(
-                lambda a: jnp.swapaxes(a.reshape((a.shape[0] // k, k) + a.shape[1:]), 0, 1),
-                batch)
+            micro = _micro_batches(batch, k)
 
             def one(mb):
                 def loss_fn(params):
@@ -476,10 +508,29 @@ def make_gpt(size: dict, dropout: float, *, seed: int = 0) -> Program:
         (loss, aux), grads = autoshard.value_and_grad(loss_fn, has_aux=True)(state.params)
         return state.apply_gradients(grads=grads), {"loss": loss, **aux}
 
+    def hand_loop(k: int) -> Callable:
+        """Plain JAX: micro-batch j is rows j, j+k, ...; loss, accuracy and gradients are the
+        mean over micro-batches."""
+        def loop_step(state, batch, rng):
+            rng = jax.random.fold_in(rng, state.step)
+
+            def one(mb):
+                def loss_fn(params):
+                    logits = model.apply({"params": params}, mb["idx"], rngs={"dropout": rng})
+                    return jnp.mean(_cross_entropy(logits, mb["targets"])), jnp.mean(
+                        jnp.argmax(logits, -1) == mb["targets"])
+                return jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+
+            (losses, accuracy), grads = jax.lax.map(one, _micro_batches(batch, k))
+            return state.apply_gradients(grads=jax.tree.map(
+                lambda g: jnp.mean(g, axis=0), grads)), {"loss": jnp.mean(losses),
+                                                         "accuracy": jnp.mean(accuracy)}
+        return loop_step
+
     return Program(name="gpt", description="nanoGPT-style GPT, tied embeddings, AdamW, "
                    "mean accuracy in aux", state=state,
                    batch={"idx": np.asarray(data[:, :-1]), "targets": np.asarray(data[:, 1:])},
-                   step=step)
+                   step=step, hand_loop=hand_loop)
 
 
 def size_without(size: dict, *keys: str) -> dict:

@@ -334,13 +334,7 @@ def compare(program: models.Program, trace: dict, ref: dict, k: int, args, rng) 
             g, w = np.asarray(got_last[path]).item(), np.asarray(want_last[path]).item()
             out["metric_notes"].append(f"{path} at the last step: {g} (reference {w})")
     for name in program.state_fields:
-        # A leaf that is rounding noise in the reference (a bias right before a BatchNorm:
-        # its gradient is zero up to rounding, its values ~1e-6) is measured against
-        # NOISE_FLOOR of the field's largest value, not against its own.
-        field_scale = max((float(np.max(np.abs(np.asarray(x)))) for x in
-                           leaves(want["fields"][name]).values() if np.size(x)), default=0.0)
-        diffs = tree_diff(trace["fields"][name], want["fields"][name],
-                          floor=NOISE_FLOOR * field_scale)
+        diffs = field_diff(trace["fields"][name], want["fields"][name])
         path, value = worst(diffs)
         out[f"{name}_rel_diff"] = value
         out[f"{name}_worst_leaf"] = path
@@ -411,11 +405,17 @@ def step_diffs(program: models.Program, got: dict, want: dict) -> dict[str, floa
     scale at least ``NOISE_FLOOR`` of its field's largest value, as ``compare`` measures)."""
     diffs = {f"metrics/{p}": d for p, d in tree_diff(got["metrics"], want["metrics"]).items()}
     for name in program.state_fields:
-        field_scale = max((float(np.max(np.abs(np.asarray(x)))) for x in
-                           leaves(want[name]).values() if np.size(x)), default=0.0)
-        diffs.update({f"{name}/{p}": d for p, d in tree_diff(
-            got[name], want[name], floor=NOISE_FLOOR * field_scale).items()})
+        diffs.update({f"{name}/{p}": d for p, d in field_diff(got[name], want[name]).items()})
     return diffs
+
+
+def field_diff(got, want) -> dict[str, float]:
+    """``tree_diff`` of one state field. A leaf that is rounding noise in the reference (a
+    bias right before a BatchNorm: its gradient is zero up to rounding, its values ~1e-6) is
+    measured against ``NOISE_FLOOR`` of the field's largest value, not against its own."""
+    field_scale = max((float(np.max(np.abs(np.asarray(x)))) for x in leaves(want).values()
+                       if np.size(x)), default=0.0)
+    return tree_diff(got, want, floor=NOISE_FLOOR * field_scale)
 
 
 def float64_step(program: models.Program, fn, state, rng) -> dict:

@@ -132,14 +132,6 @@ def test_rows_as_many_as_time_steps_stay_on_their_devices(ran_square):
     assert ex.audit().divergences() == ()
 
 
-def test_rows_as_many_as_time_steps_equal_jax_jit(ran_square):
-    _, got, want, losses = ran_square
-    for loss, want_loss in losses:
-        np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-
-
 def test_the_audit_finds_what_the_plans_predict(ran):
     ex, *_ = ran
     audit = ex.audit()
@@ -151,8 +143,9 @@ def test_the_audit_finds_what_the_plans_predict(ran):
     assert 0.5 <= audit.bytes_ratio() <= 1.1
 
 
-def test_losses_and_parameters_equal_jax_jit(ran):
-    _, got, want, losses = ran
+@pytest.mark.parametrize("case", ["ran", "ran_square"])
+def test_losses_and_parameters_equal_jax_jit(case, request):
+    _, got, want, losses = request.getfixturevalue(case)
     for loss, want_loss in losses:
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):

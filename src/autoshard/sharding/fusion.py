@@ -241,9 +241,7 @@ def fuse_memory_bound(prob: Problem) -> None:
     match); nodes sharing a list and a charge share the new list.
     """
     g = prob.graph
-    charges = g.memo.get("fusion")
-    if charges is None:
-        charges = g.memo["fusion"] = fusion_charges(g, prob.free)
+    charges = g.memoised("fusion", lambda: fusion_charges(g, prob.free))
     mesh = prob.ctx.mesh_shape
     replaced: dict[tuple[int, Charge], list] = {}
     for node_id, charge in charges.items():

@@ -113,6 +113,12 @@ class Graph:
             node.outputs.append(value.id)
         return node
 
+    def memoised(self, key, compute):
+        """``memo[key]``, computed once per graph by ``compute()``."""
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
+
     def consumers(self) -> list[list[tuple[int, int]]]:
         """Per node, the (consumer node id, operand position) pairs reading its outputs."""
         memo = self.memo.get("consumers")

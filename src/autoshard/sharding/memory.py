@@ -175,12 +175,9 @@ def materialized(prob: Problem) -> list[bool]:
     if memo is not None:
         return memo
     kept = [True] * len(g.values)
-    charges = g.memo.get("fusion")
-    if charges is None:   # the same groups the compute term prices (mesh independent)
-        charges = g.memo["fusion"] = fusion_charges(g, prob.free)
-    again = g.memo.get("recomputed")
-    if again is None:
-        again = g.memo["recomputed"] = recomputed(g, prob.free, charges)
+    # the same fusion groups the compute term prices (mesh independent)
+    charges = g.memoised("fusion", lambda: fusion_charges(g, prob.free))
+    again = g.memoised("recomputed", lambda: recomputed(g, prob.free, charges))
     for node_id, charge in charges.items():
         node = g.nodes[node_id]
         if (charge is FOLDED and node.kind not in BITCASTS) or isinstance(charge, Roofline):
@@ -191,9 +188,7 @@ def materialized(prob: Problem) -> list[bool]:
         for j, v in enumerate(node.outputs):
             if j not in charge.writes or v in again:
                 kept[v] = False
-    taken = g.memo.get("taken_products")
-    if taken is None:
-        taken = g.memo["taken_products"] = taken_products(g, prob.free)
+    taken = g.memoised("taken_products", lambda: taken_products(g, prob.free))
     for node in g.nodes:   # what a reduction's kernel reads is written (``taken_products``)
         if node.kind not in REDUCTIONS or node.id in prob.free or not node.operands:
             continue
@@ -239,9 +234,7 @@ def _broadcast_buffers(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
     until the backward's reduction: read from XLA's live ranges of the families ViT, two
     per LayerNorm."""
     g, mesh = prob.graph, prob.ctx.mesh_shape
-    taken = g.memo.get("taken_products")
-    if taken is None:
-        taken = g.memo["taken_products"] = taken_products(g, prob.free)
+    taken = g.memoised("taken_products", lambda: taken_products(g, prob.free))
     ready = _ready_points(g)
     found = []
     for reduce_id, mul_id in taken.items():

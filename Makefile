@@ -23,7 +23,7 @@ demo: $(STAMP)
 # The whole suite: single-process tests, then the MPI tests under mpirun (mk/mpi.mk).
 test: $(STAMP) native
 	$(PY) -m ruff check src tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 	$(MAKE) --no-print-directory test-mpi
 
 test-fast: $(STAMP)

@@ -171,6 +171,7 @@ def test_the_steps_match_jax_jit(ran):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.slow   # ~32 s: plans the pipeline a second time, as autoshard.plan
 def test_the_priced_plans_are_the_compiled_ones(ran):
     executable, *_, (state, tokens) = ran
     est = autoshard.plan(train_step, state, tokens, tokens, method=METHOD,

@@ -75,6 +75,7 @@ def _near_budget(case, free_estimate) -> int:
     return budget
 
 
+@pytest.mark.slow   # ~47 s; test_memory_estimate's budget test keeps a budget in the default run
 def test_tight_budget_is_kept_by_the_compiled_program(case, free_estimate, monkeypatch):
     budget = _near_budget(case, free_estimate)
     seen = _spy(monkeypatch)

@@ -143,6 +143,7 @@ def _gpt_plan(**opt):
                    batch=[0] * leaves + [1, 1], logical_mesh_shape=(2, 4), **opt)[1]
 
 
+@pytest.mark.slow   # ~35 s: five plans of a GPT, two beside four CPU burners
 def test_node_limit_stops_deterministically_even_under_cpu_load():
     quiet = _gpt_plan(solver_node_limit=1)
     assert quiet.objective.solver_status.startswith(("optimal", "node limit"))

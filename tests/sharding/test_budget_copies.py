@@ -21,9 +21,10 @@ import numpy as np
 import autoshard
 from autoshard.sharding.build import build_problem
 from autoshard.sharding.graph import build_graph
-from autoshard.sharding.memory import _ready_points, copy_bound_bytes, copy_bounds, reshard_bytes
+from autoshard.sharding.memory import copy_bound_bytes, copy_bounds, reshard_bytes
 from autoshard.sharding.solver import build_ilp, solve_ilp
 from autoshard.sharding.spec import shards
+from autoshard.sharding.xla_buffers import ready_points
 
 FULL = 64 * 64 * 4
 
@@ -107,7 +108,7 @@ def test_activation_copies_start_at_their_producer():
     # Values the batch feeds (not state alone) are copied where they are computed.
     prob = _problem(_late_update, jnp.ones((64, 64)), jnp.ones((32, 16)))
     g = prob.graph
-    ready = _ready_points(g)
+    ready = ready_points(g)
     x = g.nodes[g.inputs[1]].outputs[0]
     for u, at in ready.items():
         producer = g.values[u].producer

@@ -7,9 +7,9 @@ step keeps three per block: the matrix product's result, the tanh and ``x * 0.5 
 the cheap pieces with at most one full-size operand are computed again inside the backward's
 kernels (``fusion.recomputed``). The same dump showed two buffers the estimate missed, which
 the over-counted GELU had hidden: transposed copies of the (dim, heads, head_dim) kernels for
-the backward's products, made at the step's first reads (``memory.dot_layout_copies``), and a
+the backward's products, made at the step's first reads (``xla_buffers.dot_layout_copies``), and a
 LayerNorm's per-row ``rsqrt`` written out at full size for the scale gradient's reduction
-(``memory._broadcast_buffers``). The families ViT's default plan now compiles to 0.983x its
+(``xla_buffers.broadcast_buffers``). The families ViT's default plan now compiles to 0.983x its
 estimate, LLaMA's to 0.991x (1.025x before).
 """
 
@@ -24,7 +24,8 @@ from _util import compiled_vs_estimated
 import autoshard
 from autoshard.sharding.build import build_problem
 from autoshard.sharding.graph import build_graph
-from autoshard.sharding.memory import _transients, dot_layout_copies, liveness, materialized
+from autoshard.sharding.memory import _transients, liveness, materialized
+from autoshard.sharding.xla_buffers import dot_layout_copies
 
 TOLERANCE = 1.10
 """Compiled memory within this factor of the estimate, either way (the issue's target)."""

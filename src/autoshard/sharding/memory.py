@@ -25,6 +25,15 @@ from .problem import Problem, value_bytes
 from .rules import ELEMENTWISE
 from .spec import shards
 from .strategy import itemsize, nbytes
+from .xla_buffers import (
+    WORKSPACE_KINDS,
+    broadcast_buffers,
+    broadcast_dims,
+    copied_operands,
+    dot_layout_copies,
+    ready_points,
+    unbitcast,
+)
 
 
 def liveness(prob: Problem) -> list[tuple[int, int, int]]:
@@ -42,7 +51,7 @@ def liveness(prob: Problem) -> list[tuple[int, int, int]]:
       lives from the loop's first node, not from after its last iteration;
     * a value XLA never writes to memory takes none (``materialized``): its readers read the
       values it is computed from, which stay live until its last reader;
-    * a convolution's operand that XLA copies into another layout (``_copied_operands``) is
+    * a convolution's operand that XLA copies into another layout (``copied_operands``) is
       read through the copy (``_transients``, made where the operand is): a forward image
       need not stay for its weight-gradient convolution (XLA's buffer assignment of three
       convolutions with ReLU keeps each convolution's result and the image's copy).
@@ -54,7 +63,7 @@ def liveness(prob: Problem) -> list[tuple[int, int, int]]:
         if node.kind == "output":
             continue
         read_until = g.loop_ends.get(node.id, node.id)  # a scanned input: every iteration
-        copied = _copied_operands(node) if node.kind in WORKSPACE_KINDS else ()
+        copied = copied_operands(node) if node.kind in WORKSPACE_KINDS else ()
         for p, u in enumerate(node.operands):
             if u is not None and p not in copied:   # a copied operand: the copy is read
                 end[u] = max(end[u], read_until)
@@ -196,127 +205,15 @@ def materialized(prob: Problem) -> list[bool]:
             mul = g.nodes[taken[node.id]]
             kept[mul.outputs[0]] = False
             reads = [u for u in mul.operands if u is not None
-                     and not _broadcast_dims(g, u, mul.outputs[0])]
+                     and not broadcast_dims(g, u, mul.outputs[0])]
         else:
             reads = node.operands[:1]
         for u in reads:
-            u = _unbitcast(g, u)
+            u = unbitcast(g, u)
             if u is not None and g.values[u].producer not in prob.free:
                 kept[u] = True
     g.memo[key] = kept
     return kept
-
-
-def _unbitcast(g, u):
-    """The value whose buffer ``u`` is (through reshapes, which move no data)."""
-    while u is not None and g.nodes[g.values[u].producer].kind in BITCASTS:
-        u = g.nodes[g.values[u].producer].operands[0]
-    return u
-
-
-def _broadcast_dims(g, u: int, out: int) -> list[int]:
-    """Dims of value ``out`` along which operand ``u`` of an element-wise op is repeated."""
-    shape, full = tuple(g.values[u].shape), tuple(g.values[out].shape)
-    shape = (1,) * (len(full) - len(shape)) + shape
-    return [d for d, (a, b) in enumerate(zip(shape, full, strict=True)) if a == 1 and b > 1]
-
-
-def _broadcast_buffers(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
-    """The repeated operands XLA writes out in full for a reduction's kernel: (first node,
-    last node, variable, bytes per strategy).
-
-    The kernel that takes a reduction's multiply (``fusion.taken_products``) repeats an
-    operand along the reduced dims itself, but one repeated along a kept dim (a norm's
-    scale in ``sum(g * x_hat * scale, -1)``, its per-row ``rsqrt`` in the scale gradient
-    ``sum(g * x_hat, (0, 1))``) is a broadcast XLA writes to memory at the product's size.
-    It depends only on the small operand, so XLA makes it as soon as that exists (the
-    scale's: at the step's first reads, the ``rsqrt``'s: in the forward pass) and holds it
-    until the backward's reduction: read from XLA's live ranges of the families ViT, two
-    per LayerNorm."""
-    g, mesh = prob.graph, prob.ctx.mesh_shape
-    taken = g.memoised("taken_products", lambda: taken_products(g, prob.free))
-    ready = _ready_points(g)
-    found = []
-    for reduce_id, mul_id in taken.items():
-        axes = set(g.nodes[reduce_id].params.get("axes", ()))
-        mul = g.nodes[mul_id]
-        out = g.values[mul.outputs[0]]
-        size = itemsize(out.dtype) * int(np.prod(out.shape, dtype=np.int64))
-        for u in mul.operands:
-            if u is None or g.values[u].producer in prob.free:
-                continue
-            dims = _broadcast_dims(g, u, out.id)
-            if not dims or all(d in axes for d in dims):
-                continue
-            root = _unbitcast(g, u)
-            first = ready.get(root, g.values[root].producer)
-            found.append((min(first, mul_id), reduce_id, prob.var(mul_id),
-                          [size // shards(st.out_specs[0], mesh)
-                           for st in prob.strategies[mul_id]]))
-    return found
-
-
-WORKSPACE_KINDS = {"conv_general_dilated"}
-"""Ops whose backends copy operands into their own layout (see ``_copied_operands``)."""
-
-
-def _copied_operands(node) -> list[int]:
-    """Operand positions of a convolution that XLA copies into another layout first.
-
-    XLA's CPU convolution wants the image batch-major and feature-minor (NHWC) and the kernel
-    output-feature-minor (HWIO). The convolutions JAX's autodiff makes are not in that form:
-    the weight gradient reads the forward image with its features as the batch (and the
-    output gradient as the kernel), the input gradient reads the kernel with its features
-    swapped. Each such operand gets a transposed copy.
-    """
-    dn = node.params.get("dimension_numbers")
-    if dn is None:
-        return [0]
-    rank = len(dn.lhs_spec)
-    natural_lhs = (0, rank - 1) + tuple(range(1, rank - 1))
-    natural_rhs = (rank - 1, rank - 2) + tuple(range(rank - 2))
-    out = []
-    if tuple(dn.lhs_spec) != natural_lhs:
-        out.append(0)
-    if tuple(dn.rhs_spec) != natural_rhs:
-        out.append(1)
-    return out
-
-
-def dot_layout_copies(g) -> list[tuple[int, int]]:
-    """(dot node, operand position) of every matrix product operand that is a step input
-    XLA's CPU copies into another layout first (mesh independent).
-
-    XLA's CPU matrix product reads each operand as (batch dims, rows, contracting dims) for
-    the left and (batch dims, contracting dims, columns) for the right, each group in the
-    order the dimension numbers give, or a plain matrix transposed (two dims, no batch).
-    Any other order is a transposed copy: the input-gradient products of a multi-head
-    projection read its kernel (dim, heads, head_dim) with the heads and head_dim
-    contracted. Read from XLA's buffer assignment of the families ViT: the copies of the
-    q, k, v and o kernels are made at the step's first reads and held until the backward
-    product (4 per block). Copies of computed values, made next to their product, are not
-    counted."""
-    memo = g.memo.get("dot_layout_copies")
-    if memo is not None:
-        return memo
-    found = []
-    for node in g.nodes:
-        if node.kind != "dot_general":
-            continue
-        (lc, rc), (lb, rb) = node.params["dimension_numbers"]
-        for p, (contracting, batch) in enumerate(((lc, lb), (rc, rb))):
-            u = node.operands[p] if p < len(node.operands) else None
-            root = _unbitcast(g, u)
-            if root is None or g.nodes[g.values[root].producer].kind != "input":
-                continue
-            rank = len(node.in_avals[p].shape)
-            rest = [d for d in range(rank) if d not in contracting and d not in batch]
-            order = (list(batch) + rest + list(contracting) if p == 0
-                     else list(batch) + list(contracting) + rest)
-            if order != list(range(rank)) and not (rank == 2 and not batch):
-                found.append((node.id, p))
-    g.memo["dot_layout_copies"] = found
-    return found
 
 
 def _transients(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
@@ -333,14 +230,14 @@ def _transients(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
     product, if any (``reshard_bytes`` and ``copy_bounds`` leave it out).
 
     Partial sums (``_partials``): a reduction's result is a new buffer beside its operand.
-    Repeated operands of a reduction's multiply (``_broadcast_buffers``).
+    Repeated operands of a reduction's multiply (``broadcast_buffers``).
     """
     g, found = prob.graph, []
     mesh = prob.ctx.mesh_shape
     for node in g.nodes:
         if node.kind not in WORKSPACE_KINDS:
             continue
-        for p in _copied_operands(node):
+        for p in copied_operands(node):
             u = node.operands[p] if p < len(node.operands) else None
             if u is None:
                 continue
@@ -352,14 +249,14 @@ def _transients(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
             found.append((first, node.id, prob.var(node.id),
                           [size // shards(st.in_specs[p], mesh)
                            for st in prob.strategies[node.id]]))
-    ready = _ready_points(g)
+    ready = ready_points(g)
     for node_id, p in dot_layout_copies(g):
         node = g.nodes[node_id]
         u = node.operands[p]
         size = nbytes(node.in_avals[p])
         found.append((ready.get(u, node_id), node_id, prob.var(node_id),
                       [size // shards(st.in_specs[p], mesh) for st in prob.strategies[node_id]]))
-    return found + _partials(prob) + _broadcast_buffers(prob)
+    return found + _partials(prob) + broadcast_buffers(prob)
 
 
 REDUCING_KINDS = ("all-reduce", "reduce-scatter")
@@ -430,7 +327,7 @@ class CopyBounds:
 def copy_bounds(prob: Problem) -> CopyBounds:
     """The copy columns of ``prob`` (see ``CopyBounds``)."""
     g, mesh = prob.graph, prob.ctx.mesh_shape
-    ready = _ready_points(g)
+    ready = ready_points(g)
     readers: dict[int, list[tuple[int, int, int]]] = {}
     layout = set(dot_layout_copies(g))   # counted as transients
     for node in g.nodes:
@@ -609,7 +506,7 @@ def reshard_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
     """
     g, mesh = prob.graph, prob.ctx.mesh_shape
     spans: dict[tuple[int, object], list[int]] = {}
-    ready = _ready_points(g)
+    ready = ready_points(g)
     layout = set(dot_layout_copies(g))   # a layout copy (a transient) stands for the copy
     for node in g.nodes:
         s = prob.strategies[node.id][choice[prob.var(node.id)]]
@@ -635,41 +532,3 @@ def reshard_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
     return np.cumsum(delta)[:n]
 
 
-def _ready_points(g) -> dict[int, int]:
-    """Per value: the point from which XLA may compute a copy of it (its producer; a step
-    input's first reader), which is where its scheduler puts the copy.
-
-    A value computed from the step's donated state alone (``Graph.memo["aliases"]``: an Adam
-    moment times its decay, read by an update that runs in another spec) is ready with the
-    first input read: XLA's scheduler computes and gathers it there, before the forward
-    pass, and holds the gathered copy until the update (read from XLA's live ranges of such
-    a plan)."""
-    memo = g.memo.get("ready_points")
-    if memo is not None:
-        return memo
-    from_inputs = [False] * len(g.values)
-    for i, _ in g.memo.get("aliases", ()):
-        from_inputs[g.nodes[g.inputs[i]].outputs[0]] = True
-    for node in g.nodes:
-        if node.kind == "input":
-            continue
-        elif node.kind not in LOOP_NODE_KINDS and node.operands and all(
-                u is None or from_inputs[u] for u in node.operands):
-            for v in node.outputs:
-                from_inputs[v] = True
-    ready, start = {}, None
-    for node in g.nodes:
-        for u in node.operands:
-            if u is not None and u not in ready:
-                p = g.values[u].producer
-                if g.nodes[p].kind == "input":
-                    ready[u] = node.id
-                    start = node.id if start is None else start
-                else:
-                    ready[u] = min(p, start) if from_inputs[u] and start is not None else p
-    g.memo["ready_points"] = ready
-    return ready
-
-
-LOOP_NODE_KINDS = frozenset({"carry", "carry_back", "xs", "ys", "cond_out"})
-"""The graph's loop nodes: a value they make is the loop's, not one XLA computes up front."""

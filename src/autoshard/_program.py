@@ -80,8 +80,13 @@ class Program:
             if self.flat_fun is None:
                 raise ValueError("This Program was built without its function; trace it with "
                                  "trace_program to re-trace it on more rows.")
+            # the rows: the dim 0 most batch leaves share (a key carried in the batch is not)
+            sizes = [a.shape[0] for a, b in zip(self.in_avals, self.batch_invars, strict=True)
+                     if b and a.shape]
+            rows = max(set(sizes), key=sizes.count) if sizes else None
             avals = [jax.ShapeDtypeStruct((2 * a.shape[0],) + tuple(a.shape[1:]), a.dtype,
-                                          weak_type=a.weak_type) if b and a.shape else a
+                                          weak_type=a.weak_type)
+                     if b and a.shape and a.shape[0] == rows else a
                      for a, b in zip(self.in_avals, self.batch_invars, strict=True)]
             self.__dict__["_doubled"] = jax.make_jaxpr(self.flat_fun)(*avals)
         return self.__dict__["_doubled"], 2

@@ -29,6 +29,7 @@ from typing import Any
 from .ir import _compat
 from .ir._compat import Literal, Var
 from .ir._jaxpr import dependents, draws_random, grad_marker_index, used_vars
+from .ir._walk import Walker, site
 
 
 @dataclass(frozen=True, eq=False)
@@ -200,10 +201,42 @@ def row_dims(micro, other, factor: int) -> dict | None:
             if hasattr(getattr(u, "aval", None), "shape")}
 
 
+def row_dims_by_site(micro, other, factor: int) -> dict[str, int | None]:
+    """``row_dims`` through inlined calls, keyed by each value's site (``ir._walk.site``, the
+    key the planner's graph gives its values): for every equation output of ``micro`` whose
+    site ``other`` (the step traced on ``factor`` times the rows) also has, the dim that grows
+    with the rows (None: no dim does, or more than one). Loops are one equation here."""
+    a, b = _SiteShapes().of(micro), _SiteShapes().of(other)
+    return {key: row_dim(aval, b[key], factor) for key, aval in a.items() if key in b}
+
+
+class _SiteShapes(Walker):
+    """The aval of every equation output by site; values are avals."""
+
+    def __init__(self):
+        self.avals: dict = {}
+
+    def of(self, closed) -> dict:
+        self.walk(closed.jaxpr, closed.consts, [v.aval for v in closed.jaxpr.invars])
+        return self.avals
+
+    def literal(self, lit):
+        return lit.aval
+
+    def constant(self, var, value, path):
+        return var.aval
+
+    def equation(self, eqn, ins, path):
+        outs = [v.aval for v in eqn.outvars]
+        for j, aval in enumerate(outs):
+            self.avals[site(path, j)] = aval
+        return outs
+
+
 def _where(v, producer) -> str:
     e = producer.get(v) if isinstance(v, Var) else None
     line = None if e is None else _compat.source_line(e)
     return line or "an unknown source line"
 
 
-__all__ = ["AfterGrad", "row_dim", "row_dims", "whole_batch_update"]
+__all__ = ["AfterGrad", "row_dim", "row_dims", "row_dims_by_site", "whole_batch_update"]

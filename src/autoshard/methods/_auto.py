@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from .. import sharding
 from .._executable import abstract_leaf
 from .._program import Program
+from ..after_grad import row_dims_by_site
 from ..cluster import Cluster
 from ..distributed.plan_sync import program_fingerprint
 from ..grad_accum import StepHooks, batch_axes, loop_bytes, loop_costs
@@ -166,13 +167,17 @@ def plan_program(method, program: Program, cluster: Cluster, *,
             f"auto_sharding_option.logical_mesh_shape {option.logical_mesh_shape} has "
             f"{math.prod(option.logical_mesh_shape)} devices but the method uses "
             f"{cluster.num_devices}. Choose a shape whose product is the device count.")
+    batch_dims = (_batch_dims(program) if option.force_batch_dim_to_mesh_dim is not None
+                  else None)
+
     def solve(option, deferred: bool):
         return sharding.plan_auto(
             program.closed, num_devices=cluster.num_devices, option=option,
             in_paths=program.in_paths, out_paths=program.out_paths,
             batch_invars=program.batch_invars, aliases=program.aliases, axis_names=axis_names,
             cluster=cluster, fixed_in_specs=fixed_in_specs, top_mults=loop_costs(
-                program.closed, program.batch_invars, program.num_micro_batches, deferred))
+                program.closed, program.batch_invars, program.num_micro_batches, deferred),
+            batch_dims=batch_dims)
 
     plan = solve(option, deferred=True)
     if program.num_micro_batches > 1 and _loop_runs(plan, program) != "rows":
@@ -208,6 +213,19 @@ def plan_program(method, program: Program, cluster: Cluster, *,
         num_devices=cluster.num_devices,
         devices_per_host=cluster.devices_per_host if cluster.num_hosts > 1 else None,
         num_micro_batches=program.num_micro_batches))
+
+
+def _batch_dims(program: Program) -> dict | None:
+    """The dim holding the batch's rows of every value the planner places (by site), for
+    ``force_batch_dim_to_mesh_dim``: from the step traced on more rows. None where the step
+    does not trace on other rows: then the batch inputs alone are forced."""
+    if program.flat_fun is None or not any(program.batch_invars):
+        return None
+    try:
+        other, factor = program.scaled_batch_closed()
+    except Exception:  # noqa: BLE001 - a "batch" argument that is not one
+        return None
+    return row_dims_by_site(program.closed, other, factor)
 
 
 def _loop_runs(plan, program: Program) -> str | None:

@@ -27,8 +27,12 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
                   batch_invars, aliases, warned: set[str],
                   devices_per_host: int | None = None,
                   axis_names: tuple[str, ...] = (), fixed_in_specs=None,
-                  alpa_costs: bool = False) -> Problem:
+                  alpa_costs: bool = False, batch_dims: dict | None = None) -> Problem:
     """``fixed_in_specs``: per input its only allowed spec (internal form), or None.
+    ``batch_dims``: value site -> the dim holding the batch's rows (``after_grad.
+    row_dims_by_site``): with ``force_batch_dim_to_mesh_dim``, that dim of every such value
+    is split over the forced axis (not split where the axis has one device), as Alpa forces
+    it; None: the batch inputs alone are forced.
     ``alpa_costs``: the user gave Alpa's cost parameters (``mesh_alpha`` and ``mesh_beta``):
     the reductions later work reads are priced one latency each, as Alpa's ILP does."""
     cost = CostModel.from_option(mesh_shape, option, devices_per_host)
@@ -56,7 +60,30 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
                 f"{vo.shape}; a donated input can only be replaced by an output of its shape.")
         prob.union(ni, no)
     _input_masks(prob, batch_invars, fixed_in_specs)
+    if batch_dims and option.force_batch_dim_to_mesh_dim is not None and not (
+            option.force_data_parallel):
+        _batch_dim_masks(prob, batch_dims, option.force_batch_dim_to_mesh_dim)
     return prob
+
+
+def _batch_dim_masks(prob: Problem, batch_dims: dict, axis: int):
+    """Every equation output whose ``batch_dims`` entry names a dim keeps the strategies
+    that split that dim over mesh axis ``axis`` (none that split it, for an axis of one
+    device); a node with no such strategy keeps its own."""
+    g, mesh = prob.graph, prob.ctx.mesh_shape
+    if axis >= len(mesh):
+        return
+    for node in g.nodes:
+        if node.kind in ("input", "output") or not node.outputs:
+            continue
+        d = batch_dims.get(g.sites.get(node.outputs[0]))
+        if d is None:
+            continue
+        specs = [s.out_specs[0] for s in prob.strategies[node.id]]
+        keep = {k for k, spec in enumerate(specs) if d < len(spec) and (
+            not spec[d] if mesh[axis] == 1 else axis in spec[d])}
+        if keep and len(keep) < len(specs):
+            prob.allowed[node.id] = prob.allowed.get(node.id, set(range(len(specs)))) & keep
 
 
 COMBINED_KINDS = ("all-reduce", "reduce-scatter")

@@ -90,7 +90,8 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
               cluster: ClusterCosts | None = None,
               fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
               top_mults: dict[int, tuple[float, float]] | None = None,
-              compare_data_parallel: bool = True) -> ShardingPlan:
+              compare_data_parallel: bool = True,
+              batch_dims: dict | None = None) -> ShardingPlan:
     """Plan every array of ``closed_jaxpr`` over ``num_devices`` devices (no devices needed).
 
     ``fixed_in_specs``: per input, the PartitionSpec it arrives in (over ``axis_names``, or
@@ -106,6 +107,10 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     that cross hosts cost the inter-host link. ``cluster`` (an ``autoshard.Cluster``) gives
     the links, FLOP/s and memory instead: its links price every axis where it lies, its
     device's speed the compute term, its memory the budget (unless the option sets one).
+
+    ``batch_dims``: value site -> the dim holding the batch's rows; with
+    ``force_batch_dim_to_mesh_dim`` that dim of every value follows the forced axis
+    (``build.build_problem``).
 
     ``compare_data_parallel``: also solve pure data parallel on the chosen mesh, the figure
     ``explain()`` shows beside the plan (``Objective.data_parallel_s``; a second, easier ILP).
@@ -175,7 +180,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                                  fixed_in_specs=_fixed_specs(fixed_in_specs, closed_jaxpr,
                                                              names),
                                  alpa_costs=option.mesh_alpha is not None
-                                 and option.mesh_beta is not None)
+                                 and option.mesh_beta is not None, batch_dims=batch_dims)
             if option.force_data_parallel and option.prefer_reduce_scatter and (
                     fixed_in_specs is None):
                 zero_update(prob)   # ZeRO-2: only the update leaves data parallelism

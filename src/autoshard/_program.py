@@ -69,27 +69,31 @@ class Program:
             self.__dict__["_whole"] = jax.make_jaxpr(self.flat_fun)(*self.in_avals)
         return self.__dict__["_whole"]
 
-    def scaled_batch_closed(self) -> tuple[Any, int]:
+    def scaled_batch_closed(self) -> tuple[Any, int] | None:
         """(the user's step traced on more rows, how many times more): the whole batch when
         ``num_micro_batches`` is above 1, else twice the batch. Paired with ``closed``, it
-        tells which dim of each value holds the rows (``after_grad.row_dims``)."""
+        tells which dim of each value holds the rows (``after_grad.row_dims``). None, once
+        and for all, where the step was built without its function or does not trace on
+        other rows (a "batch" argument that is not one)."""
+        if "_scaled" not in self.__dict__:
+            self.__dict__["_scaled"] = self._scaled_batch() if self.flat_fun else None
+        return self.__dict__["_scaled"]
+
+    def _scaled_batch(self):
         k = self.num_micro_batches
-        if k > 1:
-            return self.whole_batch_closed(), k
-        if "_doubled" not in self.__dict__:
-            if self.flat_fun is None:
-                raise ValueError("This Program was built without its function; trace it with "
-                                 "trace_program to re-trace it on more rows.")
-            # the rows: the dim 0 most batch leaves share (a key carried in the batch is not)
-            sizes = [a.shape[0] for a, b in zip(self.in_avals, self.batch_invars, strict=True)
-                     if b and a.shape]
-            rows = max(set(sizes), key=sizes.count) if sizes else None
-            avals = [jax.ShapeDtypeStruct((2 * a.shape[0],) + tuple(a.shape[1:]), a.dtype,
-                                          weak_type=a.weak_type)
-                     if b and a.shape and a.shape[0] == rows else a
-                     for a, b in zip(self.in_avals, self.batch_invars, strict=True)]
-            self.__dict__["_doubled"] = jax.make_jaxpr(self.flat_fun)(*avals)
-        return self.__dict__["_doubled"], 2
+        # the rows: the dim 0 most batch leaves share (a key carried in the batch is not)
+        sizes = [a.shape[0] for a, b in zip(self.in_avals, self.batch_invars, strict=True)
+                 if b and a.shape]
+        rows = max(set(sizes), key=sizes.count) if sizes else None
+        avals = [jax.ShapeDtypeStruct((2 * a.shape[0],) + tuple(a.shape[1:]), a.dtype,
+                                      weak_type=a.weak_type)
+                 if b and a.shape and a.shape[0] == rows else a
+                 for a, b in zip(self.in_avals, self.batch_invars, strict=True)]
+        try:
+            return (self.whole_batch_closed(), k) if k > 1 else (
+                jax.make_jaxpr(self.flat_fun)(*avals), 2)
+        except Exception:  # noqa: BLE001 - the step's code depends on the batch size
+            return None
 
     def full_jaxpr(self):
         """The whole step (accumulation included) as one ClosedJaxpr on full-batch inputs."""

@@ -219,13 +219,8 @@ def _batch_dims(program: Program) -> dict | None:
     """The dim holding the batch's rows of every value the planner places (by site), for
     ``force_batch_dim_to_mesh_dim``: from the step traced on more rows. None where the step
     does not trace on other rows: then the batch inputs alone are forced."""
-    if program.flat_fun is None or not any(program.batch_invars):
-        return None
-    try:
-        other, factor = program.scaled_batch_closed()
-    except Exception:  # noqa: BLE001 - a "batch" argument that is not one
-        return None
-    return row_dims_by_site(program.closed, other, factor)
+    scaled = program.scaled_batch_closed() if any(program.batch_invars) else None
+    return None if scaled is None else row_dims_by_site(program.closed, *scaled)
 
 
 def _loop_runs(plan, program: Program) -> str | None:

@@ -269,7 +269,7 @@ def _row_dims(program, pre) -> dict | None:
     traced = program.closed.jaxpr.invars   # on one micro-batch (in_avals: the whole batch)
     rows = next((v.aval.shape[0] for v, b in zip(traced, program.batch_invars, strict=True)
                  if b and v.aval.shape), None)
-    if rows is None or program.flat_fun is None:
+    if rows is None:
         return None
     sizes = {n for v, b in zip(traced, program.batch_invars, strict=True)
              for n in (tuple(v.aval.shape)[1:] if b else tuple(v.aval.shape))}
@@ -277,11 +277,8 @@ def _row_dims(program, pre) -> dict | None:
               for n in tuple(getattr(o.aval, "shape", ()))[1:]}
     if rows not in sizes:
         return None
-    try:
-        other, factor = program.scaled_batch_closed()
-    except Exception:  # noqa: BLE001 - the step does not trace on other rows (a "batch"
-        return None    # argument that is not one): the size alone, as without this check
-    return row_dims(program.closed, other, factor)
+    scaled = program.scaled_batch_closed()   # None: the size alone, as without this check
+    return None if scaled is None else row_dims(program.closed, *scaled)
 
 
 def check_cover(sizes, num_devices: int, what: str):

@@ -82,6 +82,20 @@ def test_table_survives_save_and_load(plan, tmp_path):
     assert loaded.explain() == plan.explain()
 
 
+def test_table_is_searched_when_first_read_and_travels_when_pickled(case):
+    # The table's least-memory plan is one more solve: planning leaves it pending, and a plan
+    # sent to other processes (distributed.plan_sync pickles it) carries the rows found.
+    import pickle
+
+    fresh = _plan(case)
+    assert callable(fresh.objective._trade_off)
+    loaded = pickle.loads(pickle.dumps(fresh))
+    assert isinstance(loaded.objective._trade_off, tuple)
+    assert loaded.objective.trade_off == fresh.objective.trade_off
+    assert _role(loaded.objective.trade_off, "least memory").memory < fresh.objective.\
+        peak_bytes_per_device
+
+
 def test_no_table_for_the_fastest_plan_whatever_its_memory(case):
     # memory_tradeoff=0 (as a pipeline's task plans run): no second plan is searched.
     plan = _plan(case, memory_tradeoff=0.0)

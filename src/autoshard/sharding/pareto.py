@@ -14,7 +14,6 @@ that memory at up to that plan's bytes.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -108,15 +107,12 @@ def trade_off(ilp, found, make_plan) -> tuple[TradeOffRow, ...]:
                  for p, r in roles.items())
 
 
-def with_trade_off(plan, ilp, chosen, make_plan):
-    """``plan`` (made from the solution ``chosen`` of ``ilp``) with its trade-off rows in
-    ``Objective.trade_off``; the other plans found on its mesh are ``chosen.info["found"]``
-    (set by ``least_memory``)."""
+def plan_trade_off(plan, ilp, chosen, make_plan) -> tuple[TradeOffRow, ...]:
+    """The trade-off rows of ``plan`` (made from the solution ``chosen`` of ``ilp``); the
+    other plans found on its mesh are ``chosen.info["found"]`` (set by ``least_memory``)."""
     found = [chosen, *chosen.info.get("found", ())]
     # The chosen solution's plan is ``plan`` (the same collectives and peak): not made again.
-    rows = trade_off(ilp, found, lambda sol: plan if sol is chosen else make_plan(sol))
-    return dataclasses.replace(plan, objective=dataclasses.replace(plan.objective,
-                                                                   trade_off=rows))
+    return trade_off(ilp, found, lambda sol: plan if sol is chosen else make_plan(sol))
 
 
 def least_peak(ilp, first):
@@ -200,5 +196,5 @@ def _ratio(a: int, b: int) -> str:
     return f"{a / b:.2f}x" if b else ("1.00x" if a == 0 else "inf")
 
 
-__all__ = ["TradeOffRow", "least_peak", "received_bytes", "table_lines", "trade_off",
-           "with_trade_off"]
+__all__ = ["TradeOffRow", "least_peak", "plan_trade_off", "received_bytes", "table_lines",
+           "trade_off"]

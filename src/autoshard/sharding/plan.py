@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -129,8 +132,9 @@ class Objective:
     """Conversions between a producer's spec and a consumer's spec."""
     compute_s: float = 0.0
     """Compute term that prefers splitting work."""
-    data_parallel_s: float | None = None
-    """The same objective for pure data parallel on the same mesh, for comparison."""
+    _data_parallel_s: float | None | Callable[[], float | None] = field(default=None,
+                                                                          compare=False)
+    """``data_parallel_s``, or the function that finds it until it is first read."""
     peak_bytes_per_device: int | None = None
     """Estimated peak memory per device."""
     memory_budget_per_device: int | None = None
@@ -159,13 +163,46 @@ class Objective:
     """The objective in Alpa's units (``sharding.alpa_units``: Alpa's collective formulas and
     replicated-input penalties, no compute term), set when the option gives ``mesh_alpha``
     and ``mesh_beta``; ``Executable.auto_sharding_objective`` then reports it."""
-    trade_off: tuple[TradeOffRow, ...] = ()
-    """Bytes, memory and time of the chosen plan and of the least-memory and least-bytes plans
-    found on its mesh (``sharding.pareto``; empty under ``memory_tradeoff=0``)."""
+    _trade_off: tuple[TradeOffRow, ...] | Callable[[], tuple[TradeOffRow, ...]] = field(
+        default=(), repr=False, compare=False)
+    """``trade_off``'s rows, or the function that finds them (one more solve of the chosen
+    mesh's ILP) until they are first read."""
 
     @property
     def total_s(self) -> float:
         return self.communication_s + self.resharding_s + self.compute_s
+
+    @property
+    def data_parallel_s(self) -> float | None:
+        """The same objective for pure data parallel on the same mesh, for comparison (a
+        second, easier ILP, solved when first read: ``explain()``, ``save()``, pickling)."""
+        return self._resolved("_data_parallel_s")
+
+    @property
+    def trade_off(self) -> tuple[TradeOffRow, ...]:
+        """Bytes, memory and time of the chosen plan and of the least-memory and least-bytes
+        plans found on its mesh (``sharding.pareto``; empty under ``memory_tradeoff=0``).
+
+        Searched when first read (``explain()``, ``save()``, pickling), not while planning:
+        the least-memory plan costs one more solve of the ILP, as long as the first."""
+        return self._resolved("_trade_off")
+
+    def _resolved(self, name: str):
+        value = getattr(self, name)
+        if callable(value):
+            value = value()
+            object.__setattr__(self, name, value)   # what the function held is freed
+        return value
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_data_parallel_s": self.data_parallel_s,
+                "_trade_off": self.trade_off}
+
+
+def later(fn: Callable, *args) -> Callable[[], object]:
+    """``fn(*args)``, called when an ``Objective`` field that holds it is first read, in the
+    context this is called in (the device speed ``cost.device_speed`` sets)."""
+    return functools.partial(contextvars.copy_context().run, fn, *args)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -353,8 +390,9 @@ def _spec_from_json(entries: list) -> PartitionSpec:
 def _encode(obj):
     if isinstance(obj, PartitionSpec):
         return {"spec": _spec_to_json(obj)}
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if dataclasses.is_dataclass(obj):   # a private field is written as its public property
+        return {f.name.lstrip("_"): _encode(getattr(obj, f.name.lstrip("_")))
+                for f in dataclasses.fields(obj)}
     if isinstance(obj, tuple | list):
         return [_encode(x) for x in obj]
     return obj
@@ -377,7 +415,8 @@ def _decode_plan(data: dict) -> ShardingPlan:
         o = dict(data["objective"])
         o["meshes_tried"] = tuple((tuple(s), v) for s, v in o.get("meshes_tried", ()))
         o["meshes_pruned"] = tuple((tuple(s), v) for s, v in o.get("meshes_pruned", ()))
-        o["trade_off"] = tuple(TradeOffRow(**r) for r in o.get("trade_off", ()))
+        o["_trade_off"] = tuple(TradeOffRow(**r) for r in o.pop("trade_off", ()))
+        o["_data_parallel_s"] = o.pop("data_parallel_s", None)
         objective = Objective(**o)
     fingerprint = data.get("fingerprint")
     partial_sums = tuple(PartialSum(

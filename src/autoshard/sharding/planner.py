@@ -32,9 +32,9 @@ from .graph import Graph, build_graph
 from .least_memory import least_memory
 from .memory import peak_bytes
 from .options import DEFAULT_MEMORY_TRADEOFF, AutoShardingOption
-from .pareto import with_trade_off
+from .pareto import plan_trade_off
 from .partial_sums import fold_partial_sums, partial_sum_regions
-from .plan import Collective, LeafPlan, Objective, ShardingPlan
+from .plan import Collective, LeafPlan, Objective, ShardingPlan, later
 from .problem import Problem
 from .repeats import tie_repeated
 from .solver import (
@@ -233,8 +233,10 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
         plan = _finish(best, tried, pruned, option, batch_invars, axis_names, graph,
                        compare_data_parallel)
         if "found" in best[2].info:   # explain()'s trade-off table (sharding/pareto.py)
-            plan = with_trade_off(plan, best_ilp, best[2], lambda sol: make_plan(
+            rows = later(plan_trade_off, plan, best_ilp, best[2], lambda sol: make_plan(
                 best[1], sol, plan.axis_names, dp_objective=None))
+            plan = dataclasses.replace(plan, objective=dataclasses.replace(
+                plan.objective, _trade_off=rows))
     return plan if cluster is None else dataclasses.replace(plan, cluster=cluster.describe())
 
 
@@ -265,7 +267,7 @@ def _finish(best, tried, pruned, option, batch_invars, axis_names, graph,
     names = _axis_names(axis_names, shape)
     dp = (None if not compare_data_parallel
           else best[2].objective_s if option.force_data_parallel or not graph.nodes
-          else _data_parallel_objective(prob, batch_invars, option))
+          else later(_data_parallel_objective, prob, batch_invars, option))
     plan = make_plan(prob, sol, names, dp_objective=dp)
     alpa = None
     if option.mesh_alpha is not None and option.mesh_beta is not None:
@@ -557,7 +559,7 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
                     PINNED_KINDS_EXCLUDED | {"carry", "xs", "ys", "cond_out"}):
                 operand_specs.append((g.node_sites[node.id], p, pspec(dst)))
     objective = Objective(communication_s=comm, resharding_s=reshard, compute_s=compute,
-                          data_parallel_s=dp_objective,
+                          _data_parallel_s=dp_objective,
                           peak_bytes_per_device=peak_bytes(prob, sol.choice),
                           solver_status=sol.status)
     colls = tuple(Collective(kind=k[0], axes=k[1], num_bytes=k[2], cost_s=v[0], where=k[3],

@@ -17,7 +17,7 @@ from ..distributed.plan_sync import program_fingerprint
 from ..grad_accum import StepHooks, batch_axes, loop_bytes, loop_costs
 from ..sharding import audit
 from ..sharding.options import AutoShardingOption
-from ..sharding.plan import PlanFingerprint
+from ..sharding.plan import PlanFingerprint, later
 from ..sharding.solver import OverBudget
 from ._base import Call, Compiled
 from ._mesh import as_auto_mesh, mesh_from_shape, resolve_devices
@@ -209,7 +209,8 @@ def plan_program(method, program: Program, cluster: Cluster, *,
             plan.objective, peak_bytes_per_device=plan.objective.peak_bytes_per_device
             + (k - 1) * batch + loop_bytes(program.closed, plan, k)))
     return dataclasses.replace(plan, fingerprint=PlanFingerprint(
-        program=program_fingerprint(program), num_equations=len(program.closed.jaxpr.eqns),
+        _program=later(program_fingerprint, program),
+        num_equations=len(program.closed.jaxpr.eqns),
         num_devices=cluster.num_devices,
         devices_per_host=cluster.devices_per_host if cluster.num_hosts > 1 else None,
         num_micro_batches=program.num_micro_batches))

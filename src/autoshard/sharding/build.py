@@ -252,17 +252,23 @@ def merged_reductions(prob: Problem) -> dict[tuple, list[tuple[int, list[int]]]]
     run of the group if any is chosen (``merged_alpha``)."""
     members: dict[tuple, list[tuple[int, list[int]]]] = {}
     seen = set()
+    axes_of = {}   # strategy list (shared by repeated nodes) -> axis -> its reducing strategies
     for node_id in sorted(prob.combined | set(prob.siblings)):
         r = prob.var(node_id)
         group = merge_group(prob, node_id)
         if (r, group) in seen:
             continue
         seen.add((r, group))
-        for a in prob.ctx.cost.live_axes():
-            ks = [k for k, s in enumerate(prob.strategies[node_id])
-                  if any(kind in COMBINED_KINDS and a in axes for kind, axes, _ in s.collectives)]
-            if ks:
-                members.setdefault((a,) + group, []).append((r, ks))
+        strategies = prob.strategies[node_id]
+        by_axis = axes_of.get(id(strategies))
+        if by_axis is None:
+            by_axis = axes_of[id(strategies)] = {
+                a: ks for a in prob.ctx.cost.live_axes()
+                if (ks := [k for k, s in enumerate(strategies)
+                           if any(kind in COMBINED_KINDS and a in axes
+                                  for kind, axes, _ in s.collectives)])}
+        for a, ks in by_axis.items():
+            members.setdefault((a,) + group, []).append((r, ks))
     return members
 
 

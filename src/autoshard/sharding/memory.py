@@ -421,7 +421,7 @@ def memory_rows(prob: Problem, col0, K, total, num_points: int = 48, points=None
     live at each point as well.
     """
     import scipy.sparse as sp  # loads on first use
-    spans = liveness(prob)
+    spans = prob.derived_value("liveness", liveness)
     n = len(prob.graph.nodes) + 1
     repl = np.zeros(n + 1)
     for vid, a, b in spans:
@@ -429,7 +429,7 @@ def memory_rows(prob: Problem, col0, K, total, num_points: int = 48, points=None
         size = float(itemsize(v.dtype) * np.prod(v.shape, dtype=np.int64))
         repl[a] += size
         repl[b + 1] -= size
-    transients = _transients(prob)
+    transients = prob.derived_value("transients", _transients)
     for a, b, _, sizes in transients:
         repl[a] += max(sizes)
         repl[b + 1] -= max(sizes)
@@ -478,7 +478,7 @@ def peak_bytes(prob: Problem, choice: dict[int, int]) -> int:
 def live_bytes(prob: Problem, choice: dict[int, int], *, copies: bool = True) -> np.ndarray:
     """Estimated live bytes per device at every program point under ``choice``; without the
     resharded copies (``reshard_bytes``) when ``copies`` is False (what the ILP's rows see)."""
-    spans = liveness(prob)
+    spans = prob.derived_value("liveness", liveness)
     n = len(prob.graph.nodes) + 1
     delta = np.zeros(n + 1)
     for vid, a, b in spans:
@@ -486,7 +486,7 @@ def live_bytes(prob: Problem, choice: dict[int, int], *, copies: bool = True) ->
         size = value_bytes(prob, vid, k)
         delta[a] += size
         delta[b + 1] -= size
-    for a, b, r, sizes in _transients(prob):
+    for a, b, r, sizes in prob.derived_value("transients", _transients):
         size = sizes[choice[r]] if len(sizes) > choice[r] else max(sizes)
         delta[a] += size
         delta[b + 1] -= size

@@ -209,8 +209,8 @@ def later(fn: Callable, *args) -> Callable[[], object]:
 class PlanFingerprint:
     """What a plan was made for: checked before a saved plan runs (``ShardParallel(plan=)``)."""
 
-    program: str
-    """Digest of the traced program (jaxpr, abstract inputs and outputs, roles)."""
+    _program: str | Callable[[], str] = field(compare=False)
+    """``program``, or the function that computes it until it is first read."""
     num_equations: int
     """Equations of the traced program (to describe a mismatch)."""
     num_devices: int
@@ -219,6 +219,29 @@ class PlanFingerprint:
     """Devices of one host in the cluster planned for (None: one host)."""
     num_micro_batches: int = 1
     """Micro-batches the program was traced with."""
+
+    @property
+    def program(self) -> str:
+        """Digest of the traced program (jaxpr, abstract inputs and outputs, roles): computed
+        when first read (``save()``, a saved plan's check), from the jaxpr's text."""
+        value = self._program
+        if callable(value):
+            value = value()
+            object.__setattr__(self, "_program", value)
+        return value
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, PlanFingerprint) and self.program == other.program
+                and self.num_equations == other.num_equations
+                and self.num_devices == other.num_devices
+                and self.devices_per_host == other.devices_per_host
+                and self.num_micro_batches == other.num_micro_batches)
+
+    def __hash__(self) -> int:
+        return hash((self.program, self.num_equations, self.num_devices))
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_program": self.program}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -438,5 +461,6 @@ def _decode_plan(data: dict) -> ShardingPlan:
                           for c in data.get("collectives", ())),
         objective=objective, notes=_tuples(data.get("notes", [])),
         cluster=data.get("cluster", ""),
-        fingerprint=PlanFingerprint(**fingerprint) if fingerprint else None,
+        fingerprint=PlanFingerprint(_program=fingerprint.pop("program"), **fingerprint)
+        if fingerprint else None,
         partial_sums=partial_sums)

@@ -41,6 +41,8 @@ class Problem:
     reducing nodes on the longest path before them. Those of one level in one loop body do
     not depend on each other, so XLA merges them and the ILP pays their latency once per mesh
     axis and level (``build._combine_sibling_reductions``)."""
+    derived: dict = field(default_factory=dict)
+    """Name -> (key, the strategy lists the key's ids name, value) (``derived_value``)."""
     partial_sums: list = field(default_factory=list)
     """Sums whose two terms may stay partial sums and be reduced once
     (``partial_sums.Candidate``, found by ``partial_sums.fold_partial_sums``)."""
@@ -51,6 +53,19 @@ class Problem:
             p[node_id] = p[p[node_id]]
             node_id = p[node_id]
         return node_id
+
+    def derived_value(self, name: str, compute):
+        """``compute(self)``, computed again only when the strategy lists, the variables or
+        the merged reductions it depends on have changed (planning reads the memory model's
+        choice-free parts once per solve and per plan made)."""
+        key = (tuple(map(id, self.strategies)), tuple(map(self.var, range(len(self.parent)))),
+               frozenset(self.combined), tuple(sorted(self.siblings.items())))
+        hit = self.derived.get(name)
+        if hit is not None and hit[0] == key:
+            return hit[2]
+        value = compute(self)
+        self.derived[name] = (key, list(self.strategies), value)   # the ids stay unique
+        return value
 
     def free_values(self) -> _FreeValues:
         return _FreeValues(self)

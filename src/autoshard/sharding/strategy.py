@@ -46,6 +46,10 @@ class RuleContext:
     """Names the plan will give the mesh axes (to read users' sharding constraints)."""
     dropped_constraints: set[str] = field(default_factory=set)
     """Users' constraints that name another mesh than the plan's (kept as free identities)."""
+    scatter_reductions: bool = False
+    """Offer reduce-scatters of contractions and sums beside their all-reduces: set with
+    ``prefer_reduce_scatter``, or under a ``memory_budget_per_device`` the user gave (not one
+    the planner filled from a cluster's memory; ``build.build_problem``)."""
 
     def candidates(self, shape) -> list[Spec]:
         found = candidate_specs(tuple(shape), self.mesh_shape)

@@ -6,9 +6,10 @@ slice its Adam moments hold, and updates that slice. Before, the planner offered
 reduce-scatter only with ``prefer_reduce_scatter``: under the expert's compiled memory as the
 budget it gathered the batch instead (the families ViT: 2.6x the expert's bytes) or compiled
 over the budget (this step: 1.45x, then no plan under the tightened budget). A budget the
-user sets now offers the reduce-scatters beside the all-reduces (``build.build_problem``'s
-``user_budget``); one the planner fills from a cluster's memory (80 GiB on an A100) does not,
-so cluster-costed ILPs keep their size.
+user sets now offers the reduce-scatters of weight gradients beside their all-reduces
+(``build.build_problem``'s ``user_budget``; an activation's are priced out,
+``build._scatter_gradients_only``); one the planner fills from a cluster's memory (80 GiB on
+an A100) does not, so cluster-costed ILPs keep their size.
 """
 
 from __future__ import annotations
@@ -117,6 +118,12 @@ def test_budget_plan_reduce_scatters_weight_gradients_and_keeps_the_budget(case)
     weight_grads = {f"dot_general[{BATCH}x{SEQ}x{DIM},{BATCH}x{SEQ}x{HIDDEN}]",
                     f"dot_general[{BATCH}x{SEQ}x{HIDDEN},{BATCH}x{SEQ}x{DIM}]"}
     assert weight_grads <= scattered, (scattered, ex.plan.explain())
+    # The block's output (partial sums over "model", read by the backward's products) keeps
+    # its all-reduce: a reduce-scatter and an all-gather before the next product cost the
+    # time of one all-reduce and move more bytes.
+    out = f"dot_general[{BATCH}x{SEQ}x{HIDDEN},{HIDDEN}x{DIM}]"
+    reduced = {(c.kind, c.axes) for c in ex.plan.collectives if c.where == out}
+    assert reduced == {("all-reduce", ("model",))}, (reduced, ex.plan.explain())
     memory = memory_of(ex.compiled)
     assert memory <= 1.02 * budget, (memory, budget, ex.plan.explain())
     moved = bytes_of(ex.compiled)

@@ -66,9 +66,11 @@ def _contracting(ctx, out_spec: Spec, out_aval, axes, found, used, ins, compute)
     all-reduce only where the result feeds later heavy ops (an activation, as in Alpa), so a
     gradient is reduce-scattered: the optimizer update then runs on shards and the updated
     values are all-gathered where they are needed whole (ZeRO-2-like). Under a user's memory
-    budget both stay and the cost decides: a weight gradient contracted over the batch on one
-    axis can then be reduced straight into the (batch axis, model axis) shard its update runs
-    on, as an FSDP x TP plan does, instead of gathering the batch to split the free dims.
+    budget both stay and the cost decides where the result feeds no later heavy op (``build.
+    _scatter_gradients_only`` prices the others' out): a weight gradient contracted over the
+    batch on one axis can then be reduced straight into the (batch axis, model axis) shard its
+    update runs on, as an FSDP x TP plan does, instead of gathering the batch to split the
+    free dims.
     """
     group_bytes = nbytes(out_aval) / shards(out_spec, ctx.mesh_shape)
     scattered = []

@@ -49,7 +49,8 @@ class RuleContext:
     scatter_reductions: bool = False
     """Offer reduce-scatters of contractions and sums beside their all-reduces: set with
     ``prefer_reduce_scatter``, or under a ``memory_budget_per_device`` the user gave (not one
-    the planner filled from a cluster's memory; ``build.build_problem``)."""
+    the planner filled from a cluster's memory; ``build.build_problem``, which then prices
+    out those of activations)."""
 
     def candidates(self, shape) -> list[Spec]:
         found = candidate_specs(tuple(shape), self.mesh_shape)

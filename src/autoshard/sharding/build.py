@@ -39,25 +39,22 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
     ``user_budget``: the option's ``memory_budget_per_device`` is the user's (not filled in
     from a cluster's memory): contractions and sums whose result feeds no later heavy op (a
     weight gradient) are offered reduce-scatters beside their all-reduces
-    (``RuleContext.scatter_reductions``, ``_scatter_gradients_only``), as with
+    (``RuleContext.scatter_reductions``; ``_scatter_gradients_only``), as with
     ``prefer_reduce_scatter`` but without forbidding the all-reduces, so a plan under a tight
     budget can update weights on the shards their gradients are reduced into. A cluster's
     memory (80 GiB) is a limit every plan is checked against, not a target to plan towards:
     those ILPs keep their size."""
     cost = CostModel.from_option(mesh_shape, option, devices_per_host)
     light = LIGHT_OP_FRACTION * heaviest_flops(graph.nodes, graph.values)
-    scatter = option.prefer_reduce_scatter or (
-        user_budget and option.memory_budget_per_device is not None)
     ctx = RuleContext(mesh_shape, cost, option, warned, keep_whole=conv_spatial_dims(graph),
-                      axis_names=tuple(axis_names), light_flops=light,
-                      scatter_reductions=scatter)
+                      axis_names=tuple(axis_names), light_flops=light, user_budget=user_budget)
     prob = Problem(graph, ctx, [], list(range(len(graph.nodes))))
     for node in graph.nodes:
         prob.strategies.append(node_strategies(prob, node))
     fuse_memory_bound(prob)
     if option.prefer_reduce_scatter:
         _prefer_reduce_scatter(prob)
-    elif scatter:
+    elif ctx.scatter_reductions:
         _scatter_gradients_only(prob)
     _combine_tail_reductions(prob)
     if not alpa_costs:

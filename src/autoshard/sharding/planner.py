@@ -107,6 +107,8 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     that cross hosts cost the inter-host link. ``cluster`` (an ``autoshard.Cluster``) gives
     the links, FLOP/s and memory instead: its links price every axis where it lies, its
     device's speed the compute term, its memory the budget (unless the option sets one).
+    Only a budget the option sets offers the reduce-scatters of gradients into their update's
+    shards (``build.build_problem``'s ``user_budget``): a cluster's memory keeps the ILP's size.
 
     ``batch_dims``: value site -> the dim holding the batch's rows; with
     ``force_batch_dim_to_mesh_dim`` that dim of every value follows the forced axis
@@ -139,6 +141,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     if fixed_in_specs is not None and len(fixed_in_specs) != n_in:
         raise ValueError(f"fixed_in_specs has {len(fixed_in_specs)} entries but the jaxpr has "
                          f"{n_in} inputs; give one PartitionSpec or None per flat leaf.")
+    user_budget = option.memory_budget_per_device is not None  # before a cluster fills it in
     if cluster is not None:
         if cluster.num_devices != num_devices:
             raise ValueError(
@@ -180,7 +183,8 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                                  fixed_in_specs=_fixed_specs(fixed_in_specs, closed_jaxpr,
                                                              names),
                                  alpa_costs=option.mesh_alpha is not None
-                                 and option.mesh_beta is not None, batch_dims=batch_dims)
+                                 and option.mesh_beta is not None, batch_dims=batch_dims,
+                                 user_budget=user_budget)
             if option.force_data_parallel and option.prefer_reduce_scatter and (
                     fixed_in_specs is None):
                 zero_update(prob)   # ZeRO-2: only the update leaves data parallelism

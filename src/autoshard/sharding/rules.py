@@ -155,11 +155,11 @@ def reduce_sum(ctx, in_avals, out_avals, params):
 
 
 def _scattered_sums(ctx, out, out_spec, reduced, group_bytes, ins, compute, in_avals):
-    """With ``prefer_reduce_scatter``, a sum over one mesh axis may leave each device its
-    slice of the result (a reduce-scatter into one of its dims) instead of all of it: a bias
-    gradient can then be updated on shards like the kernels' (the cost decides between the
-    two: ``build._prefer_reduce_scatter``)."""
-    if not ctx.option.prefer_reduce_scatter or len(reduced) != 1 or in_avals[0].dtype.kind \
+    """With ``ctx.scatter_reductions`` (``prefer_reduce_scatter``, or a user's memory budget),
+    a sum over one mesh axis may leave each device its slice of the result (a reduce-scatter
+    into one of its dims) instead of all of it: a bias gradient can then be updated on shards
+    like the kernels' (the cost decides between the two: ``build._prefer_reduce_scatter``)."""
+    if not ctx.scatter_reductions or len(reduced) != 1 or in_avals[0].dtype.kind \
             not in "fc":
         return []
     a = reduced[0]

@@ -3,7 +3,7 @@
 Each enumerates, per mesh axis, which role the axis takes (a batch dim, a free dim of one side,
 a contracting dim, ...) and derives operand and output specs from the roles. Splitting a
 contracting dim leaves partial sums: the strategy pays an all-reduce over that axis, or a
-reduce-scatter into an output dim when ``prefer_reduce_scatter`` is set. Heavy ops (dots and
+reduce-scatter into an output dim where ``RuleContext.scatter_reductions`` is set. Heavy ops (dots and
 convolutions) are not recomputed on several devices: strategies that leave a mesh axis unused
 are dropped when a strategy using every axis exists (Alpa's ``allow_recompute_heavy_op=False``).
 """
@@ -61,15 +61,20 @@ def heaviest_flops(nodes, values) -> float:
 def _contracting(ctx, out_spec: Spec, out_aval, axes, found, used, ins, compute):
     """Append the strategies of a contracting split over ``axes``: all-reduce, or reduce-scatter.
 
-    With ``prefer_reduce_scatter`` a split whose result can be scattered over its axis offers
-    reduce-scatters beside the all-reduce; ``build`` keeps the all-reduce only where the
-    result feeds later heavy ops (an activation, as in Alpa), so a gradient is reduce-scattered:
-    the optimizer update then runs on shards and the updated values are all-gathered where
-    they are needed whole (ZeRO-2-like).
+    With ``ctx.scatter_reductions`` a split whose result can be scattered over its axis offers
+    reduce-scatters beside the all-reduce. Under ``prefer_reduce_scatter`` ``build`` keeps the
+    all-reduce only where the result feeds later heavy ops (an activation, as in Alpa), so a
+    gradient is reduce-scattered: the optimizer update then runs on shards and the updated
+    values are all-gathered where they are needed whole (ZeRO-2-like). Under a user's memory
+    budget both stay and the cost decides where the result feeds no later heavy op (``build.
+    _scatter_gradients_only`` prices the others' out): a weight gradient contracted over the
+    batch on one axis can then be reduced straight into the (batch axis, model axis) shard its
+    update runs on, as an FSDP x TP plan does, instead of gathering the batch to split the
+    free dims.
     """
     group_bytes = nbytes(out_aval) / shards(out_spec, ctx.mesh_shape)
     scattered = []
-    if ctx.option.prefer_reduce_scatter and len(axes) == 1:
+    if ctx.scatter_reductions and len(axes) == 1:
         a = axes[0]
         for d in range(len(out_spec)):
             spec = list(out_spec)

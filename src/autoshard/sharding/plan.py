@@ -10,6 +10,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 from jax.sharding import PartitionSpec
@@ -122,8 +123,31 @@ class PartialSum:
     """The operations, for ``explain()``."""
 
 
+class _Deferred:
+    """A frozen dataclass whose ``DEFERRED`` fields may hold a function (``later``) until they
+    are first read: read, saved (``_encode`` writes the public property) or pickled."""
+
+    DEFERRED: ClassVar[tuple[str, ...]] = ()
+
+    def _resolved(self, name: str):
+        value = getattr(self, name)
+        if callable(value):
+            value = value()
+            object.__setattr__(self, name, value)   # what the function held is freed
+        return value
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, **{name: self._resolved(name) for name in self.DEFERRED}}
+
+
+def later(fn: Callable, *args) -> Callable[[], object]:
+    """``fn(*args)``, called when a deferred field that holds it is first read, in the context
+    this is called in (the device speed ``cost.device_speed`` sets)."""
+    return functools.partial(contextvars.copy_context().run, fn, *args)
+
+
 @dataclass(frozen=True, kw_only=True)
-class Objective:
+class Objective(_Deferred):
     """The ILP objective, split by term (seconds)."""
 
     communication_s: float = 0.0
@@ -168,6 +192,8 @@ class Objective:
     """``trade_off``'s rows, or the function that finds them (one more solve of the chosen
     mesh's ILP) until they are first read."""
 
+    DEFERRED: ClassVar[tuple[str, ...]] = ("_data_parallel_s", "_trade_off")
+
     @property
     def total_s(self) -> float:
         return self.communication_s + self.resharding_s + self.compute_s
@@ -187,27 +213,12 @@ class Objective:
         the least-memory plan costs one more solve of the ILP, as long as the first."""
         return self._resolved("_trade_off")
 
-    def _resolved(self, name: str):
-        value = getattr(self, name)
-        if callable(value):
-            value = value()
-            object.__setattr__(self, name, value)   # what the function held is freed
-        return value
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_data_parallel_s": self.data_parallel_s,
-                "_trade_off": self.trade_off}
-
-
-def later(fn: Callable, *args) -> Callable[[], object]:
-    """``fn(*args)``, called when an ``Objective`` field that holds it is first read, in the
-    context this is called in (the device speed ``cost.device_speed`` sets)."""
-    return functools.partial(contextvars.copy_context().run, fn, *args)
-
 
 @dataclass(frozen=True, kw_only=True)
-class PlanFingerprint:
+class PlanFingerprint(_Deferred):
     """What a plan was made for: checked before a saved plan runs (``ShardParallel(plan=)``)."""
+
+    DEFERRED: ClassVar[tuple[str, ...]] = ("_program",)
 
     _program: str | Callable[[], str] = field(compare=False)
     """``program``, or the function that computes it until it is first read."""
@@ -224,11 +235,7 @@ class PlanFingerprint:
     def program(self) -> str:
         """Digest of the traced program (jaxpr, abstract inputs and outputs, roles): computed
         when first read (``save()``, a saved plan's check), from the jaxpr's text."""
-        value = self._program
-        if callable(value):
-            value = value()
-            object.__setattr__(self, "_program", value)
-        return value
+        return self._resolved("_program")
 
     def __eq__(self, other) -> bool:
         return (isinstance(other, PlanFingerprint) and self.program == other.program
@@ -239,9 +246,6 @@ class PlanFingerprint:
 
     def __hash__(self) -> int:
         return hash((self.program, self.num_equations, self.num_devices))
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_program": self.program}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -287,13 +287,13 @@ def test_2d_mlp_plan_moves_fewer_bytes_than_alpas():
 
 def test_gradient_accumulation_reduce_scatter():
     """Covers test_gradient_accumulation.py::test_gradient_accumulation_reduce_scatter: with
-    prefer_reduce_scatter and 2 micro-batches on (1, 4), the kernels' gradients are reduced
-    once after the loop, reduce-scattered (each device updates a quarter of each kernel and
-    holds a quarter of its momentum), then the kernels are all-gathered, both in one buffer
-    (``apply.gather_outputs_once``, as without micro-batches); nothing is communicated inside
-    the micro-batch loop. On the CPU XLA lowers the reduce-scatter as an all-reduce whose
-    result each device slices, so bytes and placements are checked, not opcodes. The step
-    equals jax.jit's."""
+    prefer_reduce_scatter and 2 micro-batches on (1, 4), the kernels' and biases' gradients
+    are reduced once after the loop, reduce-scattered (each device updates a quarter of each
+    parameter and holds a quarter of its momentum), then the parameters are all-gathered, all
+    in one buffer (``apply.gather_outputs_once``, as without micro-batches); nothing is
+    communicated inside the micro-batch loop. On the CPU XLA lowers the reduce-scatter as an
+    all-reduce whose result each device slices, so bytes and placements are checked, not
+    opcodes. The step equals jax.jit's."""
     step, state, batch = mlp_step(2, 256, 16, tx=optax.sgd(1e-2, momentum=0.9),
                                   grad=autoshard.grad)
     opt = option(prefer_reduce_scatter=True, allow_all_to_all=False)
@@ -306,7 +306,7 @@ def test_gradient_accumulation_reduce_scatter():
     found = hlo.collectives(ex.get_hlo_text())
     assert not any(c.in_loop for c in found)
     gathers = [c for c in found if c.kind == "all-gather"]
-    assert [c.num_bytes for c in gathers] == [2 * 16 * 16 * 4]
+    assert [c.num_bytes for c in gathers] == [2 * (16 * 16 + 16) * 4]
     assert [c.kind for c in found if c.kind != "all-gather"] == ["all-reduce"]
     # each device's kernel update reads a quarter of the reduced gradient
     assert len(re.findall(r"f32\[16,4\]\{[01],[01]\} dynamic-slice", ex.get_hlo_text())) >= 2
@@ -510,3 +510,83 @@ def test_moe_2d_plan_moves_fewer_bytes_than_alpas():
     for a, b in zip(jax.tree.leaves(actual.params), jax.tree.leaves(expected.params),
                     strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def _zero2_step(model, x, y):
+    """(step, state, batch): MSE of ``model`` with Adam (eps 1e-3: a gradient entry near zero
+    would turn summation-order noise into a +-lr step); ``step`` returns (state, loss)."""
+    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), x),
+                              tx=optax.adam(1e-2, eps=1e-3))
+
+    def step(state, batch):
+        def loss(p):
+            return jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads), value
+
+    return step, state, {"x": x, "y": y}
+
+
+def _assert_zero2(f, ex, step, state, batch):
+    """Alpa's Zero2Parallel plan (``assert_data_parallel_cost`` with prefer_reduce_scatter):
+    parameters whole between steps, every gradient reduce-scattered (the kernels' dots and the
+    bias and LayerNorm sums) into one collective, every optimizer-state leaf but the step count
+    in shards, the updated parameters all-gathered in one collective, nothing else; three
+    steps' losses and the final state equal jax.jit's."""
+    params = jax.tree.leaves(state.params)
+    total = sum(p.size * 4 for p in params)
+    specs = {leaf.path: leaf.spec for leaf in ex.plan.inputs}
+    assert all(s == P() for path, s in specs.items() if path.startswith("arg0.params"))
+    opt = {path: s for path, s in specs.items() if path.startswith("arg0.opt_state")
+           and not path.endswith(".count")}
+    assert len(opt) == 2 * len(params) and all(s != P() for s in opt.values()), opt
+    scattered = sum(c.count for c in ex.plan.collectives if c.kind == "reduce-scatter")
+    assert scattered == len(params)
+    assert all(c.num_bytes == 4 for c in ex.plan.collectives if c.kind == "all-reduce")
+    # XLA:CPU lowers the merged reduce-scatter as one all-reduce of every gradient, each
+    # device slicing its part (the loss's scalar sum may ride in it: 4 bytes more); the
+    # loss's scalar all-reduce aside, nothing else is compiled.
+    found = [c for c in hlo.collectives(ex.get_hlo_text()) if c.num_bytes > 4]
+    assert sorted(c.kind for c in found) == ["all-gather", "all-reduce"], found
+    assert {c.kind: c.num_bytes for c in found}["all-reduce"] in (total, total + 4)
+    assert {c.kind: c.num_bytes for c in found}["all-gather"] == total
+    want_state, got_state = state, state
+    for _ in range(3):
+        want_state, want_loss = jax.jit(step)(want_state, batch)
+        got_state, got_loss = f(got_state, batch)
+        np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (1, 4)])
+def test_mlp_data_parallel_reduce_scatter_is_zero2(shape):
+    """Covers test_mlp.py::test_n_layer_mlp_data_parallel_reduce_scatter (Alpa's
+    Zero2Parallel: prefer_reduce_scatter): 6 layers, 12 gradients reduce-scattered, one
+    reduce-scatter and one all-gather compiled (``_assert_zero2``). Before, the bias sums kept
+    their all-reduce and a kernel was held in shards and gathered before the forward pass
+    (ZeRO-3's layout: the same bytes), 2 all-gathers and 1 all-reduce."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(256, 32)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(256, 32)), jnp.float32)
+    step, state, batch = _zero2_step(MLP(6, 32), x, y)
+    f, ex = compile_step(step, state, batch, mesh(shape), option(prefer_reduce_scatter=True))
+    _assert_zero2(f, ex, step, state, batch)
+    params = jax.tree.leaves(state.params)
+    n_opt = len(jax.tree.leaves(state.opt_state))
+    expected = sum(all_reduce_cost(p.size * 4, 4) for p in params) + PENALTY * (len(params) + n_opt)
+    assert ex.auto_sharding_objective == pytest.approx(expected, rel=1e-2)
+
+
+def test_bert_layer_data_parallel_reduce_scatter_is_zero2():
+    """Covers test_bert.py::test_bert_layer_data_parallel_reduce_scatter: 2 BERT-like layers
+    on (4, 1), their kernels', biases' and LayerNorm parameters' gradients reduce-scattered
+    into one collective and the updated parameters all-gathered in one (``_assert_zero2``)."""
+    rng = np.random.default_rng(0)
+    # Batch and sequence 32 (Alpa's: 64): at 16 x 8 the activations are small enough that
+    # splitting the first q/k/v kernel (one all-to-all of its output) costs less.
+    x = jnp.asarray(rng.normal(size=(32, 32, 32)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(32, 32, 32)), jnp.float32)
+    step, state, batch = _zero2_step(EncoderLayers(2, 32, 4), x, y)
+    f, ex = compile_step(step, state, batch, mesh((4, 1)), option(prefer_reduce_scatter=True))
+    _assert_zero2(f, ex, step, state, batch)

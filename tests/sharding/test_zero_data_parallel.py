@@ -34,29 +34,28 @@ def compile_step(step, state, batch, shape, opt):
 
 @pytest.mark.parametrize("shape", [(4, 1), (1, 4)])
 def test_zero2_under_data_parallel_shards_the_update_only(shape):
-    """Params stay replicated; each kernel's gradient is reduce-scattered (planned) so its
-    Adam moments are held in quarters, and the two updated kernels come back in one
-    all-gather (one buffer, 8,192 bytes); the biases' sums keep their all-reduce (a
-    reduce-scatter and a gather would be one collective more for the same bytes). The
-    compiled step has one all-reduce beside that all-gather (XLA:CPU's reduce-scatters,
-    merged with the biases' all-reduces, each device slicing its part), no other gather, no
-    all-to-all; the step equals jax.jit's. Before, the plan all-reduced every gradient and
-    kept the state whole (no all-gather)."""
+    """Params stay replicated; each kernel's and bias's gradient is reduce-scattered
+    (planned: the bias sums' reduce-scatters merge with the kernels', build.
+    _prefer_reduce_scatter) so their Adam moments are held in quarters, and the four updated
+    parameters come back in one all-gather (one buffer, 8,448 bytes). The compiled step has
+    one all-reduce beside that all-gather (XLA:CPU's merged reduce-scatters, each device
+    slicing its part), no other gather, no all-to-all; the step equals jax.jit's. Before, the
+    plan all-reduced every gradient and kept the state whole (no all-gather)."""
     step, state, batch = train_step((32, 32), 256, 32)
     f, ex = compile_step(step, state, batch, shape, zero2_option())
     plan = ex.plan
     assert all(leaf.spec == P() for leaf in plan.inputs if ".params" in leaf.path)
-    moments = [leaf for leaf in plan.inputs if (".mu" in leaf.path or ".nu" in leaf.path)
-               and "kernel" in leaf.path]
-    assert len(moments) == 4
-    assert all(leaf.bytes_per_device(plan.mesh_sizes) == 32 * 32 for leaf in moments)
-    scattered = [c for c in plan.collectives if c.kind == "reduce-scatter"]
-    assert sum(c.count for c in scattered) == 2
-    assert all(c.where.startswith("dot_general") for c in scattered)
+    moments = [leaf for leaf in plan.inputs if (".mu" in leaf.path or ".nu" in leaf.path)]
+    assert len(moments) == 8
+    assert all(leaf.bytes_per_device(plan.mesh_sizes) == (32 * 32 if "kernel" in leaf.path
+                                                          else 32) for leaf in moments)
+    scattered = sorted(c.where.split("[")[0] for c in plan.collectives
+                       if c.kind == "reduce-scatter" for _ in range(int(c.count)))
+    assert scattered == ["dot_general"] * 2 + ["reduce_sum"] * 2
     found = hlo.collectives(ex.get_hlo_text())
     assert [c.kind for c in found if c.kind != "all-reduce" or c.num_bytes > 4] == [
         "all-reduce", "all-gather"]
-    assert [c.num_bytes for c in found if c.kind == "all-gather"] == [2 * 32 * 32 * 4]
+    assert [c.num_bytes for c in found if c.kind == "all-gather"] == [2 * (32 * 32 + 32) * 4]
     expected = jax.jit(step)(state, batch)
     actual = f(state, batch)
     for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
@@ -68,12 +67,13 @@ def test_zero2_under_data_parallel_gathers_no_activation():
     8x512 floats) costs less than reducing its 16x512 weight gradient, so a plan free to
     all-gather anything would gather activations and run the weight gradient unsplit. Under
     force_data_parallel only the updated parameters are gathered: the one compiled
-    all-gather holds the two updated kernels and nothing else (a plan that gathered the 8x16
-    input moved 512-byte all-gathers besides)."""
+    all-gather holds the two updated kernels and biases and nothing else (a plan that
+    gathered the 8x16 input moved 512-byte all-gathers besides)."""
     step, state, batch = train_step((512, 16), 8, 16)
     f, ex = compile_step(step, state, batch, (4, 1), zero2_option())
     found = hlo.collectives(ex.get_hlo_text())
-    assert [c.num_bytes for c in found if c.kind == "all-gather"] == [2 * 16 * 512 * 4]
+    assert [c.num_bytes for c in found if c.kind == "all-gather"] == [
+        (2 * 16 * 512 + 512 + 16) * 4]
     assert ex.plan.inputs[-1].spec == P("x") and ex.plan.inputs[-2].spec == P("x")
     assert {c.kind for c in ex.plan.collectives} >= {"reduce-scatter", "all-gather"}
     expected = jax.jit(step)(state, batch)

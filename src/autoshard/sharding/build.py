@@ -53,7 +53,7 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
         prob.strategies.append(node_strategies(prob, node))
     fuse_memory_bound(prob)
     if option.prefer_reduce_scatter:
-        _prefer_reduce_scatter(prob)
+        _prefer_reduce_scatter(prob, aliases)
     elif ctx.scatter_reductions:
         _scatter_gradients_only(prob)
     _combine_tail_reductions(prob)
@@ -70,6 +70,8 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
                 f"aliases pair (input {i}, output {o}) have different shapes {vi.shape} and "
                 f"{vo.shape}; a donated input can only be replaced by an output of its shape.")
         prob.union(ni, no)
+    if option.prefer_reduce_scatter:
+        _hold_parameters_whole(prob, aliases, fixed_in_specs)
     _input_masks(prob, batch_invars, fixed_in_specs)
     if batch_dims and option.force_batch_dim_to_mesh_dim is not None and not (
             option.force_data_parallel):
@@ -225,35 +227,58 @@ def is_merged(prob: Problem, node_id: int) -> bool:
     return node_id in prob.combined or node_id in prob.siblings
 
 
-def _prefer_reduce_scatter(prob: Problem) -> None:
+def _prefer_reduce_scatter(prob: Problem, aliases=()) -> None:
     """``prefer_reduce_scatter``: a contraction whose result feeds no heavy op (a weight
     gradient, read by the update only) is reduce-scattered, its all-reduce priced as
     forbidden; one that feeds later heavy ops (an activation) keeps the all-reduce beside the
     reduce-scatter and the cost decides (Alpa's plans all-reduce activations: one collective
-    instead of two). A sum (``reduce_sum``: a bias gradient) is offered its reduce-scatter and
-    the cost decides too: it pays where the parameter is held in shards (ZeRO-3: the update
-    then runs on the shard it gets, nothing gathered), and where the parameter is whole the
-    reduce-scatter and the all-gather after the update are one collective more than the
-    all-reduce for the same bytes (on XLA:CPU, where reduce-scatters are all-reduces, each also
-    keeps the update's other reductions from merging). The lists keep their length, so
-    followers' strategy indices still match."""
+    instead of two).
+
+    Where the parameters are held whole (``holds_parameters_whole``: ZeRO-2), a sum
+    (``reduce_sum``) that ends the backward pass (a bias or normalisation gradient:
+    ``_gradient_sums``) is reduce-scattered too where a weight gradient's reduce-scatter runs
+    in the same place (``Node.merge_group``): the reduce-scatters merge into one collective
+    there, and the all-gather of the updated parameter into the update's one buffer
+    (``apply.gather_outputs_once``), so the pair moves the all-reduce's bytes with no
+    collective more (its reduce-scatter is priced without that all-gather's latency:
+    ``_forced_price``), and the parameter's optimizer state is held in shards (as Alpa
+    rewrites every gradient all-reduce). Elsewhere (ZeRO-3 included, where the update of a
+    sharded parameter gathers nothing), and for sums of reduced gradients (an optimizer's
+    statistics), the cost decides between the all-reduce and the reduce-scatter. The lists
+    keep their length, so followers' strategy indices still match."""
     g = prob.graph
     feeds_chain = feeds_chain_mask(g)
-    forbidden = prob.ctx.cost.forbidden_s
+    cost = prob.ctx.cost
+    forbidden = cost.forbidden_s
     replaced: dict[int, list] = {}
-    for node in g.nodes:
+
+    def scattered_in_specs(node):
+        return {s.in_specs for s in prob.strategies[node.id]
+                if any(k == "reduce-scatter" for k, _, _ in s.collectives)}
+
+    def forbid_all_reduce(node, scattered, credit: bool = False):
         strategies = prob.strategies[node.id]
-        scattered = {s.in_specs for s in strategies
-                     if any(k == "reduce-scatter" for k, _, _ in s.collectives)}
-        if feeds_chain[node.id] or not scattered or node.kind == "reduce_sum":
-            continue
         new = replaced.get(id(strategies))
         if new is None:
-            new = replaced[id(strategies)] = [
-                dataclasses.replace(s, comm_s=s.comm_s + forbidden)
-                if s.in_specs in scattered and any(k == "all-reduce" for k, _, _ in s.collectives)
-                else s for s in strategies]
+            new = replaced[id(strategies)] = [_forced_price(s, scattered, forbidden, cost, credit)
+                                              for s in strategies]
         prob.strategies[node.id] = new
+
+    groups = set()
+    for node in g.nodes:
+        scattered = scattered_in_specs(node)
+        if feeds_chain[node.id] or not scattered or node.kind == "reduce_sum":
+            continue
+        forbid_all_reduce(node, scattered)
+        groups.add(node.merge_group)
+    if not holds_parameters_whole(prob.ctx.option):
+        prob.keepalive.extend(replaced.values())
+        return
+    for node_id in _gradient_sums(g, feeds_chain, aliases):
+        node = g.nodes[node_id]
+        scattered = scattered_in_specs(node)
+        if scattered and node.merge_group in groups:
+            forbid_all_reduce(node, scattered, credit=True)
     prob.keepalive.extend(replaced.values())
 
 
@@ -284,6 +309,91 @@ def _scatter_gradients_only(prob: Problem) -> None:
                 for s in strategies]
         prob.strategies[node.id] = new
     prob.keepalive.extend(replaced.values())
+
+
+def _forced_price(s, scattered, forbidden: float, cost: CostModel, credit: bool):
+    """``s`` priced for ``_prefer_reduce_scatter``: an all-reduce it offers a reduce-scatter
+    for is forbidden; with ``credit``, a reduce-scatter is priced without the latency of the
+    all-gather after the update (the update's one buffer carries it, ``apply.
+    gather_outputs_once``), so the pair costs what the merged all-reduce costs."""
+    kinds = [k for k, _, _ in s.collectives]
+    if s.in_specs in scattered and "all-reduce" in kinds:
+        return dataclasses.replace(s, comm_s=s.comm_s + forbidden)
+    if credit and "reduce-scatter" in kinds:
+        return dataclasses.replace(s, comm_s=s.comm_s - sum(
+            cost.latency(axes) for k, axes, _ in s.collectives if k == "reduce-scatter"))
+    return s
+
+
+def holds_parameters_whole(option: AutoShardingOption) -> bool:
+    """Whether ``prefer_reduce_scatter`` holds the parameters whole between steps (ZeRO-2,
+    ``_hold_parameters_whole``): not under ZeRO-3 (``allow_replicated_parameters=False``),
+    without all-gathers (no gather after the update either) or with a memory budget (ZeRO-3's
+    layout may be what fits it)."""
+    return (option.prefer_reduce_scatter and option.allow_replicated_parameters
+            and option.allow_all_gather and option.memory_budget_per_device is None)
+
+
+def _hold_parameters_whole(prob: Problem, aliases, fixed_in_specs) -> None:
+    """``prefer_reduce_scatter`` without ZeRO-3 (``allow_replicated_parameters``): the
+    parameters (state the step updates and its forward and backward passes read) are held
+    between steps as their readers read them, so a reduce-scattered gradient's update ends in
+    an all-gather of the new parameter (ZeRO-2, as in Alpa), never in a parameter held in
+    shards and gathered before the forward pass (ZeRO-3's layout).
+
+    The two move the same bytes, and holding an input in shards is what the planner prefers
+    among equally fast plans (``simplify._compute_strategies``), so without this the plan
+    held some parameters in shards: one all-gather each before the forward pass, where the
+    update's all-gathers are one (``apply.gather_outputs_once``). The edges out of these
+    inputs, and out of the light ops computed from them alone (a bias reshaped to broadcast,
+    a transposed tied embedding), allow no resharding but slices (``solver._Edges.held``); a
+    whole parameter is always there to slice. Not with a memory budget (ZeRO-3's layout may
+    be what fits it), without all-gathers (``allow_all_gather=False``: ZeRO-2's gather after
+    the update is off too), or for inputs whose layout is given (``fixed_in_specs``)."""
+    if not holds_parameters_whole(prob.ctx.option):
+        return
+    g = prob.graph
+    feeds_chain = feeds_chain_mask(g)
+    held = prob.held_whole
+    for i, _ in aliases:
+        node_id = g.inputs[i]
+        if feeds_chain[node_id] and (fixed_in_specs is None or fixed_in_specs[i] is None):
+            held.add(node_id)
+    for node in g.nodes:  # node ids are in program order
+        if node.kind in CHAIN_KINDS or node.kind in ("input", "output") or node.id in prob.free:
+            continue
+        producers = {g.values[u].producer for u in node.operands if u is not None}
+        if producers & held and producers <= held | prob.free:
+            held.add(node.id)
+
+
+def _gradient_sums(g: Graph, feeds_chain: list[bool], aliases) -> list[int]:
+    """The ``reduce_sum`` nodes that end the backward pass: they feed no heavy op, their
+    results reach the updated state (an output ``aliases`` pairs with an input; not the loss,
+    which a sum over the vocabulary feeds), and they read values computed from the forward and
+    backward passes only (``dy`` of a bias, ``dy * x_hat`` of a normalisation's scale), not
+    from a reduction after them (a weight gradient: the sum of its squares is an optimizer's
+    statistic, not a gradient)."""
+    updates = [False] * len(g.nodes)  # reaches an updated state output
+    for o in {o for _, o in aliases}:
+        updates[g.outputs[o]] = True
+    consumers = g.consumers()
+    for node in reversed(g.nodes):
+        updates[node.id] = updates[node.id] or any(updates[c] for c, _ in consumers[node.id]
+                                                   if c > node.id)
+    after = [False] * len(g.nodes)  # computed from a gradient or the optimizer's state
+    found = []
+    for node in g.nodes:
+        if feeds_chain[node.id] or node.kind == "output":
+            continue
+        if node.kind == "input":  # read by the update only: optimizer state
+            after[node.id] = True
+            continue
+        reads = any(after[g.values[u].producer] for u in node.operands if u is not None)
+        if node.kind == "reduce_sum" and not reads and updates[node.id]:
+            found.append(node.id)
+        after[node.id] = reads or node.kind == "reduce_sum" or node.kind in CHAIN_KINDS
+    return found
 
 
 def merged_reductions(prob: Problem) -> dict[tuple, list[tuple[int, list[int]]]]:

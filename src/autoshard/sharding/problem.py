@@ -43,6 +43,11 @@ class Problem:
     axis and level (``build._combine_sibling_reductions``)."""
     derived: dict = field(default_factory=dict)
     """Name -> (key, the strategy lists the key's ids name, value) (``derived_value``)."""
+    held_whole: set[int] = field(default_factory=set)
+    """Input nodes of parameters that ``prefer_reduce_scatter`` holds between steps as their
+    readers read them, and the light nodes computed from them alone: the ILP allows no
+    resharding of their values but slices (no all-gather before the forward pass: ZeRO-3's
+    layout; ``build._hold_parameters_whole``)."""
     partial_sums: list = field(default_factory=list)
     """Sums whose two terms may stay partial sums and be reduced once
     (``partial_sums.Candidate``, found by ``partial_sums.fold_partial_sums``)."""

@@ -77,6 +77,9 @@ class _Edges:
         self.cache: dict = {}
         self.shared = reshard_memo.MEMO.tables_of(prob.ctx.cost)
         self.reshard_cache: dict = self.shared.costs
+        self.held = {prob.var(n) for n in prob.held_whole}
+        """Variables whose values are read as held: no resharding out of them but slices
+        (``Problem.held_whole``), as every edge of a ``Problem.no_reshard`` problem."""
         self.forbidden: list[int] = []
         self.groups: dict = {}
         """(producer var, consumer var, src dims, classes, dst dims) -> [gathers, moves]."""
@@ -258,7 +261,8 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
         nub += 1
 
     for (ru, rv, src_dims, classes, dst_dims), (gathers, moves) in edges.groups.items():
-        if prob.no_reshard:  # X_d <= Y_d: a split the producer has, the consumer keeps
+        if prob.no_reshard or ru in edges.held:
+            # X_d <= Y_d: a split the producer has, the consumer keeps
             for d in sorted({d for d in src_dims if d is not None}):
                 add_terms(nub, ru, src_dims, d, 1.0)
                 add_terms(nub, rv, dst_dims, d, -1.0)
@@ -527,18 +531,19 @@ def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
     out_index = g.nodes[producer].outputs.index(u)
     src_list, dst_list = prob.strategies[producer], prob.strategies[node.id]
     isize = itemsize(value.dtype)
+    no_reshard = prob.no_reshard or ru in edges.held
     if ru == rv:
         base = col0[rv]
         for k, (a, b) in enumerate(zip(src_list, dst_list, strict=True)):
             a, b = a.out_specs[out_index], b.in_specs[p]
             if a != b:
-                if prob.no_reshard:
+                if no_reshard:
                     if prob.ctx.cost.reshard_steps(a, b, value.shape, isize):
                         edges.forbidden.append(base + k)
                     continue
                 unary[base + k] += edges.reshard(a, b, value.shape, isize) * node.mult
         return
-    pairwise = not prob.no_reshard and len(prob.ctx.cost.live_axes()) > 1
+    pairwise = not no_reshard and len(prob.ctx.cost.live_axes()) > 1
     if pairwise:
         # Several mesh axes: a step's cost depends on what the other axes do, so the edge is
         # priced pairwise, exactly (see CostModel.reshard_steps), where the ILP can afford it.
@@ -574,13 +579,13 @@ def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
         else:
             acc += mat * node.mult
     # Strategy lists are shared by repeated nodes, so the per-axis terms are cached.
-    key = (id(src_list), out_index, id(dst_list), p, value.shape, isize)
+    key = (id(src_list), out_index, id(dst_list), p, value.shape, isize, no_reshard)
     terms = edges.cache.get(key)
     if terms is None:
         terms = edges.cache[key] = axis_terms(
             prob.ctx.cost, [s.out_specs[out_index] for s in src_list],
             [s.in_specs[p] for s in dst_list], value.shape, isize,
-            by_shards=not prob.no_reshard)
+            by_shards=not no_reshard)
     for src_dims, classes, dst_dims, gathers, moves in terms:
         group = (ru, rv, src_dims, classes, dst_dims)
         if pairwise:

@@ -284,31 +284,28 @@ def _prefer_reduce_scatter(prob: Problem, aliases=()) -> None:
 
 def _scatter_gradients_only(prob: Problem) -> None:
     """Under a user's budget (without ``prefer_reduce_scatter``): the reduce-scatters of
-    reductions whose result feeds a later heavy op (an activation's partial sums) are priced
-    as forbidden; those of the reductions the update alone reads (weight gradients) stay
-    beside their all-reduces. An activation reduce-scattered over the model axis and
-    all-gathered before the next product (Megatron's sequence parallelism) costs about the
-    time of its all-reduce but moves 1.5x its bytes (2x on XLA:CPU, where the reduce-scatter
-    is an all-reduce): the families ViT's budget plan (4x2) took it for every block's
-    projections and sent 1.166x the expert's bytes, 0.957x without it. The lists keep their
-    length (followers' strategy indices still match)."""
+    reductions whose result feeds a later heavy op (an activation's partial sums) are not
+    allowed (``Problem.allowed``: their columns are fixed at 0); those of the reductions the
+    update alone reads (weight gradients) stay beside their all-reduces. An activation
+    reduce-scattered over the model axis and all-gathered before the next product (Megatron's
+    sequence parallelism) costs about the time of its all-reduce but moves 1.5x its bytes (2x
+    on XLA:CPU, where the reduce-scatter is an all-reduce): the families ViT's budget plan
+    (4x2) took it for every block's projections and sent 1.166x the expert's bytes, 0.957x
+    without it. Every such strategy has its all-reduce beside it (same operands), so nothing
+    becomes infeasible. Priced as forbidden instead, their columns stayed in the LP with costs
+    13 orders of magnitude above the rest: a pipeline task's budgeted ILP (test_stage_weights)
+    took 52 s of branch and bound where it took 4 s before the reduce-scatters were offered."""
     g = prob.graph
     feeds_chain = feeds_chain_mask(g)
-    forbidden = prob.ctx.cost.forbidden_s
-    replaced: dict[int, list] = {}
     for node in g.nodes:
         strategies = prob.strategies[node.id]
-        if not feeds_chain[node.id] or not any(
-                k == "reduce-scatter" for s in strategies for k, _, _ in s.collectives):
+        if not feeds_chain[node.id]:
             continue
-        new = replaced.get(id(strategies))
-        if new is None:
-            new = replaced[id(strategies)] = [
-                dataclasses.replace(s, comm_s=s.comm_s + forbidden)
-                if any(k == "reduce-scatter" for k, _, _ in s.collectives) else s
-                for s in strategies]
-        prob.strategies[node.id] = new
-    prob.keepalive.extend(replaced.values())
+        scattered = {k for k, s in enumerate(strategies)
+                     if any(kind == "reduce-scatter" for kind, _, _ in s.collectives)}
+        if scattered:
+            keep = set(range(len(strategies))) - scattered
+            prob.allowed[node.id] = prob.allowed.get(node.id, set(range(len(strategies)))) & keep
 
 
 def _forced_price(s, scattered, forbidden: float, cost: CostModel, credit: bool):

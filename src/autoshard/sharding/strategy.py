@@ -53,7 +53,7 @@ class RuleContext:
     @property
     def scatter_reductions(self) -> bool:
         """Offer reduce-scatters of contractions and sums beside their all-reduces: with
-        ``prefer_reduce_scatter``, or under a budget the user gave (``build`` then prices out
+        ``prefer_reduce_scatter``, or under a budget the user gave (``build`` then excludes
         those of activations: ``_scatter_gradients_only``)."""
         return self.option.prefer_reduce_scatter or (
             self.user_budget and self.option.memory_budget_per_device is not None)

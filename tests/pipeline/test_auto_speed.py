@@ -124,7 +124,9 @@ def test_the_whole_mesh_candidate_shares_a_solver_budget_over_its_meshes(monkeyp
     option = auto.whole_mesh_option(QUIET, big, 600.0)
     assert option.solver_time_limit_s == pytest.approx(600.0 / (2 * len(meshes)))
     assert option.memory_tradeoff == 0.0 and option.solver_node_limit == QUIET.solver_node_limit
-    mine = autoshard.AutoShardingOption(solver_time_limit_s=900.0, memory_tradeoff=0.2)
+    assert option.solver_mip_gap == auto.WHOLE_MESH_MIP_GAP != QUIET.solver_mip_gap
+    mine = autoshard.AutoShardingOption(solver_time_limit_s=900.0, memory_tradeoff=0.2,
+                                        solver_mip_gap=0.01)
     assert auto.whole_mesh_option(mine, big, 600.0) == mine
     assert auto.whole_mesh_option(QUIET, big, None).solver_time_limit_s == 600.0
 
@@ -150,13 +152,13 @@ def test_a_whole_mesh_plan_over_the_memory_is_no_candidate(monkeypatch):
     the step can exceed its ILP's budget) is dropped, as a pipeline over it is."""
     import dataclasses
 
-    real = autoshard.ShardParallel.plan_for
+    real = auto.plan_program
 
-    def over(self, program, cluster):
-        plan = real(self, program, cluster)
+    def over(method, program, cluster, **kw):
+        plan = real(method, program, cluster, **kw)
         o = dataclasses.replace(plan.objective, peak_bytes_per_device=cluster.memory_bytes + 1)
         return dataclasses.replace(plan, objective=o)
-    monkeypatch.setattr(autoshard.ShardParallel, "plan_for", over)
+    monkeypatch.setattr(auto, "plan_program", over)
     est = autoshard.plan(step, *shapes(), cluster=CLUSTER, method=method(max_num_stages=2),
                          batch_argnums=(2, 3))
     whole = est.candidates[0]

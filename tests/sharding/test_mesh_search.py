@@ -112,3 +112,32 @@ def test_a_model_too_large_for_its_devices_says_what_would_fit():
                 option=AutoShardingOption(memory_budget_per_device=2**18))
     text = str(acts.value)
     assert "The inputs fit" in text and "num_micro_batches" in text and "remat" in text, text
+
+
+def _plan_under(cutoff_s):
+    from autoshard.sharding import AutoShardingOption
+    closed = jax.make_jaxpr(STEP)(*ARGS)
+    n_in = len(jax.tree.leaves(ARGS))
+    return planner.plan_auto(
+        closed, num_devices=8, cutoff_s=cutoff_s,
+        option=AutoShardingOption(show_progress=False, memory_tradeoff=0.0),
+        in_paths=[f"in{i}" for i in range(n_in)],
+        out_paths=[f"out{i}" for i in range(len(closed.jaxpr.outvars))],
+        batch_invars=[False, False, True, True], aliases=[(0, 0), (1, 1)])
+
+
+def test_a_cutoff_above_the_best_plan_changes_nothing_and_below_it_raises_outpriced():
+    """``plan_auto(cutoff_s=)`` (AutoParallel's whole-mesh candidate under the fastest
+    pipeline's time): meshes are skipped only on exact bounds, so a cutoff above the best
+    plan gives the same plan, and one below it raises ``Outpriced`` naming every mesh."""
+    free = _plan_under(None)
+    best = free.objective.total_s
+    same = _plan_under(best * 1.001)
+    assert same.mesh_shape == free.mesh_shape
+    assert same.objective.total_s == pytest.approx(best, rel=1e-9)
+    with pytest.raises(planner.Outpriced, match=r"No mesh has a plan faster than the cutoff, "
+                                                r"[0-9.e-]+ s per step") as caught:
+        _plan_under(best * 0.999)
+    tried = {tuple(m) for m, _ in free.objective.meshes_tried}
+    assert tried <= set(caught.value.reasons)
+    assert all(">= cutoff" in why for why in caught.value.reasons.values())

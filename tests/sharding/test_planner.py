@@ -169,6 +169,26 @@ def test_force_options_that_cannot_apply_fail_at_construction():
         AutoShardingOption(logical_mesh_shape=(2, 4), force_batch_dim_to_mesh_dim=2)
     with pytest.raises(ValueError, match=r"solver_node_limit \(0\) must be a positive int"):
         AutoShardingOption(solver_node_limit=0)
+    for gap in (1.0, -0.1, "1e-3", True):
+        with pytest.raises(ValueError, match=r"solver_mip_gap \(.*\) must be a fraction in "
+                                             r"\[0, 1\)"):
+            AutoShardingOption(solver_mip_gap=gap)
+
+
+def test_the_mip_gap_reaches_highs(monkeypatch):
+    """``solver_mip_gap`` is HiGHS's ``mip_rel_gap`` for every solve of the plan."""
+    from autoshard.sharding import solver
+    seen = []
+    real = solver.build_ilp
+
+    def spy(prob, **kw):
+        ilp = real(prob, **kw)
+        seen.append(ilp.options["mip_rel_gap"])
+        return ilp
+    monkeypatch.setattr(solver, "build_ilp", spy)
+    monkeypatch.setattr("autoshard.sharding.planner.build_ilp", spy)
+    _plan(option=AutoShardingOption(show_progress=False, solver_mip_gap=0.02))
+    assert seen and set(seen) == {0.02}
 
 
 def test_progress_bar_can_be_turned_off(capsys):

@@ -145,11 +145,13 @@ def compiled_memory(compiled: Compiled, program: Program) -> int:
 
 def plan_program(method, program: Program, cluster: Cluster, *,
                  axis_names: tuple[str, ...] | None = None,
-                 fixed_in_specs=None) -> sharding.ShardingPlan:
+                 fixed_in_specs=None, cutoff_s: float | None = None) -> sharding.ShardingPlan:
     """ShardParallel's automatic plan of ``program`` for ``cluster`` (no device needed).
 
     ``axis_names`` and ``fixed_in_specs`` (a PartitionSpec or None per input leaf) price a
     hand-written plan: the inputs keep those specs, the planner places everything else.
+    ``cutoff_s``: the plan must beat this step time (``plan_auto``'s; ``planner.Outpriced``
+    when no plan can).
     """
     option = method.auto_sharding_option or AutoShardingOption()
     if isinstance(method.devices, Mesh):
@@ -170,14 +172,14 @@ def plan_program(method, program: Program, cluster: Cluster, *,
     batch_dims = (_batch_dims(program) if option.force_batch_dim_to_mesh_dim is not None
                   else None)
 
-    def solve(option, deferred: bool):
+    def solve(option, deferred: bool, cutoff_s=cutoff_s):
         return sharding.plan_auto(
             program.closed, num_devices=cluster.num_devices, option=option,
             in_paths=program.in_paths, out_paths=program.out_paths,
             batch_invars=program.batch_invars, aliases=program.aliases, axis_names=axis_names,
             cluster=cluster, fixed_in_specs=fixed_in_specs, top_mults=loop_costs(
                 program.closed, program.batch_invars, program.num_micro_batches, deferred),
-            batch_dims=batch_dims)
+            batch_dims=batch_dims, cutoff_s=cutoff_s)
 
     plan = solve(option, deferred=True)
     if program.num_micro_batches > 1 and _loop_runs(plan, program) != "rows":
@@ -185,19 +187,29 @@ def plan_program(method, program: Program, cluster: Cluster, *,
         # (every value pinned; the gradients reduced in every micro-batch), or it splits the
         # rows over every mesh axis (each device accumulates its own rows, one reduction
         # after the loop). Price the first honestly, plan the second on a 1-D mesh, and take
-        # the cheaper of the two.
-        candidates = [p for p in [solve(option, deferred=False)]
-                      if _loop_runs(p, program) == "whole"]
+        # the cheaper of the two. The second (one mesh) first: its step time is a cutoff for
+        # the first's mesh search.
+        candidates = []
         if option.force_batch_dim_to_mesh_dim is None and option.logical_mesh_shape is None \
                 and axis_names is None:
             try:
                 split = solve(_replace(option, force_batch_dim_to_mesh_dim=0,
                                        logical_mesh_shape=(cluster.num_devices,)),
                               deferred=True)
-            except ValueError:  # the rows do not split over the devices
+            except ValueError:  # the rows do not split over the devices, or outpriced
                 split = None
             if split is not None and _loop_runs(split, program) == "rows":
                 candidates.append(split)
+        bar = min([p.objective.total_s for p in candidates]
+                  + ([cutoff_s] if cutoff_s is not None else []), default=None)
+        try:
+            whole = solve(option, deferred=False, cutoff_s=bar)
+        except sharding.Outpriced:
+            if not candidates:
+                raise
+            whole = None
+        if whole is not None and _loop_runs(whole, program) == "whole":
+            candidates.append(whole)
         if candidates:
             plan = min(candidates, key=lambda p: p.objective.total_s)
     k = program.num_micro_batches

@@ -6,6 +6,7 @@ from .plan import Collective as Collective
 from .plan import LeafPlan as LeafPlan
 from .plan import Objective as Objective
 from .plan import ShardingPlan as ShardingPlan
+from .planner import Outpriced as Outpriced
 from .planner import plan_auto as plan_auto
 
 __all__ = ["AutoShardingOption", "Collective", "LeafPlan", "Objective", "ShardingPlan",

@@ -82,6 +82,20 @@ def mesh_candidates(num_devices: int, option: AutoShardingOption,
     return found or [(1,) * (rank - 1) + (num_devices,)]
 
 
+class Outpriced(ValueError):
+    """No mesh has a plan under ``plan_auto``'s ``cutoff_s``: ``reasons`` says, per mesh, the
+    bound (or plan) that reached it; ``errors`` holds the meshes that had no plan at all."""
+
+    def __init__(self, cutoff_s: float, reasons: dict, errors: list):
+        self.cutoff_s, self.reasons, self.errors = cutoff_s, reasons, errors
+        shown = "; ".join(f"{m}: {why}" for m, why in list(reasons.items())[:4])
+        more = f" (and {len(reasons) - 4} more)" if len(reasons) > 4 else ""
+        super().__init__(
+            f"No mesh has a plan faster than the cutoff, {cutoff_s:.4g} s per step "
+            f"({len(reasons)} mesh(es) ruled out by bounds: {shown}{more}). Without cutoff_s "
+            "the planner would return its best plan, slower than that.")
+
+
 def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoShardingOption,
               in_paths: Sequence[str], out_paths: Sequence[str], batch_invars: Sequence[bool],
               aliases: Sequence[tuple[int, int]] = (),
@@ -91,7 +105,8 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
               fixed_in_specs: Sequence[PartitionSpec | None] | None = None,
               top_mults: dict[int, tuple[float, float]] | None = None,
               compare_data_parallel: bool = True,
-              batch_dims: dict | None = None) -> ShardingPlan:
+              batch_dims: dict | None = None,
+              cutoff_s: float | None = None) -> ShardingPlan:
     """Plan every array of ``closed_jaxpr`` over ``num_devices`` devices (no devices needed).
 
     ``fixed_in_specs``: per input, the PartitionSpec it arrives in (over ``axis_names``, or
@@ -113,6 +128,11 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     ``batch_dims``: value site -> the dim holding the batch's rows; with
     ``force_batch_dim_to_mesh_dim`` that dim of every value follows the forced axis
     (``build.build_problem``).
+
+    ``cutoff_s``: seconds a plan must beat (the best step time another method found, e.g. a
+    pipeline's): meshes whose cost lower bound or LP bound reaches it are not solved, as
+    meshes that cannot beat the best one found here are not; when no mesh can, ``Outpriced``
+    is raised. The bounds are exact, so the plan returned is the one found without it.
 
     ``compare_data_parallel``: also solve pure data parallel on the chosen mesh, the figure
     ``explain()`` shows beside the plan (``Objective.data_parallel_s``; a second, easier ILP).
@@ -167,6 +187,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     pruned = _prune(graph, shapes, options, devices_per_host)
     warned: set[str] = set()
     tried, best, best_ilp, errors = [], None, None, []
+    outpriced: list = []  # meshes ruled out by cutoff_s (before any plan was found)
     with speed:
         bar = tqdm(list(zip(shapes, options, strict=True)), desc="autoshard: planning",
                    disable={None: None, True: False, False: True}[option.show_progress],
@@ -194,7 +215,16 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             built.append((shape, prob, build_ilp(
                 prob, time_limit_s=option.solver_time_limit_s,
                 memory_budget=shape_option.memory_budget_per_device,
-                node_limit=option.solver_node_limit) if graph.nodes else None))
+                node_limit=option.solver_node_limit,
+                mip_gap=option.solver_mip_gap) if graph.nodes else None))
+        if cutoff_s is not None:  # the cheap bound first: no LP for a mesh it rules out
+            for shape, prob, _ in list(built):
+                bound = lower_bound_s(prob)
+                if bound >= cutoff_s:
+                    pruned[shape] = (f"cost lower bound {bound * 1e3:.4f} ms >= cutoff "
+                                     f"{cutoff_s * 1e3:.4f} ms")
+                    outpriced.append(shape)
+            built = [b for b in built if b[0] not in outpriced]
         if len(built) > 1 and all(ilp is not None and ilp.total >= solver.CUTOFF_MIN_COLUMNS
                                   for _, _, ilp in built):
             # Large ILPs are solved best-first (lowest LP bound first), so the cutoff skips
@@ -204,14 +234,17 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                 bounds[i] is None, bounds[i] or 0.0, i))
             built = [built[i] for i in order]
         for shape, prob, ilp in built:
-            if best is not None:
+            beat = cutoff_s if best is None else best[2].objective_s
+            what = "cutoff" if best is None else "best"
+            if beat is not None:
                 bound = lower_bound_s(prob)
-                if bound >= best[2].objective_s:
-                    pruned[shape] = (f"cost lower bound {bound * 1e3:.4f} ms >= best "
-                                     f"{best[2].objective_s * 1e3:.4f} ms")
+                if bound >= beat:
+                    pruned[shape] = (f"cost lower bound {bound * 1e3:.4f} ms >= {what} "
+                                     f"{beat * 1e3:.4f} ms")
+                    outpriced.append(shape)
                     continue
             try:
-                sol = (solve_ilp(ilp, cutoff_s=None if best is None else best[2].objective_s)
+                sol = (solve_ilp(ilp, cutoff_s=beat)
                        if ilp is not None else Solution(choice={}, status="optimal",
                                                         objective_s=0.0, solve_s=0.0))
             except (ValueError, RuntimeError) as err:  # no plan on this mesh: the next one
@@ -219,8 +252,14 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                 pruned[shape] = "no plan: " + str(err).split(";")[0]
                 continue
             if sol.bound_s is not None:  # the ILP showed no plan of this mesh can win
-                pruned[shape] = (f"ILP bound {sol.bound_s * 1e3:.4f} ms >= best "
-                                 f"{best[2].objective_s * 1e3:.4f} ms ({sol.status})")
+                pruned[shape] = (f"ILP bound {sol.bound_s * 1e3:.4f} ms >= {what} "
+                                 f"{beat * 1e3:.4f} ms ({sol.status})")
+                outpriced.append(shape)
+                continue
+            if best is None and cutoff_s is not None and sol.objective_s >= cutoff_s:
+                pruned[shape] = (f"plan {sol.objective_s * 1e3:.4f} ms >= cutoff "
+                                 f"{cutoff_s * 1e3:.4f} ms")
+                outpriced.append(shape)
                 continue
             tried.append((shape, sol.objective_s))
             if best is None or sol.objective_s < best[2].objective_s * (1 - 1e-9) - 1e-15:
@@ -231,6 +270,8 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                         else option.memory_tradeoff)
             best = best[:2] + (least_memory(best_ilp, best[2], tradeoff),)
         if best is None:
+            if outpriced:
+                raise Outpriced(cutoff_s, {m: pruned[m] for m in outpriced}, errors)
             if not errors:
                 raise _state_too_large(pruned, option.memory_budget_per_device, graph)
             raise _no_plan_error(errors, options[0], graph)
@@ -437,7 +478,8 @@ def _no_plan_error(errors, option, graph) -> Exception:
             continue
         try:
             sol = build_and_solve(prob, time_limit_s=option.solver_time_limit_s,
-                                  memory_budget=None, node_limit=option.solver_node_limit)
+                                  memory_budget=None, node_limit=option.solver_node_limit,
+                                  mip_gap=option.solver_mip_gap)
         except (ValueError, RuntimeError):
             continue
         peak = peak_bytes(prob, sol.choice)
@@ -475,7 +517,8 @@ def _data_parallel_objective(prob: Problem, batch_invars, option) -> float | Non
         try:
             return build_and_solve(dp, time_limit_s=option.solver_time_limit_s,
                                    memory_budget=None,
-                                   node_limit=option.solver_node_limit).objective_s
+                                   node_limit=option.solver_node_limit,
+                                   mip_gap=option.solver_mip_gap).objective_s
         except (ValueError, RuntimeError):
             continue
     return None

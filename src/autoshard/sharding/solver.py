@@ -106,10 +106,12 @@ class _Edges:
 
 def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
                     extra_allowed: dict[int, set[int]] | None = None,
-                    node_limit: int | None = None, cutoff_s: float | None = None) -> Solution:
+                    node_limit: int | None = None, cutoff_s: float | None = None,
+                    mip_gap: float = 1e-4) -> Solution:
     """Build and solve ``prob``'s ILP (``build_ilp`` then ``solve_ilp``)."""
     return solve_ilp(build_ilp(prob, time_limit_s=time_limit_s, memory_budget=memory_budget,
-                               extra_allowed=extra_allowed, node_limit=node_limit),
+                               extra_allowed=extra_allowed, node_limit=node_limit,
+                               mip_gap=mip_gap),
                      cutoff_s=cutoff_s)
 
 
@@ -157,8 +159,9 @@ def lp_bound_s(ilp: Ilp) -> float | None:
 
 def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
               extra_allowed: dict[int, set[int]] | None = None,
-              node_limit: int | None = None) -> Ilp:
-    """The ILP of ``prob``: one-hot strategy columns, resharding edges, memory rows."""
+              node_limit: int | None = None, mip_gap: float = 1e-4) -> Ilp:
+    """The ILP of ``prob``: one-hot strategy columns, resharding edges, memory rows; HiGHS
+    stops at ``mip_gap`` (relative) above its bound."""
     import scipy.sparse as sp  # scipy loads on the first plan, not on import
     from scipy.optimize import LinearConstraint
     t0 = time.perf_counter()
@@ -362,7 +365,7 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
             constraints.append(LinearConstraint(B, -np.inf, np.zeros(B.shape[0])))
     integrality = np.concatenate([np.ones(ncols), np.zeros(num_edge + num_copy)])
     # HiGHS works in microseconds: seconds put every cost below its tolerances.
-    options = {"time_limit": float(time_limit_s), "mip_rel_gap": 1e-4,
+    options = {"time_limit": float(time_limit_s), "mip_rel_gap": float(mip_gap),
                "disp": bool(os.environ.get("AUTOSHARD_SOLVER_LOG"))}
     if node_limit is not None:
         options["node_limit"] = int(node_limit)

@@ -141,3 +141,26 @@ def test_a_cutoff_above_the_best_plan_changes_nothing_and_below_it_raises_outpri
     tried = {tuple(m) for m, _ in free.objective.meshes_tried}
     assert tried <= set(caught.value.reasons)
     assert all(">= cutoff" in why for why in caught.value.reasons.values())
+
+
+def test_a_mesh_whose_lp_relaxation_ran_out_of_time_is_not_solved_again(monkeypatch):
+    """An LP relaxation stopped by ``solver_time_limit_s`` (3-D meshes of a 48-layer step on
+    512 GPUs: 131 s for the LP alone) means the branch and bound, which starts from it, finds
+    no plan in that time either: the ILP is not started (the greedy fallback, with its
+    warning, as when the clock stops a solve without an incumbent)."""
+    import scipy.optimize
+
+    from autoshard.sharding import solver
+
+    def stopped(ilp):
+        ilp.lp = (None, solver.LP_STOPPED)
+        return None
+    monkeypatch.setattr(solver, "CUTOFF_MIN_COLUMNS", 0)
+    monkeypatch.setattr(solver, "lp_bound_s", stopped)
+    monkeypatch.setattr(planner, "lp_bound_s", stopped)
+    calls = []
+    real = scipy.optimize.milp
+    monkeypatch.setattr(scipy.optimize, "milp", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with pytest.warns(RuntimeWarning, match=r"no plan found yet: greedy fallback"):
+        plan = _plan_under(1e9)
+    assert calls == [] and plan.objective.solver_status.startswith("solver limit: no incumbent")

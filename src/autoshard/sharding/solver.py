@@ -14,6 +14,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -137,7 +138,8 @@ class Ilp:
     time_limit_s: float
     build_s: float
     lp: tuple | None = None
-    """(LP relaxation objective in seconds or None if it found none), once computed."""
+    """(LP relaxation objective in seconds or None if it found none, HiGHS's status), once
+    computed."""
     copies: tuple[CopyBounds, int] | None = None
     """Under a budget: the copy columns' bounds and their first column (memory.CopyBounds)."""
 
@@ -153,8 +155,13 @@ def lp_bound_s(ilp: Ilp) -> float | None:
         relaxed = milp(ilp.c * OBJECTIVE_SCALE, integrality=np.zeros(ilp.total),
                        bounds=ilp.bounds, constraints=ilp.constraints,
                        options={k: v for k, v in ilp.options.items() if k != "node_limit"})
-        ilp.lp = (None if relaxed.x is None else float(relaxed.fun) / OBJECTIVE_SCALE,)
+        ilp.lp = (None if relaxed.x is None else float(relaxed.fun) / OBJECTIVE_SCALE,
+                  relaxed.status)
     return ilp.lp[0]
+
+
+LP_STOPPED = 1
+"""``scipy.optimize.milp``'s status for a solve stopped by a limit (time, nodes)."""
 
 
 def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
@@ -416,8 +423,14 @@ def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:
                                 num_ilp_vars=total, info=info, bound_s=bound)
             info["lp_bound_s"] = bound
     t_solve = time.perf_counter()
-    res = milp(c * OBJECTIVE_SCALE, integrality=integrality, bounds=bounds,
-               constraints=constraints, options=options)
+    if ilp.lp is not None and ilp.lp[0] is None and ilp.lp[1] == LP_STOPPED:
+        # The LP relaxation alone ran out of solver_time_limit_s: the branch and bound, which
+        # starts from it, finds no plan in that time either (no second wait for the clock).
+        res = SimpleNamespace(x=None, status=LP_STOPPED)
+        t_solve -= time_limit_s
+    else:
+        res = milp(c * OBJECTIVE_SCALE, integrality=integrality, bounds=bounds,
+                   constraints=constraints, options=options)
     last_over = None   # (peak, where) of the last plan that went over the budget
     for _ in range(MEMORY_ROUNDS if memory_budget is not None else 0):
         # The budget rows sample the program; where the plan found goes over at a point

@@ -102,3 +102,40 @@ def test_tied_embedding_gradients_are_predicted_as_one_reduction():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p_got, p_ref)
     audit = f.get_last_executable().audit()
     assert 0.9 <= audit.bytes_ratio() <= 1.1, str(audit)
+
+
+
+def test_the_whole_loop_variant_skips_meshes_the_deferred_bounds_rule_out(monkeypatch):
+    """When the deferred plan does not split the rows over every axis, the loop's other
+    variants are planned (methods/_auto.plan_program). The whole-loop variant's costs are
+    the deferred one's or more on every mesh, so a mesh whose deferred bound reaches the best
+    found is not searched again; the plan is the one found searching every mesh."""
+    from autoshard.methods import _auto
+    from autoshard.sharding import planner
+
+    p, tokens = _inputs()
+    args = (jax.eval_shape(lambda: p), jax.ShapeDtypeStruct(tokens.shape, tokens.dtype))
+    cluster = autoshard.Cluster.a100_80gb(num_hosts=1, devices_per_host=8)
+    method = autoshard.ShardParallel(num_micro_batches=K, auto_sharding_option=(
+        autoshard.AutoShardingOption(show_progress=False, memory_tradeoff=0.0)))
+    real_runs, real_plan = _auto._loop_runs, planner.plan_auto
+    monkeypatch.setattr("autoshard.sharding.solver.CUTOFF_MIN_COLUMNS", 0)  # LP bounds here too
+    calls, made, keep = [], [], [True]
+
+    def spy(closed, **kw):
+        calls.append(kw)
+        made.append(real_plan(closed, **(kw if keep[0] else {**kw, "skip_meshes": None})))
+        return made[-1]
+    # the deferred plan (the first made) is read as one the loop cannot run per device
+    monkeypatch.setattr(_auto, "_loop_runs", lambda plan, program: None if plan is made[0]
+                        else real_runs(plan, program))
+    monkeypatch.setattr("autoshard.sharding.plan_auto", spy)
+    got = autoshard.plan(_step, *args, cluster=cluster, method=method, batch_argnums=(1,))
+    assert len(calls) == 3, calls   # deferred, rows split on (8,), whole loop
+    skips = calls[2]["skip_meshes"]
+    assert skips and all("with the reductions deferred" in why for why in skips.values())
+    assert set(skips) <= set(calls[0]["mesh_bounds"])
+    keep[0], calls[:], made[:] = False, [], []
+    full = autoshard.plan(_step, *args, cluster=cluster, method=method, batch_argnums=(1,))
+    assert got.mesh_shape == full.mesh_shape and got.in_specs == full.in_specs
+    assert got.objective.total_s == full.objective.total_s

@@ -106,7 +106,9 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
               top_mults: dict[int, tuple[float, float]] | None = None,
               compare_data_parallel: bool = True,
               batch_dims: dict | None = None,
-              cutoff_s: float | None = None) -> ShardingPlan:
+              cutoff_s: float | None = None,
+              skip_meshes: dict | None = None,
+              mesh_bounds: dict | None = None) -> ShardingPlan:
     """Plan every array of ``closed_jaxpr`` over ``num_devices`` devices (no devices needed).
 
     ``fixed_in_specs``: per input, the PartitionSpec it arrives in (over ``axis_names``, or
@@ -133,6 +135,13 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     pipeline's): meshes whose cost lower bound or LP bound reaches it are not solved, as
     meshes that cannot beat the best one found here are not; when no mesh can, ``Outpriced``
     is raised. The bounds are exact, so the plan returned is the one found without it.
+
+    ``skip_meshes``: mesh shape -> why it is not searched (reported in ``meshes_pruned``),
+    e.g. the meshes an easier variant of the same program found no plan on.
+    ``mesh_bounds``: filled with mesh shape -> seconds no plan of that mesh costs less than
+    (the cost and LP bounds found here, a solved plan's objective less its gap): bounds of
+    an easier variant of the program (its costs no higher on every mesh) rule meshes out of
+    a harder one's search (``skip_meshes``).
 
     ``compare_data_parallel``: also solve pure data parallel on the chosen mesh, the figure
     ``explain()`` shows beside the plan (``Objective.data_parallel_s``; a second, easier ILP).
@@ -185,6 +194,8 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     graph.memo["roles"] = eqn_roles(closed_jaxpr)  # for Objective.model_flops
     graph.memo["aliases"] = tuple(aliases)  # donated state shares its buffer (memory.liveness)
     pruned = _prune(graph, shapes, options, devices_per_host)
+    for shape, why in (skip_meshes or {}).items():
+        pruned.setdefault(tuple(shape), why)
     warned: set[str] = set()
     tried, best, best_ilp, errors = [], None, None, []
     outpriced: list = []  # meshes ruled out by cutoff_s (before any plan was found)
@@ -217,9 +228,15 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                 memory_budget=shape_option.memory_budget_per_device,
                 node_limit=option.solver_node_limit,
                 mip_gap=option.solver_mip_gap) if graph.nodes else None))
+        known = mesh_bounds if mesh_bounds is not None else {}  # filled for the caller
+
+        def bounded(shape, bound):
+            if bound is not None:
+                known[shape] = max(known.get(shape, bound), bound)
+            return bound
         if cutoff_s is not None:  # the cheap bound first: no LP for a mesh it rules out
             for shape, prob, _ in list(built):
-                bound = lower_bound_s(prob)
+                bound = bounded(shape, lower_bound_s(prob))
                 if bound >= cutoff_s:
                     pruned[shape] = (f"cost lower bound {bound * 1e3:.4f} ms >= cutoff "
                                      f"{cutoff_s * 1e3:.4f} ms")
@@ -229,7 +246,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                                   for _, _, ilp in built):
             # Large ILPs are solved best-first (lowest LP bound first), so the cutoff skips
             # the meshes that cannot win; small ones keep the candidate order.
-            bounds = [lp_bound_s(ilp) for _, _, ilp in built]
+            bounds = [bounded(shape, lp_bound_s(ilp)) for shape, _, ilp in built]
             order = sorted(range(len(built)), key=lambda i: (
                 bounds[i] is None, bounds[i] or 0.0, i))
             built = [built[i] for i in order]
@@ -237,7 +254,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             beat = cutoff_s if best is None else best[2].objective_s
             what = "cutoff" if best is None else "best"
             if beat is not None:
-                bound = lower_bound_s(prob)
+                bound = bounded(shape, lower_bound_s(prob))
                 if bound >= beat:
                     pruned[shape] = (f"cost lower bound {bound * 1e3:.4f} ms >= {what} "
                                      f"{beat * 1e3:.4f} ms")
@@ -251,6 +268,11 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                 errors.append((prob, err))
                 pruned[shape] = "no plan: " + str(err).split(";")[0]
                 continue
+            bounded(shape, sol.bound_s)
+            if sol.status == "optimal" and ilp is not None and not ilp.approximate:
+                # the ILP's own optimum within its gap (an approximate ILP's objective is
+                # its plan's exact cost, not a bound)
+                bounded(shape, sol.objective_s / (1 + option.solver_mip_gap))
             if sol.bound_s is not None:  # the ILP showed no plan of this mesh can win
                 pruned[shape] = (f"ILP bound {sol.bound_s * 1e3:.4f} ms >= {what} "
                                  f"{beat * 1e3:.4f} ms ({sol.status})")

@@ -53,7 +53,7 @@ TOLERANCE = 1e-4          # largest relative difference that counts as equal (fl
 NOISE_FLOOR = 1e-3        # a state leaf's scale is at least this fraction of its field's largest
 MAX_K_RATIO = 1.5         # a micro-batched step at most this much slower than its k=1 step
 METHODS = ("ShardParallel", "ShardParallel@measured", "DataParallel", "Zero2Parallel",
-           "Zero3Parallel", "PipeshardParallel", "default")
+           "Zero3Parallel", "PipeshardParallel", "AutoParallel", "default")
 """``ShardParallel@measured``: ``ShardParallel(cluster=Cluster.measure())``, the plan priced
 for what these CPU devices deliver (measured once per run) instead of the accelerator-like
 description ``Cluster.from_devices`` gives CPUs."""
@@ -80,6 +80,9 @@ def make_method(cell: str, program: models.Program):
         return autoshard.PipeshardParallel(
             num_micro_batches=k, layer_option=layers,
             stage_option=autoshard.UniformStageOption(num_stages=2))
+    if name == "AutoParallel":  # one mesh or a pipeline, as it prices them on these devices
+        layers = "manual" if program.has_markers else autoshard.AutoLayerOption(layer_num=2)
+        return autoshard.AutoParallel(num_micro_batches=k, layer_option=layers)
     if name.endswith("@measured"):
         return autoshard.ShardParallel(num_micro_batches=None if k == 1 else k,
                                        cluster=measured_cluster())

@@ -84,15 +84,14 @@ _BERT_MLM_2D = (
     "14 all-reduces of f32[4,4,512] activations and 1 all-to-all, 786,720 compiled bytes per "
     "device; the all-reduce over x of the y-split layer kernels' gradients alone (25,165,824 B "
     "of kernels, half on each device) moves 12,582,912 B per device in Alpa's plan")
-_TIED_RS = ("the tied word embedding's two gradient terms are reduced once (sharding/"
-            "partial_sums.py) and every bias and LayerNorm gradient is reduce-scattered with "
-            "the kernels' (build._prefer_reduce_scatter), the parameters held whole: objective "
-            "and collective counts as asserted (1 all-reduce, 1 reduce-scatter, 1 all-gather); "
-            "the test then allows 2 optimizer-state leaves kept whole (Alpa's plan all-reduces "
-            "the tied embedding's gradient), and ours keeps whole the 4 moments of the position "
-            "and token-type embeddings (scatter-add gradients, their all-reduce the one "
-            "asserted: the scatter rule offers no reduce-scatter) and shards the tied "
-            "embedding's")
+_TIED_RS = ("the objective is Alpa's and every gradient is reduce-scattered (the tied word "
+            "embedding's two terms reduced once: sharding/partial_sums.py; the bias and "
+            "LayerNorm sums: build._prefer_reduce_scatter; the position and token-type "
+            "embeddings' scatter-adds: rules_linalg._scatter), the parameters held whole and "
+            "every optimizer state in shards: 1 reduce-scatter and 1 all-gather as asserted, "
+            "but no all-reduce where the test asserts one: Alpa's plan all-reduces the tied "
+            "embedding's gradient and keeps its 2 moments whole (tests/sharding/"
+            "test_alpa_shard_compat.py::test_embedding_gradients_reduce_scatter_is_zero2)")
 _MOE_2D = ("our plan differs and moves fewer bytes: Alpa's plan (2 all-reduces) reduces the "
            "expert weights' gradients (wi, wo: f32[16,64,256] each, split over one axis, "
            "all-reduced over the other: 1,048,576 B per device alone); ours splits the experts "

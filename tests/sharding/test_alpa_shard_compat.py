@@ -691,3 +691,28 @@ def test_bert_layer_data_parallel_reduce_scatter_is_zero2():
     step, state, batch = _zero2_step(EncoderLayers(2, 32, 4), x, y)
     f, ex = compile_step(step, state, batch, mesh((4, 1)), option(prefer_reduce_scatter=True))
     _assert_zero2(f, ex, step, state, batch)
+
+
+class EmbedMLP(nn.Module):
+    """A token and a position embedding (lookups: scatter-add gradients), then a Dense layer."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = nn.Embed(64, 32)(tokens) + nn.Embed(tokens.shape[1], 32)(positions)
+        return nn.Dense(32)(jnp.tanh(x))
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (1, 4)])
+def test_embedding_gradients_reduce_scatter_is_zero2(shape):
+    """Covers the embeddings of test_bert.py::test_bert_mlm_data_parallel_reduce_scatter
+    (Alpa's Zero2Parallel): the token and position embeddings' gradients (scatter-adds of
+    the batch's rows) are reduce-scattered with the kernel's, their Adam moments held in
+    shards (``_assert_zero2``). Before, the scatter-add rule offered no reduce-scatter: the
+    embeddings' gradients kept their all-reduce and their 4 moments stayed whole."""
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 64, size=(32, 16)), jnp.int32)
+    y = jnp.asarray(rng.normal(size=(32, 16, 32)), jnp.float32)
+    step, state, batch = _zero2_step(EmbedMLP(), tokens, y)
+    f, ex = compile_step(step, state, batch, mesh(shape), option(prefer_reduce_scatter=True))
+    _assert_zero2(f, ex, step, state, batch)

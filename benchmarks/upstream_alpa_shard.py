@@ -104,7 +104,7 @@ _MOE_LM_2D_RS = (
     "dispatched and combined tokens moved by 4 all-to-alls over the flattened mesh: "
     "tests/sharding/test_alpa_shard_compat.py::test_moe_lm_2d_dispatches_with_all_to_alls), "
     "but no gradient is reduce-scattered: the rules offer a reduce-scatter for a sum over one "
-    "mesh axis only (rules_linalg's contracting splits, rules._scattered_sums), and every "
+    "mesh axis only (rules_linalg's contracting splits, rules.scattered_sums), and every "
     "weight gradient here is a sum over both axes (the batch is split over x and y)")
 KNOWN = {
     "test_basic.AutoShardingBasicTest.test_dropout":

@@ -15,7 +15,7 @@ import math
 
 from ..ir._prims import conv_flops, dot_flops
 from .cost import byte_cost, flop_cost
-from .rules import _scattered_sums
+from .rules import scattered_sums
 from .spec import Spec, from_assignment, is_valid, shards
 from .strategy import RuleContext, Strategy, nbytes, register
 
@@ -287,7 +287,7 @@ def _scatter(ctx: RuleContext, in_avals, out_avals, params, *, is_add: bool):
         compute = byte_cost(nbytes(updates), shards(us, ctx.mesh_shape))
         if is_add:  # an embedding's gradient: reduce-scattered like a kernel's, where offered
             live = tuple(a for a in partial if ctx.mesh_shape[a] > 1)
-            result.extend(_scattered_sums(ctx, out, xs, live, group_bytes, (xs, is_, us),
+            result.extend(scattered_sums(ctx, out, xs, live, group_bytes, (xs, is_, us),
                                           compute, in_avals))
         comm, coll = ctx.all_reduce(partial, group_bytes)
         result.append(Strategy((xs,), (xs, is_, us), comm, compute, coll))

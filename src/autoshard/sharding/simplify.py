@@ -95,9 +95,12 @@ def _forks(g, node) -> bool:
     its operand. The ILP prices resharding per edge, so a value that two products need in
     another spec (a forward product and its weight gradient) would pay the collective once per
     product, where XLA runs it once; resharding into the layout op's own spec is one edge, paid
-    once (Alpa's MoE dispatch: one all-to-all of the dispatched tokens, not one per einsum)."""
+    once (Alpa's MoE dispatch: one all-to-all of the dispatched tokens, not one per einsum).
+    Outside loop bodies only: in a scanned GPT's body it changed nothing but which of two plans
+    of equal objective the solver returned (q/k/v kernels split by rows instead of columns),
+    against the unrolled program's (``test_loops``); not investigated further."""
     readers = {c for c, _ in g.consumers()[node.id] if g.nodes[c].kind in PRODUCTS}
-    return len(readers) > 1
+    return len(readers) > 1 and node.body == -1
 
 
 def _compute_strategies(prob: Problem, node) -> list[Strategy]:

@@ -84,15 +84,14 @@ _BERT_MLM_2D = (
     "14 all-reduces of f32[4,4,512] activations and 1 all-to-all, 786,720 compiled bytes per "
     "device; the all-reduce over x of the y-split layer kernels' gradients alone (25,165,824 B "
     "of kernels, half on each device) moves 12,582,912 B per device in Alpa's plan")
-_TIED_RS = ("the tied word embedding's two gradient terms are reduced once (sharding/"
-            "partial_sums.py) and every bias and LayerNorm gradient is reduce-scattered with "
-            "the kernels' (build._prefer_reduce_scatter), the parameters held whole: objective "
-            "and collective counts as asserted (1 all-reduce, 1 reduce-scatter, 1 all-gather); "
-            "the test then allows 2 optimizer-state leaves kept whole (Alpa's plan all-reduces "
-            "the tied embedding's gradient), and ours keeps whole the 4 moments of the position "
-            "and token-type embeddings (scatter-add gradients, their all-reduce the one "
-            "asserted: the scatter rule offers no reduce-scatter) and shards the tied "
-            "embedding's")
+_TIED_RS = ("the objective is Alpa's and every gradient is reduce-scattered (the tied word "
+            "embedding's two terms reduced once: sharding/partial_sums.py; the bias and "
+            "LayerNorm sums: build._prefer_reduce_scatter; the position and token-type "
+            "embeddings' scatter-adds: rules_linalg._scatter), the parameters held whole and "
+            "every optimizer state in shards: 1 reduce-scatter and 1 all-gather as asserted, "
+            "but no all-reduce where the test asserts one: Alpa's plan all-reduces the tied "
+            "embedding's gradient and keeps its 2 moments whole (tests/sharding/"
+            "test_alpa_shard_compat.py::test_embedding_gradients_reduce_scatter_is_zero2)")
 _MOE_2D = ("our plan differs and moves fewer bytes: Alpa's plan (2 all-reduces) reduces the "
            "expert weights' gradients (wi, wo: f32[16,64,256] each, split over one axis, "
            "all-reduced over the other: 1,048,576 B per device alone); ours splits the experts "
@@ -100,13 +99,13 @@ _MOE_2D = ("our plan differs and moves fewer bytes: Alpa's plan (2 all-reduces) 
            "all-to-alls over y and activation all-reduces over x: 860,800 compiled bytes per "
            "device for the whole step (tests/sharding/test_alpa_shard_compat.py::"
            "test_moe_2d_plan_moves_fewer_bytes_than_alpas)")
-_MOE_LM_2D = ("plan difference, bytes not compared: Alpa's plan (allow_mixed_mesh_shape, "
-              "dropped here) dispatches and combines the tokens of both MoE layers with 4 "
-              "all-to-alls over the flattened 2x2 mesh; ours is data parallel over both axes "
-              "with experts over both, and feeds each dispatch einsum the token groups "
-              "all-gathered over both axes (f32[32,32,64], 262,144 B): 2 all-to-alls "
-              "(131,072 B), 8 all-gathers (2 of tokens, 6 of 4 KB routing values), 3 "
-              "all-reduces, 1,047,402 compiled bytes per device")
+_MOE_LM_2D_RS = (
+    "the plan is Alpa's, as in test_moe_lm_2d (tokens and experts split over both axes, the "
+    "dispatched and combined tokens moved by 4 all-to-alls over the flattened mesh: "
+    "tests/sharding/test_alpa_shard_compat.py::test_moe_lm_2d_dispatches_with_all_to_alls), "
+    "but no gradient is reduce-scattered: the rules offer a reduce-scatter for a sum over one "
+    "mesh axis only (rules_linalg's contracting splits, rules.scattered_sums), and every "
+    "weight gradient here is a sum over both axes (the batch is split over x and y)")
 KNOWN = {
     "test_basic.AutoShardingBasicTest.test_dropout":
         "asserts jax 0.3's threefry lowering (a flat u64[1024] iota); jax 0.10 draws the same "
@@ -132,8 +131,7 @@ KNOWN = {
         "XLA:CPU compiles 9: it reuses two recomputed all-reduces (fewer bytes than asserted)",
     "test_moe.AutoShardingMoETest.test_moe_layer_2d": _MOE_2D,
     "test_moe.AutoShardingMoETest.test_moe_layer_2d_reduce_scatter": _MOE_2D,
-    "test_moe.AutoShardingMoETest.test_moe_lm_2d": _MOE_LM_2D,
-    "test_moe.AutoShardingMoETest.test_moe_lm_2d_reduce_scatter": _MOE_LM_2D,
+    "test_moe.AutoShardingMoETest.test_moe_lm_2d_reduce_scatter": _MOE_LM_2D_RS,
     "test_moe.AutoShardingMoETest.test_moe_lm_data_parallel_reduce_scatter":
         _RS_CHAINED.format(n=10, alpa="at most 2", what=(
             "ZeRO-2 under pure data parallel: the forward and backward passes as data "
@@ -146,10 +144,6 @@ KNOWN = {
     "test_bert.AutoShardingAttentionTest.test_bert_mlm_2d_mesh_reduce_scatter": _BERT_MLM_2D,
     "test_conv.AutoShardingConvTest.test_n_layer_depthwise_conv_model_parallel":
         "not investigated (asserts one all-reduce)",
-    "test_mixed_2d.AutoShardingMixedTest.test_dot_all_to_all":
-        "plan difference: the test asserts that Alpa's plan (allow_mixed_mesh_shape) uses an "
-        "all-to-all; ours needs none (5 all-reduces, 43,008 B per device, 13,551 in Alpa's "
-        "units); the test states no cost for Alpa's plan to compare with",
     "test_conv.AutoShardingConvTest.test_n_layer_conv_model_parallel":
         "our plan differs and moves fewer bytes: Alpa's alternating plan has 3 all-reduces "
         "(2 forward, 1 backward of the 8x4x4x256 gradient); ours splits the input channels of "

@@ -142,7 +142,7 @@ def reduction(ctx, in_avals, out_avals, params, *, sums: bool = False):
         ins = (s,) + tuple(() for _ in in_avals[1:])
         compute = byte_cost(nbytes(x), shards(s, ctx.mesh_shape))
         if sums:
-            result.extend(_scattered_sums(ctx, out, out_spec, reduced, group_bytes, ins,
+            result.extend(scattered_sums(ctx, out, out_spec, reduced, group_bytes, ins,
                                           compute, in_avals))
         comm, coll = ctx.all_reduce(reduced, group_bytes)
         result.append(Strategy((out_spec,), ins, comm, compute, coll))
@@ -154,10 +154,11 @@ def reduce_sum(ctx, in_avals, out_avals, params):
     return reduction(ctx, in_avals, out_avals, params, sums=True)
 
 
-def _scattered_sums(ctx, out, out_spec, reduced, group_bytes, ins, compute, in_avals):
+def scattered_sums(ctx, out, out_spec, reduced, group_bytes, ins, compute, in_avals):
     """With ``ctx.scatter_reductions`` (``prefer_reduce_scatter``, or a user's memory budget),
     a sum over one mesh axis may leave each device its slice of the result (a reduce-scatter
-    into one of its dims) instead of all of it: a bias gradient can then be updated on shards
+    into one of its dims) instead of all of it: a bias gradient, or an embedding's (a
+    scatter-add of the batch's rows: ``rules_linalg._scatter``), can then be updated on shards
     like the kernels' (the cost decides between the two: ``build._prefer_reduce_scatter``)."""
     if not ctx.scatter_reductions or len(reduced) != 1 or in_avals[0].dtype.kind \
             not in "fc":

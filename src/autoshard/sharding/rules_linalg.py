@@ -15,6 +15,7 @@ import math
 
 from ..ir._prims import conv_flops, dot_flops
 from .cost import byte_cost, flop_cost
+from .rules import scattered_sums
 from .spec import Spec, from_assignment, is_valid, shards
 from .strategy import RuleContext, Strategy, nbytes, register
 
@@ -282,7 +283,12 @@ def _scatter(ctx: RuleContext, in_avals, out_avals, params, *, is_add: bool):
             continue
         (xs, us, is_), partial = split
         out = out_avals[0]
-        comm, coll = ctx.all_reduce(partial, nbytes(out) / shards(xs, ctx.mesh_shape))
-        result.append(Strategy((xs,), (xs, is_, us), comm,
-                               byte_cost(nbytes(updates), shards(us, ctx.mesh_shape)), coll))
+        group_bytes = nbytes(out) / shards(xs, ctx.mesh_shape)
+        compute = byte_cost(nbytes(updates), shards(us, ctx.mesh_shape))
+        if is_add:  # an embedding's gradient: reduce-scattered like a kernel's, where offered
+            live = tuple(a for a in partial if ctx.mesh_shape[a] > 1)
+            result.extend(scattered_sums(ctx, out, xs, live, group_bytes, (xs, is_, us),
+                                          compute, in_avals))
+        comm, coll = ctx.all_reduce(partial, group_bytes)
+        result.append(Strategy((xs,), (xs, is_, us), comm, compute, coll))
     return result

@@ -2,7 +2,8 @@
 
 * followers: an elementwise op joins the variable of the operand it follows (its k-th strategy
   is "take the operand's k-th spec", other full-size operands are resharded to it), and so do
-  transpose / reshape / squeeze with their spec mapped through the op;
+  transpose / reshape / squeeze with their spec mapped through the op, unless several
+  products read them (``_forks``);
 * free nodes: values computed from constants only (iota, broadcast scalars, masks) keep one
   replicated strategy, which any consumer slices for free;
 * caches: strategy lists are shared by nodes of equal signature, so rules run once per
@@ -15,6 +16,7 @@ import math
 
 from . import rules_custom, rules_linalg  # noqa: F401  (register their rules)
 from .cost import byte_cost
+from .fusion import PRODUCTS
 from .problem import Problem
 from .rules import ELEMENTWISE, map_reshape, reshape_groups
 from .spec import replicated, shards
@@ -75,7 +77,8 @@ def _mode(prob: Problem, node):
         return shapes, "free", None, ("free",)
     leader = _follows(prob, node, out_avals)
     if leader is None and node.kind in SHAPE_FOLLOWERS and node.operands and (
-            node.operands[0] is not None) and _shape_mapper(prob, node, out_avals) is not None:
+            node.operands[0] is not None) and not _forks(g, node) and (
+            _shape_mapper(prob, node, out_avals) is not None):
         leader = node.operands[0]
     if leader is not None:
         return shapes, "follow", leader, (node.kind, _params_key(node.params),
@@ -85,6 +88,19 @@ def _mode(prob: Problem, node):
 
 SPECIAL_KINDS = frozenset({"input", "output", "carry_back", "const", "carry", "xs", "ys",
                            "cond_out"})
+
+
+def _forks(g, node) -> bool:
+    """A layout op read by several products keeps a variable of its own instead of following
+    its operand. The ILP prices resharding per edge, so a value that two products need in
+    another spec (a forward product and its weight gradient) would pay the collective once per
+    product, where XLA runs it once; resharding into the layout op's own spec is one edge, paid
+    once (Alpa's MoE dispatch: one all-to-all of the dispatched tokens, not one per einsum).
+    Outside loop bodies only: in a scanned GPT's body it changed nothing but which of two plans
+    of equal objective the solver returned (q/k/v kernels split by rows instead of columns),
+    against the unrolled program's (``test_loops``); not investigated further."""
+    readers = {c for c, _ in g.consumers()[node.id] if g.nodes[c].kind in PRODUCTS}
+    return len(readers) > 1 and node.body == -1
 
 
 def _compute_strategies(prob: Problem, node) -> list[Strategy]:
@@ -120,7 +136,8 @@ def _compute_strategies(prob: Problem, node) -> list[Strategy]:
     leader = _follows(prob, node, out_avals)
     if leader is not None:
         return _follower_strategies(prob, node, leader, out_avals)
-    if node.kind in SHAPE_FOLLOWERS and node.operands and node.operands[0] is not None:
+    if node.kind in SHAPE_FOLLOWERS and node.operands and node.operands[0] is not None and (
+            not _forks(g, node)):
         mapper = _shape_mapper(prob, node, out_avals)
         if mapper is not None:
             return _follower_strategies(prob, node, node.operands[0], out_avals, mapper)

@@ -486,7 +486,10 @@ def run_auto(name: str) -> dict:
     stages (sub-meshes of a quarter, half or all the hosts ... whole hosts; layer times
     planned per pipeline layer), the fastest that fits chosen."""
     hidden, heads, layers, gpus, batch, split, paper_tflops = AUTO_ROWS[name]
-    k, group = PIPELINE_MICRO_BATCHES, -(-layers // PIPELINE_LAYERS)
+    # the fewest micro-batches from PIPELINE_MICRO_BATCHES up that divide the batch (529.6B's
+    # 2520 sequences: 18)
+    k = next(d for d in range(PIPELINE_MICRO_BATCHES, batch + 1) if batch % d == 0)
+    group = -(-layers // PIPELINE_LAYERS)
     hosts = gpus // 8
     row = {"model": name, "hidden": hidden, "heads": heads, "layers": layers, "gpus": gpus,
            "batch": batch, "paper_split": split, "paper_tflops": paper_tflops,
@@ -552,7 +555,8 @@ def write_auto(rows: list[dict], limit_s: float = AUTO_TIME_LIMIT_S):
     lines = ["# Table 1 rows planned by AutoParallel", "",
              f"`autoshard.plan(..., method=AutoParallel(...))`, {platform.machine()}, "
              f"{os.cpu_count()} CPUs (shared). Step unrolled with a pipeline boundary every "
-             f"layers / {PIPELINE_LAYERS} layers, {PIPELINE_MICRO_BATCHES} micro-batches, "
+             f"layers / {PIPELINE_LAYERS} layers, {PIPELINE_MICRO_BATCHES} micro-batches (or "
+             "the next count that divides the batch), "
              f"sub-meshes of hosts / (1, 2, 4, 8) whole hosts; rows stopped after "
              f"{limit_s:.0f} s of planning. plan s: wall seconds (CPU seconds of the planning "
              "process, and the load average at the end: the machine is shared).", "",

@@ -72,6 +72,21 @@ def mlp_step(num_layers, batch, hidden, tx=None, grad=jax.grad):
     return step, state, {"x": x, "y": jnp.ones((batch, hidden))}
 
 
+def mse_state_and_step(model, x, tx):
+    """A flax ``model``'s TrainState (parameters initialised on ``x``, optimizer ``tx``) and
+    its step: one update on the mean squared distance of ``model(batch["x"])`` from
+    ``batch["y"]``."""
+    state = TrainState.create(apply_fn=model.apply, tx=tx,
+                              params=model.init(jax.random.PRNGKey(0), x))
+
+    def step(state, batch):
+        def loss(p):
+            return jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
+        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+    return state, step
+
+
 def compile_step(step, state, batch, devices, opt, **method):
     f = autoshard.parallelize(step, method=autoshard.ShardParallel(
         devices=devices, auto_sharding_option=opt, **method))
@@ -354,13 +369,7 @@ def test_depthwise_conv_model_parallel(shape):
     groups whole per device; one all-reduce in the whole step; equal to jax.jit."""
     model = DepthwiseNet(channel=64)
     x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 8, 64))
-    state = TrainState.create(apply_fn=model.apply, tx=optax.sgd(0.1),
-                              params=model.init(jax.random.PRNGKey(0), x))
-
-    def step(state, batch):
-        def loss(p):
-            return jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
-        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+    state, step = mse_state_and_step(model, x, optax.sgd(0.1))
 
     batch = {"x": x, "y": jnp.ones((4, 8, 8, 64))}
     f, ex = compile_step(step, state, batch, mesh(shape), option())
@@ -486,13 +495,7 @@ def test_moe_2d_plan_moves_fewer_bytes_than_alpas():
     num_experts, hidden = 16, 128
     model = MoE(num_experts, capacity=8, hidden=hidden)
     x = jax.random.normal(jax.random.PRNGKey(1), (32, 32, 32))
-    state = TrainState.create(apply_fn=model.apply, tx=optax.adam(1e-2),
-                              params=model.init(jax.random.PRNGKey(0), x))
-
-    def step(state, batch):
-        def loss(p):
-            return jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
-        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+    state, step = mse_state_and_step(model, x, optax.adam(1e-2))
 
     batch = {"x": x, "y": jnp.ones_like(x)}
     shape = (2, 2)
@@ -593,13 +596,7 @@ def test_mixed_2d_dot_all_to_all():
     30,720 B per device); the step equals jax.jit's."""
     model = ExpertMixer()
     x = jax.random.normal(jax.random.PRNGKey(1), (256, 16))
-    state = TrainState.create(apply_fn=model.apply, tx=optax.sgd(1e-2),
-                              params=model.init(jax.random.PRNGKey(0), x))
-
-    def step(state, batch):
-        def loss(p):
-            return jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
-        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+    state, step = mse_state_and_step(model, x, optax.sgd(1e-2))
 
     batch = {"x": x, "y": jnp.ones_like(x)}
     f, ex = compile_step(step, state, batch, mesh((2, 2)),

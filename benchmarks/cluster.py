@@ -496,7 +496,10 @@ def run_auto(name: str) -> dict:
            "num_micro_batches": k, "pipeline_layers": -(-layers // group)}
     step = make_step(False, layers_per_boundary=group)
     args = abstract_args(hidden, heads, layers, batch, scan=False)
-    shapes = sorted({(h, 8) for d in (1, 2, 4, 8) if hosts % d == 0 for h in [hosts // d]})
+    parts = [d for d in (1, 2, 4, 8) if hosts % d == 0]
+    if len(parts) == 1:  # an odd host count (529.6B: 315): its divisors up to 8 (1, 3, 5, 7)
+        parts = [d for d in range(1, PIPELINE_LAYERS + 1) if hosts % d == 0]
+    shapes = sorted({(hosts // d, 8) for d in parts})
     method = autoshard.AutoParallel(
         num_micro_batches=k, layer_option="manual",
         default_auto_sharding_option=AutoShardingOption(show_progress=False),

@@ -58,7 +58,8 @@ def test_a_slow_link_between_two_hosts_makes_it_choose_a_pipeline():
     assert [c.num_stages for c in est.candidates] == [1, 2, 3, 4]
     for c in est.candidates[1:]:  # every pipeline named with its time and memory
         assert re.search(rf"{c.num_stages} stages?.*step {c.step_s:.4g} s, memory", text)
-    assert "1 stage: ShardParallel on the whole mesh: not priced; dropped: no plan" in text
+    assert ("1 stage: ShardParallel on the whole mesh, 4 micro-batches: not priced; dropped: "
+            "no plan") in text
     assert f"chosen: {est.num_stages} stages, the fastest of 3 that fit memory" in text
     assert "PipeshardParallel(ManualStageOption" in text
 
@@ -120,7 +121,47 @@ def test_a_cluster_too_small_names_the_smallest_memory_and_what_would_fit():
     assert re.search(r"use about \d+ devices or more, or a pipeline of at least \d+ stages", text)
 
 
+def test_micro_batch_counts_are_searched_and_the_choice_runs_with_its_count():
+    cluster = slow_two_hosts(Cluster.a100_80gb(num_hosts=2, devices_per_host=4))
+    est = autoshard.plan(step, *args(), cluster=cluster,
+                         method=method(num_micro_batches=2, micro_batch_counts=(8, 4)))
+    counts = {(c.num_stages, c.num_micro_batches) for c in est.candidates}
+    # the whole mesh at num_micro_batches; every stage count at 2, 4 and 8
+    assert counts == {(1, 2)} | {(s, k) for s in (2, 3, 4) for k in (2, 4, 8)}
+    for k in (2, 4, 8):  # each count's pipelines are the ones searched with that count alone
+        alone = autoshard.plan(step, *args(), cluster=cluster,
+                               method=method(num_micro_batches=k))
+        mine = {c.num_stages: c.step_s for c in est.candidates
+                if c.num_micro_batches == k and c.num_stages > 1}
+        assert mine == {c.num_stages: c.step_s for c in alone.candidates if c.num_stages > 1}
+    best = min((c for c in est.candidates if c.fits), key=lambda c: c.step_s)
+    assert est.chosen is best and est.method.num_micro_batches == best.num_micro_batches
+    # more micro-batches, a smaller bubble: the fastest pipeline uses the most of them here
+    assert best.num_micro_batches == 8
+    assert f"{best.num_stages} stages, 8 micro-batches (" in est.explain()
+
+
+def test_a_searched_micro_batch_count_runs_as_a_single_device_jit_does():
+    params, batch = args(widths=(8, 64, 64, 64, 4))
+    m = method(num_micro_batches=2, micro_batch_counts=(4,))
+    est = autoshard.plan(step, params, batch, method=m,
+                         cluster=slow_two_hosts(Cluster.from_devices(jax.devices())))
+    assert est.num_stages >= 2 and est.method.num_micro_batches == 4
+    run = autoshard.parallelize(step, method=dataclasses.replace(m, plan=est))
+    got, want = _steps(run, params, batch), _steps(jax.jit(step), params, batch)
+    for k in params:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert run.get_last_executable().k == 4  # the step ran 4 micro-batches
+
+
 def test_bad_options_name_the_fix():
+    with pytest.raises(ValueError, match=r"micro_batch_counts \(\(4, 0\)\) must be a non-empty"):
+        autoshard.AutoParallel(micro_batch_counts=(4, 0))
+    with pytest.raises(ValueError, match=r"num_micro_batches \(3\) must divide the batch size "
+                                         r"\(16\) of .*AutoParallel's micro-batch counts "
+                                         r"\(1, 3\)\)\. Choose counts that divide 16"):
+        autoshard.plan(step, *args(), method=method(num_micro_batches=1, micro_batch_counts=(3,)),
+                       cluster=Cluster.a100_80gb(num_hosts=1, devices_per_host=8))
     with pytest.raises(ValueError, match=r"pipeline_schedule \('interleaved_1f1b'\) must be"):
         autoshard.AutoParallel(pipeline_schedule="interleaved_1f1b")
     with pytest.raises(ValueError, match=r"max_num_stages \(0\) must be a positive int"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -110,19 +111,10 @@ def trace_program(fun: Callable, args: tuple, flat: FlatArgs, *, batch_argnums: 
     k = num_micro_batches
     batch_invars = tuple(a in batch_argnums for a in flat.leaf_argnum)
     in_avals = flat.avals()
-    trace_avals = []
-    for aval, b, path in zip(in_avals, batch_invars, flat.paths, strict=True):
-        if b and k > 1:
-            if not aval.shape or aval.shape[0] % k:
-                size = aval.shape[0] if aval.shape else "scalar"
-                raise ValueError(
-                    f"num_micro_batches ({k}) must divide the batch size ({size}) of {path} "
-                    f"(batch_argnums={tuple(batch_argnums)}). Choose a divisor of {size} or "
-                    "change batch_argnums.")
-            aval = jax.ShapeDtypeStruct((aval.shape[0] // k,) + aval.shape[1:], aval.dtype,
-                                        weak_type=aval.weak_type)
-        trace_avals.append(aval)
-
+    trace_avals = _micro_batch_avals(
+        in_avals, batch_invars, flat.paths, k,
+        f"(batch_argnums={tuple(batch_argnums)}). Choose a divisor of {{size}} or change "
+        "batch_argnums.")
     shape_only = flat.abstract()  # the re-traceable function keeps no user array alive
 
     def flat_fun(*dynamic):
@@ -133,11 +125,7 @@ def trace_program(fun: Callable, args: tuple, flat: FlatArgs, *, batch_argnums: 
     out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves)
     state_args = set(flat.leaf_argnum) - set(batch_argnums)
     aliases = _aliases(args, flat, out_shape, state_args)
-    # "auto" aux reductions become what each value needs (before any method plans it)
-    closed = combine.resolve(
-        closed, batch_invars=batch_invars, num_micro_batches=k, aliases=aliases,
-        whole_batch=lambda: jax.make_jaxpr(flat_fun)(*in_avals),
-        out_paths=tuple(output_paths(out_shape)))
+    closed = _resolve(closed, flat_fun, in_avals, batch_invars, k, aliases, out_shape)
     donated = _donated_args(args, flat, donate_argnums, batch_argnums, name)
     donated_invars = tuple(a in donated for a in flat.leaf_argnum)
     program = Program(
@@ -147,6 +135,51 @@ def trace_program(fun: Callable, args: tuple, flat: FlatArgs, *, batch_argnums: 
         aliases=aliases, num_micro_batches=k, args_shape=_args_shape(flat, in_avals),
         out_shape=out_shape, flat_fun=flat_fun)
     return program, out_tree
+
+
+def with_micro_batches(program: Program, k: int, fix: str) -> Program:
+    """``program``'s step traced again for ``k`` micro-batches: the same function, inputs,
+    roles and aliases (``program`` itself when it has ``k``). ``fix`` ends the error raised
+    when ``k`` does not divide a batch input's rows (``{size}``: those rows)."""
+    if k == program.num_micro_batches:
+        return program
+    if program.flat_fun is None:
+        raise ValueError("This Program was built without its function; trace it with "
+                         "trace_program to change its micro-batches.")
+    trace_avals = _micro_batch_avals(program.in_avals, program.batch_invars, program.in_paths,
+                                     k, fix)
+    closed, out_shape = jax.make_jaxpr(program.flat_fun, return_shape=True)(*trace_avals)
+    closed = _resolve(closed, program.flat_fun, program.in_avals, program.batch_invars, k,
+                      program.aliases, out_shape)
+    out = dataclasses.replace(program, closed=closed, num_micro_batches=k,
+                              param_invars=_param_invars(closed.jaxpr), out_shape=out_shape)
+    if "_whole" in program.__dict__:  # the step on the whole batch does not depend on k
+        out.__dict__["_whole"] = program.__dict__["_whole"]
+    return out
+
+
+def _micro_batch_avals(in_avals, batch_invars, paths, k: int, fix: str) -> list:
+    """The inputs of one micro-batch: batch inputs' rows divided by ``k``."""
+    out = []
+    for aval, b, path in zip(in_avals, batch_invars, paths, strict=True):
+        if b and k > 1:
+            if not aval.shape or aval.shape[0] % k:
+                size = aval.shape[0] if aval.shape else "scalar"
+                raise ValueError(f"num_micro_batches ({k}) must divide the batch size ({size}) "
+                                 f"of {path} " + fix.format(size=size))
+            aval = jax.ShapeDtypeStruct((aval.shape[0] // k,) + aval.shape[1:], aval.dtype,
+                                        weak_type=aval.weak_type)
+        out.append(aval)
+    return out
+
+
+def _resolve(closed, flat_fun, in_avals, batch_invars, k, aliases, out_shape):
+    """``closed`` with its "auto" aux reductions made what each value needs (before any
+    method plans it)."""
+    return combine.resolve(
+        closed, batch_invars=batch_invars, num_micro_batches=k, aliases=aliases,
+        whole_batch=lambda: jax.make_jaxpr(flat_fun)(*in_avals),
+        out_paths=tuple(output_paths(out_shape)))
 
 
 def _check_batch_argnums(args, flat: FlatArgs, batch_argnums):

@@ -36,6 +36,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from .._program import with_micro_batches
 from ..cluster import GIB, Cluster
 from ..methods._auto import plan_program
 from ..methods._base import ParallelMethod
@@ -60,6 +61,8 @@ class Candidate:
 
     num_stages: int
     """Pipeline stages (1: ``ShardParallel`` on the whole mesh)."""
+    num_micro_batches: int = 1
+    """Micro-batches per step it was priced with."""
     step_s: float
     """Estimated seconds per step (inf when it has no plan within the memory)."""
     memory_bytes: int | None
@@ -81,7 +84,7 @@ class Candidate:
 
     def describe(self) -> str:
         what = ("1 stage: ShardParallel on the whole mesh" if self.num_stages == 1 else
-                f"{self.num_stages} stages")
+                f"{self.num_stages} stages") + f", {self.num_micro_batches} micro-batches"
         found = (f"step {self.step_s:.4g} s, memory {self.memory_bytes / GIB:.3g} GiB per device"
                  if self.memory_bytes is not None and math.isfinite(self.step_s) else "")
         dp = f", stage DP objective {self.search_s:.4g} s" if self.search_s is not None else ""
@@ -154,6 +157,14 @@ class AutoParallel(ParallelMethod):
     num_micro_batches: int = 1
     """Micro-batches per step: streamed through a pipeline's stages, or accumulated by the
     whole-mesh plan."""
+    micro_batch_counts: tuple[int, ...] | None = None
+    """More micro-batch counts the pipeline candidates are searched with, beside
+    ``num_micro_batches`` (each count a stage search of its own; each must divide the batch).
+    The chosen candidate's count is the one the step runs with (``AutoEstimate.method``).
+    More micro-batches shrink a pipeline's bubble (1F1B idles ``(stages - 1) / (micro-batches
+    + stages - 1)`` of its time) and its live activations, at smaller products per
+    micro-batch. The whole-mesh candidate accumulates ``num_micro_batches``. None:
+    ``num_micro_batches`` only."""
     default_auto_sharding_option: Any = None
     """Planner options for the whole-mesh plan and every stage (an ``AutoShardingOption``)."""
     layer_option: Any = None
@@ -187,6 +198,14 @@ class AutoParallel(ParallelMethod):
         self._validate_common()
         if self.num_micro_batches is None:
             object.__setattr__(self, "num_micro_batches", 1)
+        counts = self.micro_batch_counts
+        if counts is not None:
+            if not isinstance(counts, (tuple, list)) or not counts or any(
+                    not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in counts):
+                raise ValueError(
+                    f"AutoParallel.micro_batch_counts ({counts!r}) must be a non-empty tuple "
+                    "of positive ints (micro-batch counts that divide the batch), or None.")
+            object.__setattr__(self, "micro_batch_counts", tuple(counts))
         if self.pipeline_schedule not in SCHEDULES or traits(self.pipeline_schedule).virtual:
             raise ValueError(
                 f"AutoParallel.pipeline_schedule ({self.pipeline_schedule!r}) must be one of "
@@ -206,11 +225,13 @@ class AutoParallel(ParallelMethod):
             raise TypeError(f"AutoParallel.plan ({type(self.plan).__name__}) must be the "
                             "AutoEstimate that autoshard.plan(..., method=AutoParallel()) "
                             "returns.")
-        if self.plan is not None and self.plan.method.micro_batches != self.num_micro_batches:
+        if self.plan is not None and (
+                self.plan.method.micro_batches not in self.pipeline_micro_batches):
             raise ValueError(
                 f"AutoParallel.plan was made with num_micro_batches="
                 f"{self.plan.method.micro_batches} but this method has "
-                f"{self.num_micro_batches}. Pass the same num_micro_batches.")
+                f"{self.num_micro_batches} (micro_batch_counts={self.micro_batch_counts}). "
+                "Pass the num_micro_batches and micro_batch_counts the plan was made with.")
         opt = self.default_auto_sharding_option
         if opt is not None and not isinstance(opt, AutoShardingOption):
             raise TypeError(f"default_auto_sharding_option ({opt!r}) must be an "
@@ -227,6 +248,11 @@ class AutoParallel(ParallelMethod):
                              "AutoStageOption(profile=True) is not supported here. Pass "
                              "AutoStageOption(profile=False).")
         object.__setattr__(self, "stage_option", stage)
+
+    @property
+    def pipeline_micro_batches(self) -> tuple[int, ...]:
+        """The micro-batch counts the pipeline candidates are searched with, fewest first."""
+        return tuple(sorted({self.num_micro_batches, *(self.micro_batch_counts or ())}))
 
     def pipeline(self, stage_option) -> PipeshardParallel:
         """The pipeline method of this one's options with ``stage_option``."""
@@ -251,7 +277,14 @@ class AutoParallel(ParallelMethod):
         else:
             chosen = call.agree(program, lambda: choose(self, program, Cluster.from_devices(
                 devices)).method)
-        return chosen.compile_executable(program, call)
+        return chosen.compile_executable(_traced_for(self, program, chosen.micro_batches), call)
+
+
+def _traced_for(method: AutoParallel, program, k: int):
+    """``program`` traced for ``k`` micro-batches (one of ``method``'s counts)."""
+    return with_micro_batches(
+        program, k, f"(AutoParallel's micro-batch counts {method.pipeline_micro_batches}). "
+        "Choose counts that divide {size}.")
 
 
 def choose(method: AutoParallel, program, cluster: Cluster) -> AutoEstimate:
@@ -259,13 +292,24 @@ def choose(method: AutoParallel, program, cluster: Cluster) -> AutoEstimate:
     doc)."""
     t0 = time.perf_counter()
     notes: list[str] = []
-    pipelines = _pipelines(method, program, cluster, notes)
+    programs = {k: _traced_for(method, program, k) for k in method.pipeline_micro_batches}
+    pipelines = []
+    for k, traced in programs.items():
+        each = dataclasses.replace(method, num_micro_batches=k, micro_batch_counts=None)
+        found = _pipelines(each, traced, cluster, notes if len(programs) == 1 else None)
+        pipelines += found
+        if len(programs) > 1 and notes is not None:
+            priced = [c for c in found if c.fits]
+            best = min(priced, key=lambda c: c.step_s, default=None)
+            notes.append(f"{k} micro-batches: {len(found)} stage counts searched" + (
+                f", the fastest {best.num_stages} stages, {best.step_s:.4g} s" if best else
+                ", none priced within the memory"))
     fastest = min((c.step_s for c in pipelines if c.fits), default=None)
     candidates = [_whole_mesh(method, program, cluster, notes, cutoff_s=fastest), *pipelines]
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         raise _no_fit(method, program, cluster, candidates)
-    chosen = min(fitting, key=lambda c: (c.step_s, c.num_stages))
+    chosen = min(fitting, key=lambda c: (c.step_s, c.num_stages, c.num_micro_batches))
     return AutoEstimate(cluster=cluster.describe(), candidates=tuple(candidates),
                         chosen=chosen, planning_s=time.perf_counter() - t0,
                         notes=tuple(notes))
@@ -323,14 +367,16 @@ def _whole_mesh(method: AutoParallel, program, cluster: Cluster,
     try:
         plan = plan_program(shard, program, cluster, cutoff_s=cutoff_s)
     except Outpriced as err:
-        return Candidate(num_stages=1, step_s=math.inf, memory_bytes=None,
+        return Candidate(num_stages=1, num_micro_batches=method.num_micro_batches,
+                         step_s=math.inf, memory_bytes=None,
                          dropped=f"no plan on the whole mesh can beat the fastest pipeline's "
                                  f"{cutoff_s:.4g} s (the planner's bounds on "
                                  f"{len(err.reasons)} mesh(es))")
     except (ValueError, RuntimeError) as err:
         if "memory" not in str(err):
             raise
-        return Candidate(num_stages=1, step_s=math.inf, memory_bytes=None,
+        return Candidate(num_stages=1, num_micro_batches=method.num_micro_batches,
+                         step_s=math.inf, memory_bytes=None,
                          dropped=_first_sentence(err))
     o = plan.objective
     peak, limit = o.peak_bytes_per_device, cluster.memory_bytes
@@ -340,7 +386,8 @@ def _whole_mesh(method: AutoParallel, program, cluster: Cluster,
     over = (f"its estimated memory, {peak / GIB:.3g} GiB per device, is over the cluster's "
             f"{limit / GIB:.3g} GiB" if limit is not None and peak is not None and peak > limit
             else "")
-    return Candidate(num_stages=1, step_s=o.total_s, memory_bytes=peak,
+    return Candidate(num_stages=1, num_micro_batches=method.num_micro_batches,
+                     step_s=o.total_s, memory_bytes=peak,
                      split=f"mesh {'x'.join(map(str, plan.mesh_shape))}", estimate=plan,
                      method=dataclasses.replace(shard, plan=plan), dropped=over)
 
@@ -359,7 +406,7 @@ def _pipelines(method: AutoParallel, program, cluster: Cluster,
     for s in range(2, top + 1):
         found = pricer.stage_layout(option, cut.num_layers, k, num_stages=s)
         if found is None:
-            out[s] = Candidate(num_stages=s, step_s=math.inf, memory_bytes=None,
+            out[s] = Candidate(num_stages=s, num_micro_batches=k, step_s=math.inf, memory_bytes=None,
                                dropped="no layout: every cut into this many stages has a "
                                        "stage without a plan within the memory, or the "
                                        "sub-mesh sizes cannot cover the devices")
@@ -379,7 +426,7 @@ def _pipelines(method: AutoParallel, program, cluster: Cluster,
             f"{'x'.join(map(str, m))}" for t, ((_, phys), m) in enumerate(zip(
                 placement, mesh, strict=True)))
         if rank >= method.num_priced:
-            out[s] = Candidate(num_stages=s, step_s=math.inf, memory_bytes=None,
+            out[s] = Candidate(num_stages=s, num_micro_batches=k, step_s=math.inf, memory_bytes=None,
                                search_s=obj, split=split,
                                dropped=f"not priced in full (num_priced={method.num_priced}: "
                                        "the stage counts of least DP objective are)")
@@ -392,10 +439,10 @@ def _pipelines(method: AutoParallel, program, cluster: Cluster,
         except ValueError as err:
             if "memory" not in str(err):
                 raise
-            out[s] = Candidate(num_stages=s, step_s=math.inf, memory_bytes=None,
+            out[s] = Candidate(num_stages=s, num_micro_batches=k, step_s=math.inf, memory_bytes=None,
                                search_s=obj, split=split, dropped=_first_sentence(err))
             continue
-        out[s] = Candidate(num_stages=s, step_s=est.step_s,
+        out[s] = Candidate(num_stages=s, num_micro_batches=k, step_s=est.step_s,
                            memory_bytes=est.peak_bytes_per_device, search_s=obj, split=split,
                            estimate=est, method=runner)
     if notes is not None:

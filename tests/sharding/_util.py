@@ -19,8 +19,10 @@ _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 
              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
-def plan_fn(fn, args, *, batch=None, aliases=(), option=None, num_devices=8, **opt):
-    """Trace ``fn(*args)`` and plan it; ``batch``: per flat input leaf, is it a batch leaf."""
+def plan_fn(fn, args, *, batch=None, aliases=(), option=None, num_devices=8, plan_kw=None,
+            **opt):
+    """Trace ``fn(*args)`` and plan it; ``batch``: per flat input leaf, is it a batch leaf;
+    ``plan_kw``: more keywords of ``plan_auto``; ``opt``: the option's fields."""
     closed = jax.make_jaxpr(fn)(*args)
     flat = jax.tree.leaves(args)
     option = option or AutoShardingOption(**{"show_progress": False, **opt})
@@ -28,7 +30,7 @@ def plan_fn(fn, args, *, batch=None, aliases=(), option=None, num_devices=8, **o
     plan = plan_auto(closed, num_devices=num_devices, option=option,
                      in_paths=[f"in{i}" for i in range(len(flat))],
                      out_paths=[f"out{i}" for i in range(len(closed.jaxpr.outvars))],
-                     batch_invars=batch, aliases=aliases)
+                     batch_invars=batch, aliases=aliases, **(plan_kw or {}))
     return closed, plan
 
 

@@ -15,8 +15,9 @@ STEP = sgd_step(mse(mlp))
 ARGS = ((jnp.ones((64, 256)), jnp.ones((256, 64))), jnp.ones((16, 64)), jnp.ones((16, 64)))
 
 
-def plan(**opt):
-    return plan_fn(STEP, ARGS, batch=[0, 0, 1, 1], aliases=[(0, 0), (1, 1)], **opt)[1]
+def plan(plan_kw=None, **opt):
+    return plan_fn(STEP, ARGS, batch=[0, 0, 1, 1], aliases=[(0, 0), (1, 1)], plan_kw=plan_kw,
+                   **opt)[1]
 
 
 @pytest.mark.parametrize("error", [
@@ -35,10 +36,12 @@ def test_a_mesh_without_a_plan_is_skipped_and_reported(monkeypatch, error):
             raise error
         return real(ilp, **kw)
     monkeypatch.setattr(planner, "solve_ilp", failing_on_1d)
-    got = plan()
+    failures = {}  # handed to the caller as data (plan_program skips them in a harder search)
+    got = plan(plan_kw={"mesh_failures": failures})
     assert got.mesh_shape in ((2, 4), (4, 2))
     pruned = dict(got.objective.meshes_pruned)
     assert pruned[(8,)] == "no plan: " + str(error).split(";")[0]
+    assert failures == {(8,): str(error).split(";")[0]}
     assert "no plan: " in got.explain() and str(error).split(";")[0][:40] in got.explain()
 
 

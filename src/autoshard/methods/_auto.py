@@ -173,6 +173,7 @@ def plan_program(method, program: Program, cluster: Cluster, *,
                   else None)
 
     bounds: dict = {}  # mesh -> lower bound of its plans with the reductions deferred
+    failed: dict = {}  # mesh -> why it has no plan with the reductions deferred
 
     def solve(option, deferred: bool, cutoff_s=cutoff_s, skip_meshes=None):
         return sharding.plan_auto(
@@ -182,7 +183,8 @@ def plan_program(method, program: Program, cluster: Cluster, *,
             cluster=cluster, fixed_in_specs=fixed_in_specs, top_mults=loop_costs(
                 program.closed, program.batch_invars, program.num_micro_batches, deferred),
             batch_dims=batch_dims, cutoff_s=cutoff_s, skip_meshes=skip_meshes,
-            mesh_bounds=bounds if deferred and option.logical_mesh_shape is None else None)
+            **({"mesh_bounds": bounds, "mesh_failures": failed}
+               if deferred and option.logical_mesh_shape is None else {}))
 
     plan = solve(option, deferred=True)
     if program.num_micro_batches > 1 and _loop_runs(plan, program) != "rows":
@@ -207,12 +209,12 @@ def plan_program(method, program: Program, cluster: Cluster, *,
                   + ([cutoff_s] if cutoff_s is not None else []), default=None)
         # Each mesh's ILP here is the first's with costs no lower (the reductions run every
         # micro-batch) and the same size: a mesh the first found no plan on is not searched.
-        failed = {tuple(m): f"no plan with the reductions deferred ({why.split(': ', 1)[-1]})"
-                  for m, why in plan.objective.meshes_pruned if why.startswith("no plan")}
         try:
             whole = solve(option, deferred=False, cutoff_s=bar, skip_meshes={
-                **failed, **{m: f"bound {b:.4g} s with the reductions deferred >= {bar:.4g} s"
-                             for m, b in bounds.items() if bar is not None and b >= bar}})
+                **{m: f"no plan with the reductions deferred ({why})"
+                   for m, why in failed.items()},
+                **{m: f"bound {b:.4g} s with the reductions deferred >= {bar:.4g} s"
+                   for m, b in bounds.items() if bar is not None and b >= bar}})
         except sharding.Outpriced:
             if not candidates:
                 raise

@@ -108,7 +108,8 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
               batch_dims: dict | None = None,
               cutoff_s: float | None = None,
               skip_meshes: dict | None = None,
-              mesh_bounds: dict | None = None) -> ShardingPlan:
+              mesh_bounds: dict | None = None,
+              mesh_failures: dict | None = None) -> ShardingPlan:
     """Plan every array of ``closed_jaxpr`` over ``num_devices`` devices (no devices needed).
 
     ``fixed_in_specs``: per input, the PartitionSpec it arrives in (over ``axis_names``, or
@@ -142,6 +143,8 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     (the cost and LP bounds found here, a solved plan's objective less its gap): bounds of
     an easier variant of the program (its costs no higher on every mesh) rule meshes out of
     a harder one's search (``skip_meshes``).
+    ``mesh_failures``: filled with mesh shape -> why it has no plan (the solver's error), for
+    the meshes whose ILP was solved and found none.
 
     ``compare_data_parallel``: also solve pure data parallel on the chosen mesh, the figure
     ``explain()`` shows beside the plan (``Objective.data_parallel_s``; a second, easier ILP).
@@ -267,6 +270,8 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             except (ValueError, RuntimeError) as err:  # no plan on this mesh: the next one
                 errors.append((prob, err))
                 pruned[shape] = "no plan: " + str(err).split(";")[0]
+                if mesh_failures is not None:
+                    mesh_failures[shape] = str(err).split(";")[0]
                 continue
             bounded(shape, sol.bound_s)
             if sol.status == "optimal" and ilp is not None and not ilp.approximate:

@@ -481,27 +481,38 @@ def write_paper_pipelines(rows: list[dict]):
     (RESULTS / "cluster_paper_pipelines.md").write_text("\n".join(lines) + "\n")
 
 
-def run_auto(name: str) -> dict:
+def micro_batch_counts(batch: int, searched: int) -> list[int]:
+    """The micro-batch counts ``--auto`` searches: the fewest from PIPELINE_MICRO_BATCHES up
+    that divide the batch (529.6B's 2520 sequences: 18), then the fewest from 3x and 9x it up
+    (``searched`` counts in all)."""
+    def at_least(n):
+        return next(d for d in range(n, batch + 1) if batch % d == 0)
+    first = at_least(PIPELINE_MICRO_BATCHES)
+    return sorted({at_least(first * 3**i) for i in range(searched)})
+
+
+def run_auto(name: str, pipeline_layers: int = PIPELINE_LAYERS, searched: int = 1,
+             host_parts: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
     """The row planned by ``AutoParallel``: the whole-mesh plan and pipelines of 2 or more
-    stages (sub-meshes of a quarter, half or all the hosts ... whole hosts; layer times
-    planned per pipeline layer), the fastest that fits chosen."""
+    stages (sub-meshes of all the hosts / ``host_parts``: whole hosts; layer times planned
+    per pipeline layer; ``searched`` micro-batch counts), the fastest that fits chosen."""
     hidden, heads, layers, gpus, batch, split, paper_tflops = AUTO_ROWS[name]
-    # the fewest micro-batches from PIPELINE_MICRO_BATCHES up that divide the batch (529.6B's
-    # 2520 sequences: 18)
-    k = next(d for d in range(PIPELINE_MICRO_BATCHES, batch + 1) if batch % d == 0)
-    group = -(-layers // PIPELINE_LAYERS)
+    counts = micro_batch_counts(batch, searched)
+    k = counts[0]
+    group = -(-layers // pipeline_layers)
     hosts = gpus // 8
     row = {"model": name, "hidden": hidden, "heads": heads, "layers": layers, "gpus": gpus,
            "batch": batch, "paper_split": split, "paper_tflops": paper_tflops,
-           "num_micro_batches": k, "pipeline_layers": -(-layers // group)}
+           "num_micro_batches": k, "micro_batch_counts": counts,
+           "pipeline_layers": -(-layers // group)}
     step = make_step(False, layers_per_boundary=group)
     args = abstract_args(hidden, heads, layers, batch, scan=False)
-    parts = [d for d in (1, 2, 4, 8) if hosts % d == 0]
+    parts = [d for d in host_parts if hosts % d == 0]
     if len(parts) == 1:  # an odd host count (529.6B: 315): its divisors up to 8 (1, 3, 5, 7)
-        parts = [d for d in range(1, PIPELINE_LAYERS + 1) if hosts % d == 0]
+        parts = [d for d in range(1, max(host_parts) + 1) if hosts % d == 0]
     shapes = sorted({(hosts // d, 8) for d in parts})
     method = autoshard.AutoParallel(
-        num_micro_batches=k, layer_option="manual",
+        num_micro_batches=k, micro_batch_counts=tuple(counts[1:]) or None, layer_option="manual",
         default_auto_sharding_option=AutoShardingOption(show_progress=False),
         stage_option=AutoStageOption(submesh_physical_shape_space="manual",
                                      manually_specified_submeshes=shapes,
@@ -513,10 +524,12 @@ def run_auto(name: str) -> dict:
     row["plan_cpu_s"] = time.process_time() - c0  # the machine is shared: CPU seconds too
     row["load_average"] = os.getloadavg()[0]
     row["chosen_stages"] = est.num_stages
+    row["chosen_micro_batches"] = est.chosen.num_micro_batches
     row["step_s"] = est.step_s
     row["memory_gib"] = est.peak_bytes_per_device / 2**30
     row["eq3_tflops"] = paper_flops(hidden, layers, batch) / (est.step_s * gpus * 1e12)
-    row["candidates"] = [{"stages": c.num_stages, "step_s": c.step_s, "split": c.split,
+    row["candidates"] = [{"stages": c.num_stages, "micro_batches": c.num_micro_batches,
+                          "step_s": c.step_s, "split": c.split,
                           "memory_gib": None if c.memory_bytes is None else
                           c.memory_bytes / 2**30, "dropped": c.dropped}
                          for c in est.candidates]
@@ -532,13 +545,16 @@ def run_auto(name: str) -> dict:
     return row
 
 
-def auto_row_in_subprocess(name: str, limit_s: float = AUTO_TIME_LIMIT_S) -> dict:
-    """``run_auto(name)`` in a child process stopped after ``limit_s`` seconds."""
+def auto_row_in_subprocess(name: str, limit_s: float = AUTO_TIME_LIMIT_S,
+                           searched: int = 1) -> dict:
+    """``run_auto(name, searched=searched)`` in a child process stopped after ``limit_s``
+    seconds."""
     import subprocess
 
     t0 = time.perf_counter()
     code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import cluster; print(json.dumps(cluster.run_auto({name!r})))")
+            f"import cluster; print(json.dumps(cluster.run_auto({name!r}, "
+            f"searched={searched})))")
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               timeout=limit_s)
@@ -559,7 +575,9 @@ def write_auto(rows: list[dict], limit_s: float = AUTO_TIME_LIMIT_S):
              f"`autoshard.plan(..., method=AutoParallel(...))`, {platform.machine()}, "
              f"{os.cpu_count()} CPUs (shared). Step unrolled with a pipeline boundary every "
              f"layers / {PIPELINE_LAYERS} layers, {PIPELINE_MICRO_BATCHES} micro-batches (or "
-             "the next count that divides the batch), "
+             "the next count that divides the batch; a row run with "
+             "--auto-micro-batch-counts 3 searched that count and the next from 3x and 9x it: "
+             "AutoParallel(micro_batch_counts=...), the counts listed), "
              f"sub-meshes of hosts / (1, 2, 4, 8) whole hosts; rows stopped after "
              f"{limit_s:.0f} s of planning. plan s: wall seconds (CPU seconds of the planning "
              "process, and the load average at the end: the machine is shared).", "",
@@ -579,10 +597,15 @@ def write_auto(rows: list[dict], limit_s: float = AUTO_TIME_LIMIT_S):
                          f"{r.get('stopped') or r.get('error')} | | | | | | | | | | "
                          f"{r['plan_s']:.0f} |")
             continue
+        counts = r.get("micro_batch_counts", [r["num_micro_batches"]])
+        chosen_k = r.get("chosen_micro_batches", r["num_micro_batches"])
+
         cands = "; ".join(
-            f"{c['stages']}: {c['step_s']:.3g}" if c["step_s"] is not None
-            and c["step_s"] < float("inf") else f"{c['stages']}: dropped ({c['dropped']})"
-            for c in r["candidates"] if c["stages"] != r["chosen_stages"])
+            f"{candidate_label(c, r)}: {c['step_s']:.3g}" if c["step_s"] is not None
+            and c["step_s"] < float("inf")
+            else f"{candidate_label(c, r)}: dropped ({c['dropped']})"
+            for c in r["candidates"] if (c["stages"], c.get("micro_batches", chosen_k))
+            != (r["chosen_stages"], chosen_k))
         paper = r.get("paper_priced")
         priced = (f"({paper['paper_tensor']}, {paper['paper_pipeline']}, "
                   f"{paper['paper_data']}), {paper['num_micro_batches']}, "
@@ -591,14 +614,26 @@ def write_auto(rows: list[dict], limit_s: float = AUTO_TIME_LIMIT_S):
         ratio = f"{paper['step_s'] / r['step_s']:.2f}" if paper else ""
         vs_paper = (f"{r['paper_tflops'] / r['eq3_tflops']:.2f}" if r.get("paper_tflops")
                     else "")
+        searched = f" (of {', '.join(map(str, counts))})" if len(counts) > 1 else ""
         lines.append(f"| {r['model']} | {r['gpus']} | {r['chosen_stages']}: "
-                     f"{r.get('chosen_split', '')} | {r['num_micro_batches']} | "
+                     f"{r.get('chosen_split', '')} | {chosen_k}{searched} | "
                      f"{r['step_s']:.3g} | {r['eq3_tflops']:.0f} | {r['paper_tflops'] or ''} | "
                      f"{vs_paper} | {r['memory_gib']:.1f} | {priced} | {ratio} | {cands} | "
                      f"{r['plan_s']:.0f}" + (
                          f" ({r['plan_cpu_s']:.0f} CPU, load {r['load_average']:.1f})"
                          if "plan_cpu_s" in r else "") + " |")
-    (RESULTS / "cluster_auto.md").write_text("\n".join(lines) + "\n")
+    md = RESULTS / "cluster_auto.md"
+    # the notes written under the table (its "## " sections) stay across reruns
+    kept = md.read_text().partition("\n## ") if md.exists() else ("", "", "")
+    md.write_text("\n".join(lines) + "\n" + (f"\n## {kept[2]}" if kept[1] else ""))
+
+
+def candidate_label(c: dict, r: dict) -> str:
+    """An ``--auto`` candidate's stage count, and its micro-batches where several were
+    searched."""
+    k = c.get("micro_batches", r["num_micro_batches"])
+    return f"{c['stages']}" + (f" x {k} mb" if len(r.get("micro_batch_counts", [])) > 1
+                               else "")
 
 
 def why(r: dict) -> str:
@@ -875,6 +910,10 @@ def main(argv=None):
     parser.add_argument("--auto-time-limit", type=float, default=AUTO_TIME_LIMIT_S,
                         help="seconds after which an --auto row is stopped (default "
                              f"{AUTO_TIME_LIMIT_S}; raise it on a loaded machine)")
+    parser.add_argument("--auto-micro-batch-counts", type=int, default=1,
+                        help="micro-batch counts an --auto row searches (micro_batch_counts: "
+                             "the fewest from 16 up dividing the batch, then from 3x and 9x "
+                             "it; default 1)")
     args = parser.parse_args(argv)
     global RESULTS, DROPOUT
     DROPOUT = args.dropout
@@ -904,7 +943,8 @@ def main(argv=None):
     if args.auto:
         rows = []
         for name in args.auto:
-            rows.append(auto_row_in_subprocess(name, args.auto_time_limit))
+            rows.append(auto_row_in_subprocess(name, args.auto_time_limit,
+                                               args.auto_micro_batch_counts))
             write_auto(rows, args.auto_time_limit)
         return
     modes = [True, False] if args.both else [not args.unroll]

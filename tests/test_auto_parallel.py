@@ -118,6 +118,8 @@ def test_a_cluster_too_small_names_the_smallest_memory_and_what_would_fit():
     each = [int(x.replace(",", "")) for x in re.findall(r"stages?: ([\d,]+) B", text)]
     assert len(each) == 4 and smallest == min(each) > 20_000
     assert re.search(r"largest arrays: arg0\['w[12]'\]", text)
+    # and why each was dropped within the limit, candidates with one reason named together
+    assert re.search(r"Within the limit: 1 stage\(s\): .*; 2, 3, 4 stage\(s\): no layout", text)
     assert re.search(r"use about \d+ devices or more, or a pipeline of at least \d+ stages", text)
 
 

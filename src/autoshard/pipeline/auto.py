@@ -624,8 +624,19 @@ def _no_fit(method: AutoParallel, program, cluster: Cluster, candidates) -> Valu
         f"AutoParallel found no plan within the memory of {cluster.describe()} ({budget:,} B "
         f"per device): the smallest estimate found is {smallest:,} B per device "
         f"({stages} stage{'s' if stages > 1 else ''}{f', {split}' if split else ''}; planned "
-        f"without the limit; each candidate: {each}). The largest arrays: "
-        f"{_largest_inputs(graph)}. " + advice)
+        f"without the limit; each candidate: {each}). Within the limit: "
+        f"{_why_dropped(candidates)}. The largest arrays: {_largest_inputs(graph)}. " + advice)
+
+
+def _why_dropped(candidates) -> str:
+    """Why the candidates were dropped, candidates with one reason named together."""
+    several = len({c.num_micro_batches for c in candidates}) > 1
+    by_reason: dict = {}
+    for c in candidates:
+        name = f"{c.num_stages}" + (f" x {c.num_micro_batches} micro-batches" if several
+                                    else "")
+        by_reason.setdefault(c.dropped or "over the memory", []).append(name)
+    return "; ".join(f"{', '.join(names)} stage(s): {why}" for why, names in by_reason.items())
 
 
 def _unlimited(method, program, free: Cluster, stage_counts) -> list[Candidate]:

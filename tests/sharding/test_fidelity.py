@@ -42,9 +42,9 @@ def test_model_parallel_mlp_compiles_to_exactly_its_prediction():
 
 
 def test_a_gather_over_two_axes_is_recorded_as_the_one_collective_xla_runs():
+    from autoshard.sharding.assemble import _as_compiled
     from autoshard.sharding.cost import CostModel
     from autoshard.sharding.options import AutoShardingOption
-    from autoshard.sharding.planner import _as_compiled
 
     cost = CostModel.from_option((2, 4), AutoShardingOption())
     # A dim split over both axes made whole: the cost model chains two per-axis gathers,

@@ -21,8 +21,9 @@ import numpy as np
 import autoshard
 from autoshard.sharding.build import build_problem
 from autoshard.sharding.graph import build_graph
+from autoshard.sharding.ilp import build_ilp
 from autoshard.sharding.memory import copy_bound_bytes, copy_bounds, reshard_bytes
-from autoshard.sharding.solver import build_ilp, solve_ilp
+from autoshard.sharding.solver import solve_ilp
 from autoshard.sharding.spec import shards
 from autoshard.sharding.xla_buffers import ready_points
 

@@ -177,16 +177,16 @@ def test_force_options_that_cannot_apply_fail_at_construction():
 
 def test_the_mip_gap_reaches_highs(monkeypatch):
     """``solver_mip_gap`` is HiGHS's ``mip_rel_gap`` for every solve of the plan."""
-    from autoshard.sharding import solver
+    from autoshard.sharding import ilp as built
     seen = []
-    real = solver.build_ilp
+    real = built.build_ilp
 
     def spy(prob, **kw):
         ilp = real(prob, **kw)
         seen.append(ilp.options["mip_rel_gap"])
         return ilp
-    monkeypatch.setattr(solver, "build_ilp", spy)
     monkeypatch.setattr("autoshard.sharding.planner.build_ilp", spy)
+    monkeypatch.setattr("autoshard.sharding.solver.build_ilp", spy)  # build_and_solve's
     _plan(option=AutoShardingOption(show_progress=False, solver_mip_gap=0.02))
     assert seen and set(seen) == {0.02}
 
@@ -270,13 +270,13 @@ def test_ilp_cutoff_skips_meshes_that_cannot_win_without_changing_the_plan(monke
 
 
 def test_memory_rows_are_added_where_the_plan_goes_over_the_budget(monkeypatch):
-    from autoshard.sharding import memory, solver
+    from autoshard.sharding import ilp, memory, solver
 
     def first_point_only(prob, col0, K, total, num_points=48, points=None, **kw):
         # Sample only the first program point, so the budget rows miss the peak.
         return memory.memory_rows(prob, col0, K, total,
                                   points=np.array([0]) if points is None else points, **kw)
-    monkeypatch.setattr(solver, "memory_rows", first_point_only)
+    monkeypatch.setattr(ilp, "memory_rows", first_point_only)  # the rows the ILP is built with
     args, budget = _mlp_args(batch=64, hidden=256), 700_000
     monkeypatch.setattr(solver, "MEMORY_ROUNDS", 0)
     # Without rounds the plan goes over the budget: that is no plan, and the error says by

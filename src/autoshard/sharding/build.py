@@ -343,7 +343,7 @@ def _hold_parameters_whole(prob: Problem, aliases, fixed_in_specs) -> None:
     held some parameters in shards: one all-gather each before the forward pass, where the
     update's all-gathers are one (``apply.gather_outputs_once``). The edges out of these
     inputs, and out of the light ops computed from them alone (a bias reshaped to broadcast,
-    a transposed tied embedding), allow no resharding but slices (``solver._Edges.held``); a
+    a transposed tied embedding), allow no resharding but slices (``ilp._Edges.held``); a
     whole parameter is always there to slice. Not with a memory budget (ZeRO-3's layout may
     be what fits it), without all-gathers (``allow_all_gather=False``: ZeRO-2's gather after
     the update is off too), or for inputs whose layout is given (``fixed_in_specs``)."""

@@ -24,10 +24,10 @@ import time
 
 import numpy as np
 
-from . import solver
+from .ilp import Ilp, evaluate
 from .memory import live_bytes, memory_rows
 from .pareto import GAP
-from .solver import Ilp, Solution
+from .solver import Solution
 
 MIN_SAVING = 0.01
 """The second plan replaces the first only when its peak is at least this fraction smaller."""
@@ -70,7 +70,7 @@ def least_memory(ilp: Ilp, first: Solution, tradeoff: float) -> Solution:
         # Its rows are the ILP's sampled ones, without the rows the budget's rounds added
         # and without the resharded copies: a plan over the budget is no plan.
         return fastest
-    objective = solver.evaluate(prob, choice, ilp.edges)
+    objective = evaluate(prob, choice, ilp.edges)
     if (peak > first_peak * (1 - MIN_SAVING)
             or objective > (1 + tradeoff) * first.objective_s * (1 + 1e-9)):
         second = Solution(choice, first.status, objective, 0.0, num_ilp_vars=first.num_ilp_vars)

@@ -78,7 +78,7 @@ def received_bytes(collectives, mesh_sizes: dict[str, int]) -> int:
 def trade_off(ilp, found, make_plan) -> tuple[TradeOffRow, ...]:
     """The rows of ``explain()``'s trade-off table for the chosen mesh.
 
-    ``ilp``: the chosen mesh's ILP (``solver.Ilp``); ``found``: its solutions, the chosen one
+    ``ilp``: the chosen mesh's ILP (``ilp.Ilp``); ``found``: its solutions, the chosen one
     first; ``make_plan(solution)``: the ``ShardingPlan`` of a solution. The least-memory plan
     is solved here (``least_peak``) and joins ``found``.
     """
@@ -131,6 +131,7 @@ def least_peak(ilp, first):
     from scipy.optimize import milp  # loads on first use
 
     from . import solver
+    from .ilp import evaluate
     from .memory import live_bytes, memory_rows
 
     prob = ilp.prob
@@ -163,7 +164,7 @@ def least_peak(ilp, first):
     if best is None:
         return None
     return solver.Solution(best[0], "least peak memory found",
-                           solver.evaluate(prob, best[0], ilp.edges), 0.0,
+                           evaluate(prob, best[0], ilp.edges), 0.0,
                            num_ilp_vars=ilp.total)
 
 

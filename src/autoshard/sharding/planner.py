@@ -26,6 +26,7 @@ from .build import (
 from .cost import ClusterCosts, CostModel, device_speed, dominated_meshes
 from .flops import eqn_roles, model_flops
 from .graph import Graph, build_graph
+from .ilp import build_ilp
 from .least_memory import least_memory
 from .memory import peak_bytes
 from .options import DEFAULT_MEMORY_TRADEOFF, AutoShardingOption
@@ -34,13 +35,7 @@ from .partial_sums import fold_partial_sums
 from .plan import ShardingPlan, later
 from .problem import Problem
 from .repeats import tie_repeated
-from .solver import (
-    Solution,
-    build_and_solve,
-    build_ilp,
-    lp_bound_s,
-    solve_ilp,
-)
+from .solver import Solution, build_and_solve, lp_bound_s, solve_ilp
 from .spec import candidate_specs, from_partition_spec, shards
 from .strategy import itemsize
 from .zero_update import zero_update

@@ -1,7 +1,7 @@
 """Resharding prices the sharding ILPs share: per-axis terms and the memo of pairwise matrices.
 
 An edge whose two ends are chosen independently has a resharding cost per (producer strategy,
-consumer strategy) pair. The ILP takes it in one of two forms (``solver.build_ilp``):
+consumer strategy) pair. The ILP takes it in one of two forms (``ilp.build_ilp``):
 
 * **Per-axis terms** (``axis_terms``): a sum over mesh axes of a term that depends only on
   where the axis sits in the producer's spec and in the required spec, and on which other

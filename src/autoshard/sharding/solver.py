@@ -1,16 +1,9 @@
-"""ILP build and solve with HiGHS (``scipy.optimize.milp``).
-
-One binary per (variable, strategy) with a one-hot row per variable. A graph edge whose cost
-depends on both ends gets continuous edge variables over (producer spec, required spec) pairs,
-tied to both one-hot vectors by marginal rows (exact at integral points); an edge whose cost
-depends on one end only is folded into that end's cost. Parallel edges between the same two
-variables are summed, which is what makes repeated layers cheap once they share variables.
-The optional memory budget adds one row per sampled program point.
-"""
+"""The sharding ILP solved with HiGHS (``scipy.optimize.milp``): its LP bound, the solve, and
+the rounds that add memory rows where a plan went over the budget (``ilp.build_ilp`` builds
+it)."""
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -18,22 +11,15 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from . import reshard_memo
-from .build import merged_alpha, merged_latency, merged_reductions
+from .ilp import OBJECTIVE_SCALE, Ilp, _in_budgets, build_ilp, evaluate
 from .memory import (
-    CopyBounds,
     copy_bound_bytes,
-    copy_bound_rows,
-    copy_bounds,
     live_bytes,
     memory_rows,
     reshard_bytes,
 )
 from .problem import Problem
-from .reshard_memo import _distinct, axis_terms, per_axis_matrix
-from .strategy import itemsize
 
-OBJECTIVE_SCALE = 1e6
 CUTOFF_MIN_COLUMNS = 2_000
 """ILPs with fewer columns are solved outright even under a cutoff: the LP bound would cost
 about as much as the solve, and the solved cost is what ``explain()`` lists per mesh."""
@@ -70,41 +56,6 @@ class Solution:
         return self.choice[prob.var(node_id)]
 
 
-class _Edges:
-    """Edge costs grouped by (producer var, consumer var, spec maps)."""
-
-    def __init__(self, prob: Problem):
-        self.prob = prob
-        self.cache: dict = {}
-        self.shared = reshard_memo.MEMO.tables_of(prob.ctx.cost)
-        self.reshard_cache: dict = self.shared.costs
-        self.held = {prob.var(n) for n in prob.held_whole}
-        """Variables whose values are read as held: no resharding out of them but slices
-        (``Problem.held_whole``), as every edge of a ``Problem.no_reshard`` problem."""
-        self.forbidden: list[int] = []
-        self.groups: dict = {}
-        """(producer var, consumer var, src dims, classes, dst dims) -> [gathers, moves]."""
-        self.pairs: dict = {}
-        """(producer var, consumer var) -> matrix of exact resharding costs (several axes)."""
-        self.fallback: dict = {}
-        """(producer var, consumer var) -> per-axis terms, for pairs too large for the ILP."""
-
-    def add_group(self, group, gathers: np.ndarray, moves: np.ndarray):
-        entry = self.groups.get(group)
-        if entry is None:
-            self.groups[group] = [gathers.copy(), moves.copy()]
-        else:
-            entry[0] += gathers
-            entry[1] += moves
-
-    def reshard(self, src, dst, shape, isize) -> float:
-        key = (src, dst, shape, isize)
-        hit = self.reshard_cache.get(key)
-        if hit is None:
-            hit = self.reshard_cache[key] = self.prob.ctx.cost.reshard(src, dst, shape, isize)
-        return hit
-
-
 def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
                     extra_allowed: dict[int, set[int]] | None = None,
                     node_limit: int | None = None, cutoff_s: float | None = None,
@@ -114,38 +65,6 @@ def build_and_solve(prob: Problem, *, time_limit_s: float, memory_budget: int | 
                                extra_allowed=extra_allowed, node_limit=node_limit,
                                mip_gap=mip_gap),
                      cutoff_s=cutoff_s)
-
-
-@dataclass
-class Ilp:
-    """A built ILP, solved later (``solve_ilp``); its LP bound can be asked first."""
-
-    prob: Problem
-    c: np.ndarray
-    integrality: np.ndarray
-    bounds: tuple
-    constraints: list
-    options: dict
-    col0: dict
-    K: dict
-    roots: list
-    unary: np.ndarray
-    edges: _Edges
-    approximate: bool
-    """Some pairwise resharding costs fell back to per-axis terms (objective approximate)."""
-    info: dict
-    memory_budget: int | None
-    time_limit_s: float
-    build_s: float
-    lp: tuple | None = None
-    """(LP relaxation objective in seconds or None if it found none, HiGHS's status), once
-    computed."""
-    copies: tuple[CopyBounds, int] | None = None
-    """Under a budget: the copy columns' bounds and their first column (memory.CopyBounds)."""
-
-    @property
-    def total(self) -> int:
-        return len(self.c)
 
 
 def lp_bound_s(ilp: Ilp) -> float | None:
@@ -162,238 +81,6 @@ def lp_bound_s(ilp: Ilp) -> float | None:
 
 LP_STOPPED = 1
 """``scipy.optimize.milp``'s status for a solve stopped by a limit (time, nodes)."""
-
-
-def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
-              extra_allowed: dict[int, set[int]] | None = None,
-              node_limit: int | None = None, mip_gap: float = 1e-4) -> Ilp:
-    """The ILP of ``prob``: one-hot strategy columns, resharding edges, memory rows; HiGHS
-    stops at ``mip_gap`` (relative) above its bound."""
-    import scipy.sparse as sp  # scipy loads on the first plan, not on import
-    from scipy.optimize import LinearConstraint
-    t0 = time.perf_counter()
-    g = prob.graph
-    roots = sorted({prob.var(n.id) for n in g.nodes})
-    col0, K = {}, {}
-    ncols = 0
-    for r in roots:
-        col0[r] = ncols
-        K[r] = len(prob.strategies[r])
-        ncols += K[r]
-    unary = np.zeros(ncols)
-    edges = _Edges(prob)
-    for node in g.nodes:
-        r = prob.var(node.id)
-        base = col0[r]
-        strats = prob.strategies[node.id]
-        for k, s in enumerate(strats):
-            unary[base + k] += s.comm_s * node.comm_times + s.compute_s * node.mult
-        for p, u in enumerate(node.operands):
-            if u is None:
-                continue
-            _add_edge(prob, edges, node, p, u, unary, col0)
-    # Edge variables. Per (producer var, consumer var, mesh axis), with X_d / Y_d the chosen
-    # producer / required dim of the axis (None: not split), the resharding cost is
-    #   move * (1 - X_None) + (gather - move) * (1 - X_None) * Y_None - move * sum_d X_d * Y_d
-    # (all-gather when the split is dropped, all-to-all when it moves, free otherwise; gather
-    # and move per class of producer strategies, below). The products become continuous
-    # variables bounded by their factors, exact at integral points.
-    c_extra, rows, cols, vals, nrows = [], [], [], [], 0
-    ub_rows, ub_cols, ub_vals, nub = [], [], [], 0
-
-    def add_terms(row, var_root, dims, d, coef):
-        for k, dk in enumerate(dims):
-            if dk == d:
-                ub_rows.append(row), ub_cols.append(col0[var_root] + k), ub_vals.append(coef)
-
-    # Pairwise edges: e_ij for (producer strategy i, consumer strategy j) with marginal rows
-    # sum_j e_ij = x_i and sum_i e_ij = y_j (exact at integral points, and a tight relaxation).
-    # Row and column minima go to the unary costs first; a matrix left all zero needs no e.
-    # (Pairs are exact but large, so meshes with one axis keep the per-axis terms above.)
-    def reduce(ru, rv, mat):
-        row = mat.min(axis=1)
-        unary[col0[ru]:col0[ru] + K[ru]] += row
-        mat = mat - row[:, None]
-        col = mat.min(axis=0)
-        unary[col0[rv]:col0[rv] + K[rv]] += col
-        mat = mat - col[None, :]
-        if not (mat > 0).any():
-            return None
-        # Strategies with equal cost rows (columns) share their e variables: exact, and the
-        # relaxation is the same, but the LP is much smaller.
-        mat, row_of = np.unique(mat, axis=0, return_inverse=True)
-        mat, col_of = np.unique(mat, axis=1, return_inverse=True)
-        return ru, rv, mat, np.ravel(row_of), np.ravel(col_of), row, col
-
-    def add_pair(ru, rv, mat, row_of, col_of):
-        nonlocal nrows
-        e0 = ncols + len(c_extra)
-        c_extra.extend(mat.ravel().tolist())
-        nu, nv = mat.shape
-        for a in range(nu):
-            members = [col0[ru] + k for k in np.flatnonzero(row_of == a).tolist()]
-            rows.extend([nrows] * (nv + len(members)))
-            cols.extend(list(range(e0 + a * nv, e0 + (a + 1) * nv)) + members)
-            vals.extend([1.0] * nv + [-1.0] * len(members))
-            nrows += 1
-        for b in range(nv):
-            members = [col0[rv] + k for k in np.flatnonzero(col_of == b).tolist()]
-            rows.extend([nrows] * (nu + len(members)))
-            cols.extend(list(range(e0 + b, e0 + nu * nv, nv)) + members)
-            vals.extend([1.0] * nu + [-1.0] * len(members))
-            nrows += 1
-
-    reduced = [r for r in (reduce(ru, rv, mat) for (ru, rv), mat in edges.pairs.items())
-               if r is not None]
-    # The LP grows with the pair columns: within AutoShardingOption.exact_resharding_columns
-    # every pair is priced exactly, beyond it every edge keeps the per-axis terms. Never a mix:
-    # half-exact prices mislead the ILP more than consistent approximate ones. The reported
-    # objective is the exact cost of the chosen plan either way.
-    num_pair_columns = sum(r[2].size for r in reduced)
-    exact = (set(range(len(reduced)))
-             if num_pair_columns <= prob.ctx.option.exact_resharding_columns else set())
-    for i, (ru, rv, mat, row_of, col_of, row, col) in enumerate(reduced):
-        if i in exact:
-            add_pair(ru, rv, mat, row_of, col_of)
-            continue
-        unary[col0[ru]:col0[ru] + K[ru]] -= row
-        unary[col0[rv]:col0[rv] + K[rv]] -= col
-        for group, gathers, moves in edges.fallback.get((ru, rv), ()):
-            edges.add_group(group, gathers, moves)
-    def add_var(cost) -> int:
-        c_extra.append(float(cost))
-        return ncols + len(c_extra) - 1
-
-    def add_row(terms):  # sum of coef * column <= 0
-        nonlocal nub
-        for col, coef in terms:
-            ub_rows.append(nub), ub_cols.append(col), ub_vals.append(coef)
-        nub += 1
-
-    for (ru, rv, src_dims, classes, dst_dims), (gathers, moves) in edges.groups.items():
-        if prob.no_reshard or ru in edges.held:
-            # X_d <= Y_d: a split the producer has, the consumer keeps
-            for d in sorted({d for d in src_dims if d is not None}):
-                add_terms(nub, ru, src_dims, d, 1.0)
-                add_terms(nub, rv, dst_dims, d, -1.0)
-                nub += 1
-            continue
-        for k, ds in enumerate(src_dims):  # move * (1 - X_None)
-            if ds is not None:
-                unary[col0[ru] + k] += moves[classes[k]]
-        shared = sorted({d for d in src_dims if d is not None} & set(dst_dims) - {None})
-        if len(moves) == 1:
-            gather, move = gathers[0], moves[0]
-            for d in shared:  # z_d <= X_d, z_d <= Y_d, cost -move * z_d
-                z = add_var(-move)
-                for dims, root in ((src_dims, ru), (dst_dims, rv)):
-                    ub_rows.append(nub), ub_cols.append(z), ub_vals.append(1.0)
-                    add_terms(nub, root, dims, d, -1.0)
-                    nub += 1
-            if None in dst_dims and gather > move:  # w >= Y_None - X_None, cost (gather - move) w
-                w = add_var(gather - move)
-                ub_rows.append(nub), ub_cols.append(w), ub_vals.append(-1.0)
-                add_terms(nub, rv, dst_dims, None, 1.0)
-                add_terms(nub, ru, src_dims, None, -1.0)
-                nub += 1
-            continue
-        # Producer classes c (reshard_memo.axis_terms: the arrays their other axes leave):
-        # the same terms per class, and rows that keep the classes from counting on the same
-        # consumer strategies (a flow from producer classes to consumer places, exact at
-        # integral points): sum_c z_dc <= Y_d, sum_c w_c >= Y_None - X_None and
-        # w_c + sum_d z_dc <= X_c (class c's split strategies).
-        split = [[(col0[ru] + k, -1.0) for k, ds in enumerate(src_dims)
-                  if ds is not None and classes[k] == c] for c in range(len(moves))]
-        takes = [[] for _ in moves]
-        for d in shared:
-            zs = []
-            for c, move in enumerate(moves):
-                ks = [k for k, ds in enumerate(src_dims) if ds == d and classes[k] == c]
-                if ks:
-                    z = add_var(-move)
-                    add_row([(z, 1.0)] + [(col0[ru] + k, -1.0) for k in ks])
-                    zs.append((z, 1.0))
-                    takes[c].append((z, 1.0))
-            add_row(zs + [(col0[rv] + j, -1.0) for j, dd in enumerate(dst_dims) if dd == d])
-        if None in dst_dims:
-            ws = []
-            for c, (gather, move) in enumerate(zip(gathers, moves, strict=True)):
-                w = add_var(gather - move)
-                ws.append((w, -1.0))
-                takes[c].append((w, 1.0))
-            add_row(ws + [(col0[rv] + j, 1.0) for j, dd in enumerate(dst_dims) if dd is None]
-                    + [(col0[ru] + k, -1.0) for k, ds in enumerate(src_dims) if ds is None])
-        for c, vs in enumerate(takes):
-            if vs:
-                add_row(vs + split[c])
-    for key, members in merged_reductions(prob).items():  # z_a >= x_rk of merged reductions
-        z = ncols + len(c_extra)
-        c_extra.append(merged_alpha(prob, key))
-        for r, ks in members:
-            ub_rows.extend([nub] * (len(ks) + 1)), ub_vals.extend([1.0] * len(ks) + [-1.0])
-            ub_cols.extend([col0[r] + k for k in ks] + [z])
-            nub += 1
-    num_edge = len(c_extra)
-    # Under a budget, the resharded copies get columns bounded below by their readers'
-    # choices (memory.CopyBounds), so the memory rows see most of them.
-    copies = copy_bounds(prob) if memory_budget is not None else None
-    num_copy = len(copies.spans) if copies is not None else 0
-    total = ncols + num_edge + num_copy
-    rhs = [0.0] * nrows
-    for r in roots:  # one-hot rows
-        for k in range(K[r]):
-            rows.append(nrows), cols.append(col0[r] + k), vals.append(1.0)
-        rhs.append(1.0)
-        nrows += 1
-    upper = np.ones(total)
-    upper[ncols + num_edge:] = np.inf
-    for col in edges.forbidden:
-        upper[col] = 0.0
-    for allowed in (prob.allowed, extra_allowed or {}):
-        for node_id, ks in allowed.items():
-            r = prob.var(node_id)
-            for k in range(K[r]):
-                if k not in ks:
-                    upper[col0[r] + k] = 0.0
-    c = np.concatenate([unary, np.array(c_extra), np.zeros(num_copy)])
-    A = sp.csr_array((vals, (rows, cols)), shape=(nrows, total))
-    constraints = [LinearConstraint(A, np.array(rhs), np.array(rhs))]
-    if nub:
-        A_ub = sp.csr_array((ub_vals, (ub_rows, ub_cols)), shape=(nub, total))
-        constraints.append(LinearConstraint(A_ub, -np.inf, np.zeros(nub)))
-    if memory_budget is not None:
-        aux = (copies, ncols + num_edge)
-        M = _in_budgets(memory_rows(prob, col0, K, total, copies=aux), memory_budget,
-                        ncols + num_edge)
-        constraints.append(LinearConstraint(M, -np.inf, 1.0))
-        if num_copy:
-            B = copy_bound_rows(copies, col0, K, total, ncols + num_edge,
-                                scale=1.0 / memory_budget)
-            constraints.append(LinearConstraint(B, -np.inf, np.zeros(B.shape[0])))
-    integrality = np.concatenate([np.ones(ncols), np.zeros(num_edge + num_copy)])
-    # HiGHS works in microseconds: seconds put every cost below its tolerances.
-    options = {"time_limit": float(time_limit_s), "mip_rel_gap": float(mip_gap),
-               "disp": bool(os.environ.get("AUTOSHARD_SOLVER_LOG"))}
-    if node_limit is not None:
-        options["node_limit"] = int(node_limit)
-    info = {"rows": nrows + nub, "edge_vars": num_edge, "copy_vars": num_copy,
-            "approximate_pairs": len(reduced) - len(exact)}
-    return Ilp(prob=prob, c=c, integrality=integrality, bounds=(np.zeros(total), upper),
-               constraints=constraints, options=options, col0=col0, K=K, roots=roots,
-               unary=unary, edges=edges, approximate=len(exact) < len(reduced), info=info,
-               memory_budget=memory_budget, time_limit_s=time_limit_s,
-               build_s=time.perf_counter() - t0,
-               copies=None if copies is None else (copies, ncols + num_edge))
-
-
-def _in_budgets(rows, memory_budget: int, aux0: int):
-    """Memory ``rows`` in budgets instead of bytes (HiGHS wants coefficients near 1): the
-    strategy and edge columns (before ``aux0``) divided by the budget; the copy columns
-    (from ``aux0``) hold budgets already."""
-    import scipy.sparse as sp  # loads on first use
-    scale = np.ones(rows.shape[1])
-    scale[:aux0] = 1.0 / memory_budget
-    return sp.csr_array(rows @ sp.diags_array(scale))
 
 
 def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:
@@ -521,91 +208,3 @@ def _warn_clock(prob: Problem, time_limit_s: float, found: str):
         "stop) or raise solver_time_limit_s.", RuntimeWarning, stacklevel=4)
 
 
-def evaluate(prob: Problem, choice: dict[int, int], edges: _Edges) -> float:
-    """Objective of an assignment (strategy costs plus resharding on every edge)."""
-    g = prob.graph
-    total = merged_latency(prob, choice)
-    for node in g.nodes:
-        s = prob.strategies[node.id][choice[prob.var(node.id)]]
-        total += s.comm_s * node.comm_times + s.compute_s * node.mult
-        for p, u in enumerate(node.operands):
-            if u is None:
-                continue
-            value = g.values[u]
-            src = prob.value_spec(u, choice[prob.var(value.producer)])
-            if src != s.in_specs[p]:
-                total += edges.reshard(src, s.in_specs[p], value.shape,
-                                       itemsize(value.dtype)) * node.mult
-    return total
-
-
-def _add_edge(prob: Problem, edges: _Edges, node, p: int, u: int, unary, col0):
-    g = prob.graph
-    value = g.values[u]
-    producer = value.producer
-    ru, rv = prob.var(producer), prob.var(node.id)
-    out_index = g.nodes[producer].outputs.index(u)
-    src_list, dst_list = prob.strategies[producer], prob.strategies[node.id]
-    isize = itemsize(value.dtype)
-    no_reshard = prob.no_reshard or ru in edges.held
-    if ru == rv:
-        base = col0[rv]
-        for k, (a, b) in enumerate(zip(src_list, dst_list, strict=True)):
-            a, b = a.out_specs[out_index], b.in_specs[p]
-            if a != b:
-                if no_reshard:
-                    if prob.ctx.cost.reshard_steps(a, b, value.shape, isize):
-                        edges.forbidden.append(base + k)
-                    continue
-                unary[base + k] += edges.reshard(a, b, value.shape, isize) * node.mult
-        return
-    pairwise = not no_reshard and len(prob.ctx.cost.live_axes()) > 1
-    if pairwise:
-        # Several mesh axes: a step's cost depends on what the other axes do, so the edge is
-        # priced pairwise, exactly (see CostModel.reshard_steps), where the ILP can afford it.
-        # Edges the per-axis terms already price exactly keep them (a much smaller LP).
-        key = ("pairs", id(src_list), out_index, id(dst_list), p, value.shape, isize)
-        mat = edges.cache.get(key, False)
-        if mat is False:
-            # Keyed by the specs too: equal spec lists of unshared strategy lists (one per
-            # unrolled layer) are priced once.
-            srcs = tuple(a.out_specs[out_index] for a in src_list)
-            dsts = tuple(b.in_specs[p] for b in dst_list)
-            content = (srcs, dsts, value.shape, isize)
-            shared = edges.shared
-            mat = shared.matrices.get(content, False)
-            if mat is False:
-                # Priced once per distinct (src, dst) spec pair: strategies repeat specs.
-                (us, si), (ud, di) = _distinct(srcs), _distinct(dsts)
-                rows = np.ix_(si, di)
-                mat = np.array([[edges.reshard(a, b, value.shape, isize) for b in ud]
-                                for a in us])[rows]
-                per_axis = per_axis_matrix(prob.ctx.cost, us, ud, value.shape, isize)[rows]
-                if np.allclose(mat, per_axis, rtol=1e-9, atol=0.0):
-                    mat = None
-                else:
-                    shared.matrix_bytes += mat.nbytes
-                shared.matrices[content] = mat
-            edges.cache[key] = mat
-        pairwise = mat is not None
-    if pairwise:
-        acc = edges.pairs.get((ru, rv))
-        if acc is None:
-            edges.pairs[(ru, rv)] = mat * node.mult
-        else:
-            acc += mat * node.mult
-    # Strategy lists are shared by repeated nodes, so the per-axis terms are cached.
-    key = (id(src_list), out_index, id(dst_list), p, value.shape, isize, no_reshard)
-    terms = edges.cache.get(key)
-    if terms is None:
-        terms = edges.cache[key] = axis_terms(
-            prob.ctx.cost, [s.out_specs[out_index] for s in src_list],
-            [s.in_specs[p] for s in dst_list], value.shape, isize,
-            by_shards=not no_reshard)
-    for src_dims, classes, dst_dims, gathers, moves in terms:
-        group = (ru, rv, src_dims, classes, dst_dims)
-        if pairwise:
-            edges.fallback.setdefault((ru, rv), []).append((group, gathers * node.mult,
-                                                            moves * node.mult))
-            continue
-        edges.add_group(group, gathers * node.mult, moves * node.mult)

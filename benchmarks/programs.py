@@ -57,7 +57,8 @@ METHODS = ("ShardParallel", "ShardParallel@measured", "DataParallel", "Zero2Para
 """``ShardParallel@measured``: ``ShardParallel(cluster=Cluster.measure())``, the plan priced
 for what these CPU devices deliver (measured once per run) instead of the accelerator-like
 description ``Cluster.from_devices`` gives CPUs."""
-ALL_CELLS = tuple(f"{m}:{k}" for m in METHODS if m != "default" for k in (1, 4)) + ("default",)
+ALL_CELLS = tuple(f"{m}:{k}" for m in METHODS if m != "default" for k in (1, 4)) + (
+    "AutoParallel:1+4", "default")
 QUICK_CELLS = ("ShardParallel:1", "ShardParallel:4", "DataParallel:4", "Zero3Parallel:4",
                "PipeshardParallel:1", "PipeshardParallel:4", "default")
 QUICK_MARKED_CELLS = ("PipeshardParallel:1", "PipeshardParallel:4")
@@ -70,11 +71,12 @@ class CellTimeout(BaseException):
 
 
 def make_method(cell: str, program: models.Program):
-    """The ParallelMethod of ``cell`` ("Method:k" or "default": None, parallelize's own)."""
+    """The ParallelMethod of ``cell`` ("Method:k" or "default": None, parallelize's own;
+    "AutoParallel:1+4": num_micro_batches 1, micro_batch_counts (4,): the count searched)."""
     if cell == "default":
         return None
-    name, k = cell.split(":")
-    k = int(k)
+    name, counts = cell.split(":")
+    k, *more = (int(x) for x in counts.split("+"))
     if name == "PipeshardParallel":
         layers = "manual" if program.has_markers else autoshard.AutoLayerOption(layer_num=2)
         return autoshard.PipeshardParallel(
@@ -82,7 +84,8 @@ def make_method(cell: str, program: models.Program):
             stage_option=autoshard.UniformStageOption(num_stages=2))
     if name == "AutoParallel":  # one mesh or a pipeline, as it prices them on these devices
         layers = "manual" if program.has_markers else autoshard.AutoLayerOption(layer_num=2)
-        return autoshard.AutoParallel(num_micro_batches=k, layer_option=layers)
+        return autoshard.AutoParallel(num_micro_batches=k, layer_option=layers,
+                                      micro_batch_counts=tuple(more) or None)
     if name.endswith("@measured"):
         return autoshard.ShardParallel(num_micro_batches=None if k == 1 else k,
                                        cluster=measured_cluster())
@@ -101,7 +104,7 @@ def measured_cluster() -> autoshard.Cluster:
 
 
 def cell_k(cell: str) -> int:
-    return 1 if cell == "default" else int(cell.split(":")[1])
+    return 1 if cell == "default" else int(cell.split(":")[1].split("+")[0])
 
 
 # Numbers ---------------------------------------------------------------------------------------

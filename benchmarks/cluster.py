@@ -77,7 +77,9 @@ from autoshard import (
     ShardParallel,
 )
 from autoshard.sharding import solver
+from autoshard.sharding.cost import VOLUME, CostModel, axis_devices_per_host
 from autoshard.sharding.graph import build_graph
+from autoshard.sharding.plan import spec_axes
 
 VOCAB, SEQ = 51200, 2048
 RESULTS = Path(__file__).parent / "results"
@@ -342,12 +344,17 @@ def run(name: str, scan: bool) -> dict:
     return row
 
 
+def stage_cluster(stage, cluster) -> Cluster:
+    """The cluster of a priced stage's sub-mesh (its hosts x devices per host)."""
+    hosts, dph = stage.physical_shape
+    return dataclasses.replace(cluster, num_hosts=hosts, devices_per_host=dph)
+
+
 def inter_host_dot_all_reduce_s(stage, cluster) -> float:
     """Seconds of a stage's backward plans spent in all-reduces of matrix-product results over
     mesh axes that cross hosts (with the batch split over those axes: the weight gradients'
     data-parallel reduction)."""
-    hosts, dph = stage.physical_shape
-    sub = dataclasses.replace(cluster, num_hosts=hosts, devices_per_host=dph)
+    sub = stage_cluster(stage, cluster)
     total = 0.0
     for name, plan in stage.plans:
         crosses = dict(zip(plan.axis_names, sub.axis_crosses_hosts(plan.mesh_shape),
@@ -356,6 +363,97 @@ def inter_host_dot_all_reduce_s(stage, cluster) -> float:
                      if name.startswith("B") and c.kind == "all-reduce"
                      and c.where.startswith("dot_general") and any(crosses[a] for a in c.axes))
     return total
+
+
+LINK_PARTS = ("tensor", "data", "reduce", "pipeline")
+"""What ``link_bytes`` splits a GPU's traffic into: collectives of the tasks over the stage's
+other axes (tensor-parallel), over its data axes (ZeRO gathers, reductions left in a task),
+the stage's once-per-step gradient reduction, and the copies to other stages."""
+
+
+def ring_phases(costs, sub, kind: str, axes: tuple[int, ...], num_bytes: float) -> list:
+    """(axis, ring bytes one GPU sends, of them through its NIC) per phase of a collective
+    on a sub-mesh's ``costs`` (``CostModel.collective_steps``); see ``link_bytes``."""
+    shape = costs.mesh_shape
+    crosses = sub.axis_crosses_hosts(shape)
+    dph = sub.devices_per_host if sub.num_hosts > 1 else None
+    out = []
+    for a, size, _ in costs.collective_steps(kind, axes, num_bytes):
+        sent = VOLUME[kind](shape[a]) * size
+        out.append((a, sent, sent / axis_devices_per_host(shape, a, dph) if crosses[a]
+                    else 0.0))
+    return out
+
+
+def link_bytes(est, cluster, rows: int) -> dict:
+    """Bytes one GPU of each stage of ``est`` (a ``PipelineEstimate`` priced on ``cluster``)
+    sends per step over NVLink and through its NIC, by ``LINK_PARTS``; ``rows``: rows of one
+    micro-batch (a task input whose dim 0 has that size holds rows: the mesh axes splitting
+    it are the stage's data axes).
+
+    Each collective of a task plan is split into the cost model's phases
+    (``CostModel.collective_steps``: one per axis, fastest link first); a phase over an axis
+    of ``n`` devices moving ``b`` bytes sends ``VOLUME[kind](n) * b`` ring bytes per GPU (the
+    bytes the model charges the link for); an axis crossing hosts with ``k`` of its devices
+    in each host sends ``1/k`` of them through each GPU's NIC and the rest over NVLink
+    (``cluster.md``'s rule). F and B tasks run once per micro-batch, apply tasks and the
+    reduce (an all-reduce of ``reduce_bytes`` over the data axes) once per step. A copy to
+    another stage (``send_bytes``: F outputs go to the next stage, B outputs to the one before,
+    apply outputs to any other) goes through the NIC when the two stages span more than one
+    host (as the pricing's ``_sends`` charges it).
+    Seconds: ``model_s`` is what the pricing charges (collectives' ``cost_s``, ``reduce_s``,
+    ``send_s``), ``nvlink_s`` / ``nic_s`` the bytes at the links' bandwidths alone."""
+    k = est.num_micro_batches
+    dph = cluster.devices_per_host
+    hosts = [set(range(s.devices[0] // dph, (s.devices[0] + s.devices[1] - 1) // dph + 1))
+             for s in est.stages]
+    out = []
+    for st in est.stages:
+        sub = stage_cluster(st, cluster)
+        shape = tuple(st.mesh_shape)
+        costs = CostModel(shape, *sub.mesh_costs(shape))
+        names = tuple(st.plans[0][1].axis_names)  # a stage's tasks share its mesh
+        index = {a: i for i, a in enumerate(names)}
+        data = {a for name, plan in st.plans if not name.startswith("apply")
+                for leaf in plan.inputs if leaf.shape and leaf.shape[0] == rows and leaf.spec
+                for a in spec_axes(leaf.spec[0])}
+        parts = {p: {"nvlink_bytes": 0.0, "nic_bytes": 0.0, "model_s": 0.0}
+                 for p in LINK_PARTS}
+
+        def add(phases, part=None, *, names=names, data=data, parts=parts):
+            for a, sent, nic in phases:
+                into = parts[part or ("data" if names[a] in data else "tensor")]
+                into["nic_bytes"] += nic
+                into["nvlink_bytes"] += sent - nic
+
+        for name, plan in st.plans:
+            runs = 1 if name.startswith("apply") else k
+            for c in plan.collectives:
+                axes = tuple(index[x] for x in c.axes)
+                add(ring_phases(costs, sub, c.kind, axes, c.num_bytes * c.count * runs))
+                on_data = {names[a] in data for a in axes if shape[a] > 1}
+                parts["data" if on_data == {True} else "tensor"]["model_s"] += c.cost_s * runs
+        if st.reduce_bytes:
+            add(ring_phases(costs, sub, "all-reduce", tuple(sorted(index[a] for a in data)),
+                            st.reduce_bytes), "reduce")
+            parts["reduce"]["model_s"] += st.reduce_s
+        for kind, nbytes in st.send_bytes.items():
+            runs = 1 if kind == "apply" else k
+            to = ([st.stage + 1] if kind == "F" else [st.stage - 1] if kind.startswith("B")
+                  else [s.stage for s in est.stages if s.stage != st.stage])
+            to = [s for s in to if 0 <= s < len(est.stages)]
+            link = "nic_bytes" if any(len(hosts[s] | hosts[st.stage]) > 1 for s in to) else (
+                "nvlink_bytes")
+            parts["pipeline"][link] += nbytes * runs
+            parts["pipeline"]["model_s"] += st.send_s.get(kind, 0.0) * runs
+        for p in parts.values():
+            p["nvlink_s"] = p["nvlink_bytes"] / cluster.intra_host_bandwidth
+            p["nic_s"] = p["nic_bytes"] / cluster.inter_host_bandwidth
+        out.append({"stage": st.stage, "mesh": list(shape), "data_axes": sorted(data),
+                    "parts": parts,
+                    "nvlink_bytes": sum(p["nvlink_bytes"] for p in parts.values()),
+                    "nic_bytes": sum(p["nic_bytes"] for p in parts.values())})
+    return {"num_micro_batches": k, "stages": out}
 
 
 def pipeline_summary(est, cluster) -> dict:
@@ -446,6 +544,7 @@ def run_paper_pipeline(name: str) -> dict:
     est = autoshard.plan(step, *args, cluster=cluster, method=method, batch_argnums=(1, 2))
     row.update(price_s=time.perf_counter() - t0, price_cpu_s=time.process_time() - c0,
                load_average=os.getloadavg()[0], step_s=est.step_s,
+               link_bytes=link_bytes(est, cluster, batch // k),
                eq3_tflops=paper_flops(hidden, layers, batch) / (est.step_s * gpus * 1e12),
                memory_gib=est.peak_bytes_per_device / 2**30,
                bubble_fraction=est.bubble_fraction)
@@ -507,8 +606,8 @@ def run_auto(name: str) -> dict:
                                      manually_specified_submeshes=shapes,
                                      layer_profile_mode="individual"))
     t0, c0 = time.perf_counter(), time.process_time()
-    est = autoshard.plan(step, *args, cluster=Cluster.a100_80gb(hosts), method=method,
-                         batch_argnums=(1, 2))
+    cluster = Cluster.a100_80gb(hosts)
+    est = autoshard.plan(step, *args, cluster=cluster, method=method, batch_argnums=(1, 2))
     row["plan_s"] = time.perf_counter() - t0
     row["plan_cpu_s"] = time.process_time() - c0  # the machine is shared: CPU seconds too
     row["load_average"] = os.getloadavg()[0]
@@ -522,13 +621,15 @@ def run_auto(name: str) -> dict:
                          for c in est.candidates]
     chosen = est.chosen
     row["chosen_split"] = chosen.split or "whole mesh"
+    if est.num_stages > 1:  # a PipelineEstimate (the whole mesh's plan is a ShardingPlan)
+        row["link_bytes"] = link_bytes(est.estimate, cluster, batch // k)
     row["explain"] = est.explain()
     print(est.explain(), file=sys.stderr, flush=True)
     if split is not None:  # the paper's (t, p, d) priced by the same model, in the same run
         paper = run_paper_pipeline(name)
         row["paper_priced"] = {k: paper[k] for k in (
             "paper_tensor", "paper_pipeline", "paper_data", "num_micro_batches", "step_s",
-            "eq3_tflops", "memory_gib", "bubble_fraction", "price_s")}
+            "eq3_tflops", "memory_gib", "bubble_fraction", "price_s", "link_bytes")}
     return row
 
 

@@ -456,8 +456,9 @@ def link_bytes(est, cluster, rows: int) -> dict:
     return {"num_micro_batches": k, "stages": out}
 
 
-def pipeline_summary(est, cluster) -> dict:
-    """The fields of a priced pipeline kept in the results."""
+def pipeline_summary(est, cluster, explain: bool = True) -> dict:
+    """The fields of a priced pipeline kept in the results (``explain``: its ``explain()``
+    too)."""
     return {"step_s": est.step_s, "makespan_s": est.makespan_s, "apply_s": est.apply_s,
             "bubble_fraction": est.bubble_fraction, "flops": est.flops,
             "tflops": est.tflops_per_device, "memory_gib": est.peak_bytes_per_device / 2**30,
@@ -470,8 +471,8 @@ def pipeline_summary(est, cluster) -> dict:
                         "backward_inter_host_dot_all_reduce_s": inter_host_dot_all_reduce_s(
                             s, cluster),
                         "reduce_bytes": s.reduce_bytes, "reduce_s": s.reduce_s,
-                        "memory_gib": s.memory_bytes / 2**30} for s in est.stages],
-            "explain": est.explain()}
+                        "memory_gib": s.memory_bytes / 2**30} for s in est.stages]} | (
+                {"explain": est.explain()} if explain else {})
 
 
 def run_pipeline(name: str) -> dict:
@@ -545,6 +546,7 @@ def run_paper_pipeline(name: str) -> dict:
     row.update(price_s=time.perf_counter() - t0, price_cpu_s=time.process_time() - c0,
                load_average=os.getloadavg()[0], step_s=est.step_s,
                link_bytes=link_bytes(est, cluster, batch // k),
+               pipeline=pipeline_summary(est, cluster, explain=False),
                eq3_tflops=paper_flops(hidden, layers, batch) / (est.step_s * gpus * 1e12),
                memory_gib=est.peak_bytes_per_device / 2**30,
                bubble_fraction=est.bubble_fraction)
@@ -623,13 +625,15 @@ def run_auto(name: str) -> dict:
     row["chosen_split"] = chosen.split or "whole mesh"
     if est.num_stages > 1:  # a PipelineEstimate (the whole mesh's plan is a ShardingPlan)
         row["link_bytes"] = link_bytes(est.estimate, cluster, batch // k)
+        row["pipeline"] = pipeline_summary(est.estimate, cluster, explain=False)
     row["explain"] = est.explain()
     print(est.explain(), file=sys.stderr, flush=True)
     if split is not None:  # the paper's (t, p, d) priced by the same model, in the same run
         paper = run_paper_pipeline(name)
         row["paper_priced"] = {k: paper[k] for k in (
             "paper_tensor", "paper_pipeline", "paper_data", "num_micro_batches", "step_s",
-            "eq3_tflops", "memory_gib", "bubble_fraction", "price_s", "link_bytes")}
+            "eq3_tflops", "memory_gib", "bubble_fraction", "price_s", "link_bytes",
+            "pipeline")}
     return row
 
 
@@ -652,9 +656,95 @@ def auto_row_in_subprocess(name: str, limit_s: float = AUTO_TIME_LIMIT_S) -> dic
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+LINKS_HEADING = "## Bytes each GPU sends per step, by link"
+"""The section of cluster_auto.md that ``write_auto`` writes after the table (``link_lines``);
+any other ``## `` section already in the file (notes written by hand) is kept after it."""
+
+
+def busiest_stage(links: dict) -> dict:
+    """The stage of a ``link_bytes`` result whose GPUs spend longest on the links."""
+    return max(links["stages"], key=lambda st: sum(p["nvlink_s"] + p["nic_s"]
+                                                   for p in st["parts"].values()))
+
+
+def link_lines(rows: list[dict]) -> list[str]:
+    """Per pipeline row, ours and the paper's split: the bytes one GPU of the busiest stage
+    sends per step on each link (``link_bytes``)."""
+    shown = [r for r in rows if "link_bytes" in r]
+    if not shown:
+        return []
+    lines = ["", LINKS_HEADING, "",
+             "Per GPU of the stage whose GPUs spend longest on the links (`link_bytes`: the cost "
+             "model's phases of every collective of the stage's task plans as ring bytes, a "
+             "phase over an axis with k GPUs in each node sending 1/k of them through each "
+             "GPU's NIC and the rest over NVLink; F and B tasks once per micro-batch, apply "
+             "and the gradient reduction once per step; sends between stages on the link "
+             "joining them). GB = 1e9 bytes; tensor: collectives over the stage's non-data "
+             "axes; data: over its data axes inside the tasks (ZeRO gathers, reductions left "
+             "in a task); reduce: the stage's once-per-step gradient all-reduce; pipeline: "
+             "copies to other stages. Link s: the bytes at "
+             f"{_A100.intra_host_bandwidth / 1e9:g} GB/s (NVLink) and "
+             f"{_A100.inter_host_bandwidth / 1e9:g} GB/s (each GPU's NIC); charged s: what "
+             "the pricing charges for them (latency and the slower of a crossing ring's "
+             "links included), not overlapped with compute.", "",
+             "| model | plan | micro-batches | stage (mesh) | NVLink GB: tensor / data / reduce "
+             "/ pipeline | NIC GB: tensor / data / reduce / pipeline | NVLink s | NIC s | "
+             "charged s: tensor / data / reduce / pipeline | step s (schedule + apply, "
+             "bubble) |",
+             "|---|---|---:|---|---|---|---:|---:|---|---|"]
+    for r in shown:
+        paper = r.get("paper_priced") or {}
+        for label, links, e, step_s in (
+                ("ours", r["link_bytes"], r.get("pipeline"), r["step_s"]),
+                ("paper's split", paper.get("link_bytes"), paper.get("pipeline"),
+                 paper.get("step_s"))):
+            if links is None:
+                continue
+            st = busiest_stage(links)
+            parts = st["parts"]
+
+            def col(key, parts=parts):
+                return " / ".join(f"{parts[p][key] / 1e9:.1f}" for p in LINK_PARTS)
+            step = (f"{e['step_s']:.2f} ({e['makespan_s']:.2f} + {e['apply_s']:.2f}, "
+                    f"{e['bubble_fraction']:.1%})" if e else f"{step_s:.2f}")
+            lines.append(
+                f"| {r['model']} | {label} | {links['num_micro_batches']} | {st['stage']} "
+                f"({'x'.join(map(str, st['mesh']))}, data over {','.join(st['data_axes'])}) | "
+                f"{col('nvlink_bytes')} | {col('nic_bytes')} | "
+                f"{sum(p['nvlink_s'] for p in parts.values()):.2f} | "
+                f"{sum(p['nic_s'] for p in parts.values()):.2f} | "
+                + " / ".join(f"{parts[p]['model_s']:.2f}" for p in LINK_PARTS)
+                + f" | {step} |")
+    return lines
+
+
+def kept_sections(path: Path) -> list[str]:
+    """The ``## `` sections of an existing cluster_auto.md other than ``LINKS_HEADING``."""
+    if not path.exists():
+        return []
+    kept, keep = [], False
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            keep = line != LINKS_HEADING
+        if keep:
+            kept.append(line)
+    return ["", *kept] if kept else []
+
+
+def merge_auto(path: Path) -> list[dict]:
+    """The rows of cluster_auto.json in ``RESULTS`` with those of ``path`` (another run's
+    cluster_auto.json) in place of the rows of the same model, new models appended."""
+    new = {r["model"]: r for r in json.loads(path.read_text())["rows"]}
+    old = json.loads((RESULTS / "cluster_auto.json").read_text())["rows"]
+    rows = [new.pop(r["model"], r) for r in old]
+    return rows + list(new.values())
+
+
 def write_auto(rows: list[dict], limit_s: float = AUTO_TIME_LIMIT_S):
-    """cluster_auto.json and cluster_auto.md: the rows ``AutoParallel`` planned."""
+    """cluster_auto.json and cluster_auto.md: the rows ``AutoParallel`` planned (the md's
+    sections written by hand are kept, ``kept_sections``)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
+    kept = kept_sections(RESULTS / "cluster_auto.md")
     (RESULTS / "cluster_auto.json").write_text(json.dumps({"rows": rows}, indent=1))
     lines = ["# Table 1 rows planned by AutoParallel", "",
              f"`autoshard.plan(..., method=AutoParallel(...))`, {platform.machine()}, "
@@ -699,6 +789,7 @@ def write_auto(rows: list[dict], limit_s: float = AUTO_TIME_LIMIT_S):
                      f"{r['plan_s']:.0f}" + (
                          f" ({r['plan_cpu_s']:.0f} CPU, load {r['load_average']:.1f})"
                          if "plan_cpu_s" in r else "") + " |")
+    lines += link_lines(rows) + kept
     (RESULTS / "cluster_auto.md").write_text("\n".join(lines) + "\n")
 
 
@@ -973,6 +1064,9 @@ def main(argv=None):
                         choices=[n for n, r in AUTO_ROWS.items() if r[5] and r[5][1] > 1],
                         help="price the paper's pipeline of these rows "
                              "(cluster_paper_pipelines.{json,md})")
+    parser.add_argument("--auto-merge", type=Path,
+                        help="another run's cluster_auto.json: its rows replace those of the "
+                             "same model in cluster_auto.json (the others kept); rewrites the md")
     parser.add_argument("--auto-time-limit", type=float, default=AUTO_TIME_LIMIT_S,
                         help="seconds after which an --auto row is stopped (default "
                              f"{AUTO_TIME_LIMIT_S}; raise it on a loaded machine)")
@@ -1001,6 +1095,9 @@ def main(argv=None):
                 rows.append({"model": name, "error": f"{type(err).__name__}: "
                                                      f"{str(err).splitlines()[0][:200]}"})
             write_paper_pipelines(rows)
+        return
+    if args.auto_merge:
+        write_auto(merge_auto(args.auto_merge), args.auto_time_limit)
         return
     if args.auto:
         rows = []

@@ -752,7 +752,8 @@ def write_auto(rows: list[dict], limit_s: float = AUTO_TIME_LIMIT_S):
              f"layers / {PIPELINE_LAYERS} layers, {PIPELINE_MICRO_BATCHES} micro-batches (or "
              "the next count that divides the batch), "
              f"sub-meshes of hosts / (1, 2, 4, 8) whole hosts; rows stopped after "
-             f"{limit_s:.0f} s of planning. plan s: wall seconds (CPU seconds of the planning "
+             f"{limit_s:.0f} s of planning (or the limit a stopped row names). plan s: wall "
+             "seconds (CPU seconds of the planning "
              "process, and the load average at the end: the machine is shared).", "",
              "Paper's split: Table 1's (t, p, d) priced by the same model in the same run "
              "(`run_paper_pipeline`: p stages of whole hosts, t = 8 in the node, one sequence "

@@ -45,6 +45,12 @@ hosts, layer times planned per layer) beside the paper's stages priced the same 
 (``ManualStageOption``: 2 stages of 4 pipeline layers, each on 32 hosts as a (32, 8) mesh,
 the arrays inside each stage placed by the planner). Each result's ``explain()`` is kept in
 the json.
+
+``--auto ROWS``: the rows planned by ``AutoParallel`` (``cluster_auto.{json,md}``), each
+pipeline row with ``link_bytes`` of its choice and of the paper's split (the bytes each GPU
+sends per step over NVLink and through its NIC, by what sends them); ``--auto-merge
+OTHER.json``: another run's rows in place of those of the same model, the md rewritten with
+its hand-written sections kept.
 """
 
 from __future__ import annotations

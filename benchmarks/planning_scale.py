@@ -57,7 +57,7 @@ def plan_point(layers: int, gpus: int, scan: bool) -> dict:
 
 def in_subprocess(layers: int, gpus: int, scan: bool, limit: float) -> dict:
     row = {"layers": layers, "gpus": gpus, "form": "scan" if scan else "unrolled",
-           "load_average": os.getloadavg()[0]}
+           "load_average": os.getloadavg()[0], "limit_s": limit}
     code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
             "import planning_scale as s; "
             f"print(json.dumps(s.plan_point({layers}, {gpus}, {scan})))")
@@ -97,6 +97,8 @@ def markdown(rows: list[dict], limit: float) -> str:
         "|---:|---:|---|---:|---:|---|---:|---:|---|---:|"]
     for r in rows:
         cpu = f"{r['cpu_s']:.0f}" if "cpu_s" in r else ""
+        if r.get("limit_s", limit) != limit:  # a kept row of a run with another limit
+            cpu += f" (limit {r['limit_s']:.0f} s)"
         load = f"{r['load_average']:.1f}" + (f"-{r['load_average_end']:.1f}"
                                              if "load_average_end" in r else "")
         if r.get("stopped"):
@@ -141,10 +143,19 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=float, default=LIMIT_S, help="seconds per point")
     p.add_argument("--forms", default="scan,unrolled", help="comma-separated: scan, unrolled")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--skip", default="",
+                   help="comma-separated form:layers:GPUs points not to plan (e.g. scan:24:1024)")
+    p.add_argument("--keep", type=Path,
+                   help="rows of an earlier run (its printed lines, one json row each) "
+                        "recorded as they are (with the limit they ran under)")
     args = p.parse_args(argv)
-    rows = []
+    rows = ([json.loads(line) for line in args.keep.read_text().splitlines() if line.strip()]
+            if args.keep else [])
+    skip = set(filter(None, args.skip.split(",")))
     for form in args.forms.split(","):
         for layers, gpus in POINTS:
+            if f"{form}:{layers}:{gpus}" in skip:
+                continue
             row = in_subprocess(layers, gpus, form == "scan", args.limit)
             print(json.dumps(row), flush=True)
             rows.append(row)

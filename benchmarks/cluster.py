@@ -45,6 +45,12 @@ hosts, layer times planned per layer) beside the paper's stages priced the same 
 (``ManualStageOption``: 2 stages of 4 pipeline layers, each on 32 hosts as a (32, 8) mesh,
 the arrays inside each stage placed by the planner). Each result's ``explain()`` is kept in
 the json.
+
+``--auto ROWS``: the rows planned by ``AutoParallel`` (``cluster_auto.{json,md}``), each
+pipeline row with ``link_bytes`` of its choice and of the paper's split (the bytes each GPU
+sends per step over NVLink and through its NIC, by what sends them); ``--auto-merge
+OTHER.json``: another run's rows in place of those of the same model, the md rewritten with
+its hand-written sections kept.
 """
 
 from __future__ import annotations
@@ -77,7 +83,9 @@ from autoshard import (
     ShardParallel,
 )
 from autoshard.sharding import solver
+from autoshard.sharding.cost import VOLUME, CostModel, axis_devices_per_host
 from autoshard.sharding.graph import build_graph
+from autoshard.sharding.plan import spec_axes
 
 VOCAB, SEQ = 51200, 2048
 RESULTS = Path(__file__).parent / "results"
@@ -342,12 +350,17 @@ def run(name: str, scan: bool) -> dict:
     return row
 
 
+def stage_cluster(stage, cluster) -> Cluster:
+    """The cluster of a priced stage's sub-mesh (its hosts x devices per host)."""
+    hosts, dph = stage.physical_shape
+    return dataclasses.replace(cluster, num_hosts=hosts, devices_per_host=dph)
+
+
 def inter_host_dot_all_reduce_s(stage, cluster) -> float:
     """Seconds of a stage's backward plans spent in all-reduces of matrix-product results over
     mesh axes that cross hosts (with the batch split over those axes: the weight gradients'
     data-parallel reduction)."""
-    hosts, dph = stage.physical_shape
-    sub = dataclasses.replace(cluster, num_hosts=hosts, devices_per_host=dph)
+    sub = stage_cluster(stage, cluster)
     total = 0.0
     for name, plan in stage.plans:
         crosses = dict(zip(plan.axis_names, sub.axis_crosses_hosts(plan.mesh_shape),
@@ -358,8 +371,100 @@ def inter_host_dot_all_reduce_s(stage, cluster) -> float:
     return total
 
 
-def pipeline_summary(est, cluster) -> dict:
-    """The fields of a priced pipeline kept in the results."""
+LINK_PARTS = ("tensor", "data", "reduce", "pipeline")
+"""What ``link_bytes`` splits a GPU's traffic into: collectives of the tasks over the stage's
+other axes (tensor-parallel), over its data axes (ZeRO gathers, reductions left in a task),
+the stage's once-per-step gradient reduction, and the copies to other stages."""
+
+
+def ring_phases(costs, sub, kind: str, axes: tuple[int, ...], num_bytes: float) -> list:
+    """(axis, ring bytes one GPU sends, of them through its NIC) per phase of a collective
+    on a sub-mesh's ``costs`` (``CostModel.collective_steps``); see ``link_bytes``."""
+    shape = costs.mesh_shape
+    crosses = sub.axis_crosses_hosts(shape)
+    dph = sub.devices_per_host if sub.num_hosts > 1 else None
+    out = []
+    for a, size, _ in costs.collective_steps(kind, axes, num_bytes):
+        sent = VOLUME[kind](shape[a]) * size
+        out.append((a, sent, sent / axis_devices_per_host(shape, a, dph) if crosses[a]
+                    else 0.0))
+    return out
+
+
+def link_bytes(est, cluster, rows: int) -> dict:
+    """Bytes one GPU of each stage of ``est`` (a ``PipelineEstimate`` priced on ``cluster``)
+    sends per step over NVLink and through its NIC, by ``LINK_PARTS``; ``rows``: rows of one
+    micro-batch (a task input whose dim 0 has that size holds rows: the mesh axes splitting
+    it are the stage's data axes).
+
+    Each collective of a task plan is split into the cost model's phases
+    (``CostModel.collective_steps``: one per axis, fastest link first); a phase over an axis
+    of ``n`` devices moving ``b`` bytes sends ``VOLUME[kind](n) * b`` ring bytes per GPU (the
+    bytes the model charges the link for); an axis crossing hosts with ``k`` of its devices
+    in each host sends ``1/k`` of them through each GPU's NIC and the rest over NVLink
+    (``cluster.md``'s rule). F and B tasks run once per micro-batch, apply tasks and the
+    reduce (an all-reduce of ``reduce_bytes`` over the data axes) once per step. A copy to
+    another stage (``send_bytes``: F outputs go to the next stage, B outputs to the one before,
+    apply outputs to any other) goes through the NIC when the two stages span more than one
+    host (as the pricing's ``_sends`` charges it).
+    Seconds: ``model_s`` is what the pricing charges (collectives' ``cost_s``, ``reduce_s``,
+    ``send_s``), ``nvlink_s`` / ``nic_s`` the bytes at the links' bandwidths alone."""
+    k = est.num_micro_batches
+    dph = cluster.devices_per_host
+    hosts = [set(range(s.devices[0] // dph, (s.devices[0] + s.devices[1] - 1) // dph + 1))
+             for s in est.stages]
+    out = []
+    for st in est.stages:
+        sub = stage_cluster(st, cluster)
+        shape = tuple(st.mesh_shape)
+        costs = CostModel(shape, *sub.mesh_costs(shape))
+        names = tuple(st.plans[0][1].axis_names)  # a stage's tasks share its mesh
+        index = {a: i for i, a in enumerate(names)}
+        data = {a for name, plan in st.plans if not name.startswith("apply")
+                for leaf in plan.inputs if leaf.shape and leaf.shape[0] == rows and leaf.spec
+                for a in spec_axes(leaf.spec[0])}
+        parts = {p: {"nvlink_bytes": 0.0, "nic_bytes": 0.0, "model_s": 0.0}
+                 for p in LINK_PARTS}
+
+        def add(phases, part=None, *, names=names, data=data, parts=parts):
+            for a, sent, nic in phases:
+                into = parts[part or ("data" if names[a] in data else "tensor")]
+                into["nic_bytes"] += nic
+                into["nvlink_bytes"] += sent - nic
+
+        for name, plan in st.plans:
+            runs = 1 if name.startswith("apply") else k
+            for c in plan.collectives:
+                axes = tuple(index[x] for x in c.axes)
+                add(ring_phases(costs, sub, c.kind, axes, c.num_bytes * c.count * runs))
+                on_data = {names[a] in data for a in axes if shape[a] > 1}
+                parts["data" if on_data == {True} else "tensor"]["model_s"] += c.cost_s * runs
+        if st.reduce_bytes:
+            add(ring_phases(costs, sub, "all-reduce", tuple(sorted(index[a] for a in data)),
+                            st.reduce_bytes), "reduce")
+            parts["reduce"]["model_s"] += st.reduce_s
+        for kind, nbytes in st.send_bytes.items():
+            runs = 1 if kind == "apply" else k
+            to = ([st.stage + 1] if kind == "F" else [st.stage - 1] if kind.startswith("B")
+                  else [s.stage for s in est.stages if s.stage != st.stage])
+            to = [s for s in to if 0 <= s < len(est.stages)]
+            link = "nic_bytes" if any(len(hosts[s] | hosts[st.stage]) > 1 for s in to) else (
+                "nvlink_bytes")
+            parts["pipeline"][link] += nbytes * runs
+            parts["pipeline"]["model_s"] += st.send_s.get(kind, 0.0) * runs
+        for p in parts.values():
+            p["nvlink_s"] = p["nvlink_bytes"] / cluster.intra_host_bandwidth
+            p["nic_s"] = p["nic_bytes"] / cluster.inter_host_bandwidth
+        out.append({"stage": st.stage, "mesh": list(shape), "data_axes": sorted(data),
+                    "parts": parts,
+                    "nvlink_bytes": sum(p["nvlink_bytes"] for p in parts.values()),
+                    "nic_bytes": sum(p["nic_bytes"] for p in parts.values())})
+    return {"num_micro_batches": k, "stages": out}
+
+
+def pipeline_summary(est, cluster, explain: bool = True) -> dict:
+    """The fields of a priced pipeline kept in the results (``explain``: its ``explain()``
+    too)."""
     return {"step_s": est.step_s, "makespan_s": est.makespan_s, "apply_s": est.apply_s,
             "bubble_fraction": est.bubble_fraction, "flops": est.flops,
             "tflops": est.tflops_per_device, "memory_gib": est.peak_bytes_per_device / 2**30,
@@ -372,8 +477,8 @@ def pipeline_summary(est, cluster) -> dict:
                         "backward_inter_host_dot_all_reduce_s": inter_host_dot_all_reduce_s(
                             s, cluster),
                         "reduce_bytes": s.reduce_bytes, "reduce_s": s.reduce_s,
-                        "memory_gib": s.memory_bytes / 2**30} for s in est.stages],
-            "explain": est.explain()}
+                        "memory_gib": s.memory_bytes / 2**30} for s in est.stages]} | (
+                {"explain": est.explain()} if explain else {})
 
 
 def run_pipeline(name: str) -> dict:
@@ -446,6 +551,8 @@ def run_paper_pipeline(name: str) -> dict:
     est = autoshard.plan(step, *args, cluster=cluster, method=method, batch_argnums=(1, 2))
     row.update(price_s=time.perf_counter() - t0, price_cpu_s=time.process_time() - c0,
                load_average=os.getloadavg()[0], step_s=est.step_s,
+               link_bytes=link_bytes(est, cluster, batch // k),
+               pipeline=pipeline_summary(est, cluster, explain=False),
                eq3_tflops=paper_flops(hidden, layers, batch) / (est.step_s * gpus * 1e12),
                memory_gib=est.peak_bytes_per_device / 2**30,
                bubble_fraction=est.bubble_fraction)
@@ -518,8 +625,8 @@ def run_auto(name: str, pipeline_layers: int = PIPELINE_LAYERS, searched: int = 
                                      manually_specified_submeshes=shapes,
                                      layer_profile_mode="individual"))
     t0, c0 = time.perf_counter(), time.process_time()
-    est = autoshard.plan(step, *args, cluster=Cluster.a100_80gb(hosts), method=method,
-                         batch_argnums=(1, 2))
+    cluster = Cluster.a100_80gb(hosts)
+    est = autoshard.plan(step, *args, cluster=cluster, method=method, batch_argnums=(1, 2))
     row["plan_s"] = time.perf_counter() - t0
     row["plan_cpu_s"] = time.process_time() - c0  # the machine is shared: CPU seconds too
     row["load_average"] = os.getloadavg()[0]
@@ -535,13 +642,17 @@ def run_auto(name: str, pipeline_layers: int = PIPELINE_LAYERS, searched: int = 
                          for c in est.candidates]
     chosen = est.chosen
     row["chosen_split"] = chosen.split or "whole mesh"
+    if est.num_stages > 1:  # a PipelineEstimate (the whole mesh's plan is a ShardingPlan)
+        row["link_bytes"] = link_bytes(est.estimate, cluster, batch // k)
+        row["pipeline"] = pipeline_summary(est.estimate, cluster, explain=False)
     row["explain"] = est.explain()
     print(est.explain(), file=sys.stderr, flush=True)
     if split is not None:  # the paper's (t, p, d) priced by the same model, in the same run
         paper = run_paper_pipeline(name)
         row["paper_priced"] = {k: paper[k] for k in (
             "paper_tensor", "paper_pipeline", "paper_data", "num_micro_batches", "step_s",
-            "eq3_tflops", "memory_gib", "bubble_fraction", "price_s")}
+            "eq3_tflops", "memory_gib", "bubble_fraction", "price_s", "link_bytes",
+            "pipeline")}
     return row
 
 
@@ -567,9 +678,95 @@ def auto_row_in_subprocess(name: str, limit_s: float = AUTO_TIME_LIMIT_S,
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+LINKS_HEADING = "## Bytes each GPU sends per step, by link"
+"""The section of cluster_auto.md that ``write_auto`` writes after the table (``link_lines``);
+any other ``## `` section already in the file (notes written by hand) is kept after it."""
+
+
+def busiest_stage(links: dict) -> dict:
+    """The stage of a ``link_bytes`` result whose GPUs spend longest on the links."""
+    return max(links["stages"], key=lambda st: sum(p["nvlink_s"] + p["nic_s"]
+                                                   for p in st["parts"].values()))
+
+
+def link_lines(rows: list[dict]) -> list[str]:
+    """Per pipeline row, ours and the paper's split: the bytes one GPU of the busiest stage
+    sends per step on each link (``link_bytes``)."""
+    shown = [r for r in rows if "link_bytes" in r]
+    if not shown:
+        return []
+    lines = ["", LINKS_HEADING, "",
+             "Per GPU of the stage whose GPUs spend longest on the links (`link_bytes`: the cost "
+             "model's phases of every collective of the stage's task plans as ring bytes, a "
+             "phase over an axis with k GPUs in each node sending 1/k of them through each "
+             "GPU's NIC and the rest over NVLink; F and B tasks once per micro-batch, apply "
+             "and the gradient reduction once per step; sends between stages on the link "
+             "joining them). GB = 1e9 bytes; tensor: collectives over the stage's non-data "
+             "axes; data: over its data axes inside the tasks (ZeRO gathers, reductions left "
+             "in a task); reduce: the stage's once-per-step gradient all-reduce; pipeline: "
+             "copies to other stages. Link s: the bytes at "
+             f"{_A100.intra_host_bandwidth / 1e9:g} GB/s (NVLink) and "
+             f"{_A100.inter_host_bandwidth / 1e9:g} GB/s (each GPU's NIC); charged s: what "
+             "the pricing charges for them (latency and the slower of a crossing ring's "
+             "links included), not overlapped with compute.", "",
+             "| model | plan | micro-batches | stage (mesh) | NVLink GB: tensor / data / reduce "
+             "/ pipeline | NIC GB: tensor / data / reduce / pipeline | NVLink s | NIC s | "
+             "charged s: tensor / data / reduce / pipeline | step s (schedule + apply, "
+             "bubble) |",
+             "|---|---|---:|---|---|---|---:|---:|---|---|"]
+    for r in shown:
+        paper = r.get("paper_priced") or {}
+        for label, links, e, step_s in (
+                ("ours", r["link_bytes"], r.get("pipeline"), r["step_s"]),
+                ("paper's split", paper.get("link_bytes"), paper.get("pipeline"),
+                 paper.get("step_s"))):
+            if links is None:
+                continue
+            st = busiest_stage(links)
+            parts = st["parts"]
+
+            def col(key, parts=parts):
+                return " / ".join(f"{parts[p][key] / 1e9:.1f}" for p in LINK_PARTS)
+            step = (f"{e['step_s']:.2f} ({e['makespan_s']:.2f} + {e['apply_s']:.2f}, "
+                    f"{e['bubble_fraction']:.1%})" if e else f"{step_s:.2f}")
+            lines.append(
+                f"| {r['model']} | {label} | {links['num_micro_batches']} | {st['stage']} "
+                f"({'x'.join(map(str, st['mesh']))}, data over {','.join(st['data_axes'])}) | "
+                f"{col('nvlink_bytes')} | {col('nic_bytes')} | "
+                f"{sum(p['nvlink_s'] for p in parts.values()):.2f} | "
+                f"{sum(p['nic_s'] for p in parts.values()):.2f} | "
+                + " / ".join(f"{parts[p]['model_s']:.2f}" for p in LINK_PARTS)
+                + f" | {step} |")
+    return lines
+
+
+def kept_sections(path: Path) -> list[str]:
+    """The ``## `` sections of an existing cluster_auto.md other than ``LINKS_HEADING``."""
+    if not path.exists():
+        return []
+    kept, keep = [], False
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            keep = line != LINKS_HEADING
+        if keep:
+            kept.append(line)
+    return ["", *kept] if kept else []
+
+
+def merge_auto(path: Path) -> list[dict]:
+    """The rows of cluster_auto.json in ``RESULTS`` with those of ``path`` (another run's
+    cluster_auto.json) in place of the rows of the same model, new models appended."""
+    new = {r["model"]: r for r in json.loads(path.read_text())["rows"]}
+    old = json.loads((RESULTS / "cluster_auto.json").read_text())["rows"]
+    rows = [new.pop(r["model"], r) for r in old]
+    return rows + list(new.values())
+
+
 def write_auto(rows: list[dict], limit_s: float = AUTO_TIME_LIMIT_S):
-    """cluster_auto.json and cluster_auto.md: the rows ``AutoParallel`` planned."""
+    """cluster_auto.json and cluster_auto.md: the rows ``AutoParallel`` planned (the md's
+    sections written by hand are kept, ``kept_sections``)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
+    kept = kept_sections(RESULTS / "cluster_auto.md")
     (RESULTS / "cluster_auto.json").write_text(json.dumps({"rows": rows}, indent=1))
     lines = ["# Table 1 rows planned by AutoParallel", "",
              f"`autoshard.plan(..., method=AutoParallel(...))`, {platform.machine()}, "
@@ -579,7 +776,8 @@ def write_auto(rows: list[dict], limit_s: float = AUTO_TIME_LIMIT_S):
              "--auto-micro-batch-counts 3 searched that count and the next from 3x and 9x it: "
              "AutoParallel(micro_batch_counts=...), the counts listed), "
              f"sub-meshes of hosts / (1, 2, 4, 8) whole hosts; rows stopped after "
-             f"{limit_s:.0f} s of planning. plan s: wall seconds (CPU seconds of the planning "
+             f"{limit_s:.0f} s of planning (or the limit a stopped row names). plan s: wall "
+             "seconds (CPU seconds of the planning "
              "process, and the load average at the end: the machine is shared).", "",
              "Paper's split: Table 1's (t, p, d) priced by the same model in the same run "
              "(`run_paper_pipeline`: p stages of whole hosts, t = 8 in the node, one sequence "
@@ -622,10 +820,8 @@ def write_auto(rows: list[dict], limit_s: float = AUTO_TIME_LIMIT_S):
                      f"{r['plan_s']:.0f}" + (
                          f" ({r['plan_cpu_s']:.0f} CPU, load {r['load_average']:.1f})"
                          if "plan_cpu_s" in r else "") + " |")
-    md = RESULTS / "cluster_auto.md"
-    # the notes written under the table (its "## " sections) stay across reruns
-    kept = md.read_text().partition("\n## ") if md.exists() else ("", "", "")
-    md.write_text("\n".join(lines) + "\n" + (f"\n## {kept[2]}" if kept[1] else ""))
+    lines += link_lines(rows) + kept
+    (RESULTS / "cluster_auto.md").write_text("\n".join(lines) + "\n")
 
 
 def candidate_label(c: dict, r: dict) -> str:
@@ -907,6 +1103,9 @@ def main(argv=None):
                         choices=[n for n, r in AUTO_ROWS.items() if r[5] and r[5][1] > 1],
                         help="price the paper's pipeline of these rows "
                              "(cluster_paper_pipelines.{json,md})")
+    parser.add_argument("--auto-merge", type=Path,
+                        help="another run's cluster_auto.json: its rows replace those of the "
+                             "same model in cluster_auto.json (the others kept); rewrites the md")
     parser.add_argument("--auto-time-limit", type=float, default=AUTO_TIME_LIMIT_S,
                         help="seconds after which an --auto row is stopped (default "
                              f"{AUTO_TIME_LIMIT_S}; raise it on a loaded machine)")
@@ -939,6 +1138,9 @@ def main(argv=None):
                 rows.append({"model": name, "error": f"{type(err).__name__}: "
                                                      f"{str(err).splitlines()[0][:200]}"})
             write_paper_pipelines(rows)
+        return
+    if args.auto_merge:
+        write_auto(merge_auto(args.auto_merge), args.auto_time_limit)
         return
     if args.auto:
         rows = []

@@ -14,7 +14,7 @@ from pipeline_models import BlockLM
 
 import autoshard
 from autoshard import Cluster
-from autoshard.pipeline import auto, price, tasks
+from autoshard.pipeline import auto, price, spans, tasks
 from autoshard.pipeline.build import cut_program
 
 NUM_BLOCKS = 3
@@ -34,7 +34,7 @@ def counted(monkeypatch):
         calls.append((phase[0], str(closed), kw["num_devices"]))
         return real(closed, **kw)
     monkeypatch.setattr(tasks, "plan_auto", plan_auto)
-    measure = auto._SpanPricer.measure_spans
+    measure = spans.SpanPricer.measure_spans
 
     def measure_spans(self, *args):
         phase[0] = "spans"
@@ -42,7 +42,7 @@ def counted(monkeypatch):
             return measure(self, *args)
         finally:
             phase[0] = "other"
-    monkeypatch.setattr(auto._SpanPricer, "measure_spans", measure_spans)
+    monkeypatch.setattr(spans.SpanPricer, "measure_spans", measure_spans)
     return calls
 
 
@@ -101,7 +101,7 @@ def test_the_stage_dp_finds_what_planning_every_span_finds(mode, budget, monkeyp
         manually_specified_submeshes=[(1, 2), (1, 4), (1, 8)][mode == "composition":],
         layer_profile_mode=mode, memory_budget_per_device=budget)
     program = _program(monkeypatch)
-    mine, pricer = _layouts(auto._SpanPricer, option, program)
+    mine, pricer = _layouts(spans.SpanPricer, option, program)
     full, _ = _layouts(price._Pricer, option, program)
     assert mine == full
     stats = pricer.span_stats

@@ -49,9 +49,9 @@ from .build import cut_program
 from .estimate import PipelineEstimate
 from .layers import layer_option_of
 from .method import PipeshardParallel
-from .placement import shape_cluster, submesh_shapes
-from .price import _Pricer, price_pipeline
+from .price import price_pipeline
 from .schedules import SCHEDULES, traits
+from .spans import SpanPricer
 from .stages import AutoStageOption, ManualStageOption
 
 
@@ -400,7 +400,7 @@ def _pipelines(method: AutoParallel, program, cluster: Cluster,
     top = min(cut.num_layers, method.max_num_stages or cut.num_layers)
     if top < 2:
         return []
-    pricer = _SpanPricer(search, program, cut, cluster)
+    pricer = SpanPricer(search, program, cut, cluster)
     k = program.num_micro_batches
     layouts, out = {}, {}
     for s in range(2, top + 1):
@@ -454,128 +454,6 @@ def _pipelines(method: AutoParallel, program, cluster: Cluster,
             f"{st['apply_planned']} of {st['apply_planned'] + st['apply_skipped']} (the others "
             "within the memory limit whatever their plan)")
     return [out[s] for s in sorted(out)]
-
-
-class _SpanPricer(_Pricer):
-    """``price._Pricer`` measuring only what a pipeline of 2 or more stages can use.
-
-    The stage DP reads ``measure_spans``: per (layer span, sub-mesh shape) the planned F + B
-    time and the peak memory of the span as one stage. Here, with the same DP results:
-
-    * a sub-mesh holding more devices than the cluster less its smallest sub-mesh, and (in
-      ``composition`` mode) the span of every layer, are never a stage of 2 or more: not
-      planned (``inf``);
-    * identical spans (the same F, B and apply jaxprs: repeated layers) are planned once:
-      ``plan_task``'s cache, keyed by the task's jaxpr, its inputs' roles and the sub-mesh;
-    * a span's apply (optimizer) tasks are planned only where their memory can decide the
-      DP's memory test (``cost``: the span's peak against the limit). Their peak is at most
-      ``_apply_bytes_bound`` (every value of the task replicated, live at once, plus a
-      resharded copy of each); where the span's F/B peak plus that bound, summed over the
-      parts the DP adds (one span, or every layer in ``individual`` mode), is within the
-      limit, every test passes either way, and the apply tasks are not planned. With no limit
-      (no budget, unbounded device memory) they never are.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.span_stats = {"planned": 0, "pruned": 0, "apply_planned": 0, "apply_skipped": 0}
-
-    def measure_spans(self, option: AutoStageOption, num_layers: int) -> dict:
-        key = ("pipeline spans", repr(option), num_layers, self.cluster)
-        if key in self.cache:
-            return self.cache[key]
-        shapes = submesh_shapes(option, self.cluster)
-        sizes = [math.prod(s) for s in shapes]
-        individual = option.layer_profile_mode == "individual"
-        spans = ([(i, i + 1) for i in range(num_layers)] if individual else
-                 [(i, j) for i in range(num_layers) for j in range(i + 1, num_layers + 1)])
-        budget = option.memory_budget_per_device
-        limit = budget if budget is not None else self.cluster.memory_bytes
-        overrides = {"memory_budget_per_device": budget} if budget is not None else {}
-        usable = [n <= self.cluster.num_devices - min(sizes) for n in sizes]
-        measured: dict = {}
-        pending = []  # (i, j, c, part, s, sub, F/B peak, apply bound)
-        for i, j in spans:
-            if j - i == num_layers and num_layers > 1:
-                for c in range(len(shapes)):
-                    measured[(i, j, c)] = (math.inf, math.inf, None)
-                self.span_stats["pruned"] += len(shapes)
-                continue
-            part, s = self.cut.span(i, j, self.program.batch_invars,
-                                    self.method.layer_option.remat)
-            bound = sum(_apply_bytes_bound(t) for t in part.apply if t.stage == s)
-            without_apply = dataclasses.replace(part, apply=[])
-            for c, shape in enumerate(shapes):
-                if not usable[c]:
-                    measured[(i, j, c)] = (math.inf, math.inf, None)
-                    self.span_stats["pruned"] += 1
-                    continue
-                sub = shape_cluster(self.cluster, shape)
-                self.span_stats["planned"] += 1
-                sp = self._measure(without_apply, s, (i, j), sub, overrides, num_layers)
-                measured[(i, j, c)] = sp
-                if sp is not None and limit is not None:
-                    pending.append((i, j, c, part, s, sub, sp[1], bound))
-        # the apply tasks where their memory could decide a memory test
-        by_choice: dict = {}
-        for entry in pending:
-            by_choice.setdefault(entry[2] if individual else entry[:3], []).append(entry)
-        for group in by_choice.values():
-            if sum(peak + bound for *_, peak, bound in group) <= limit:
-                self.span_stats["apply_skipped"] += len(group)
-                continue
-            for i, j, c, part, s, sub, _, _ in group:
-                self.span_stats["apply_planned"] += 1
-                measured[(i, j, c)] = self._measure(part, s, (i, j), sub, overrides,
-                                                    num_layers)
-        for k, v in measured.items():
-            if v is None:
-                measured[k] = (math.inf, math.inf, None)
-        self.cache[key] = measured
-        return measured
-
-    def _measure(self, part, s, span, sub, overrides, num_layers):
-        """(F + B seconds, peak bytes, logical mesh shape) of stage ``s`` (layers ``span``)
-        on ``sub`` (``plan_span``); None when it has no plan within the memory."""
-        try:
-            sp = self.plan_span(part, s, span, sub, overrides, num_layers)
-        except ValueError as err:
-            if "memory" not in str(err):
-                raise
-            return None
-        return (sum(v for kd, v in sp.times.items() if kd != "apply"), sp.peak_bytes,
-                sp.mesh_shape)
-
-
-def _apply_bytes_bound(task) -> int:
-    """Bytes per device an apply task's plan holds at most: every value it reads or makes
-    (inside nested jaxprs too) replicated and live at once, twice (a resharded copy of
-    each). Apply tasks are element-wise updates: a value is not resharded to two layouts."""
-    seen, total = set(), 0
-    for v in list(task.invars) + _made(task.eqns):
-        aval = getattr(v, "aval", None)
-        if id(v) in seen or aval is None or not hasattr(aval, "shape"):
-            continue
-        seen.add(id(v))
-        try:
-            itemsize = aval.dtype.itemsize
-        except (AttributeError, TypeError):
-            itemsize = 16
-        total += math.prod(aval.shape) * max(itemsize, 1)
-    return 2 * total
-
-
-def _made(eqns) -> list:
-    """The values ``eqns`` make, those of the jaxprs in their parameters included."""
-    out = []
-    for e in eqns:
-        out += list(e.outvars)
-        for p in e.params.values():
-            for j in p if isinstance(p, (list, tuple)) else [p]:
-                inner = getattr(j, "jaxpr", j)
-                if hasattr(inner, "eqns"):
-                    out += _made(inner.eqns)
-    return out
 
 
 def _span(stage_of_layer, t) -> str:

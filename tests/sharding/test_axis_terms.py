@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from autoshard.sharding import AutoShardingOption, plan_auto, reshard_memo
+from autoshard.sharding import AutoShardingOption, ilp, plan_auto, planner, reshard_memo
 from autoshard.sharding.cost import CostModel
 from autoshard.sharding.spec import axis_place, candidate_specs
 
@@ -138,3 +138,75 @@ def test_per_axis_ilp_keeps_the_pinned_weight_split():
         assert all(b < weight_bytes for b in gathered), plan.explain()
     assert [(c.kind, c.axes) for c in per_axis.collectives] == [("all-reduce", ("y",))]
     assert per_axis.objective.total_s <= 1.15 * exact.objective.total_s
+
+
+def charged_by(groups, num_srcs, num_dsts):
+    """What the ILP charges each (producer, consumer) pair for ``groups``' terms."""
+    charged = np.zeros((num_srcs, num_dsts))
+    for (_, _, src_dims, classes, dst_dims), (gathers, moves) in groups.items():
+        for k, ds in enumerate(src_dims):
+            for j, dd in enumerate(dst_dims):
+                if ds is not None and dd != ds:
+                    charged[k, j] += (gathers if dd is None else moves)[classes[k]]
+    return charged
+
+
+@pytest.mark.parametrize("mesh", [(2, 2, 2), (4, 1, 2), (2, 4)])
+def test_terms_over_the_class_budget_take_one_class_priced_from_above(mesh):
+    """Past ``ilp.CLASS_COLUMNS`` every term takes one producer class at its largest costs
+    (all or none): never below the per-axis price, equal to it where the consumer keeps the
+    producer's split; within the budget the classes stay and the price is the per-axis one."""
+    cost, shape, isize = cost_model(mesh), (8, 16, 4), 4
+    specs = candidate_specs(shape, mesh)
+    srcs, dsts = specs[::2] + specs[:3], specs[1::2] + specs[:2]
+    terms = reshard_memo.axis_terms(cost, srcs, dsts, shape, isize)
+    groups = {(0, 1, s, c, d): [g.copy(), m.copy()] for s, c, d, g, m in terms}
+    per_axis = reshard_memo.per_axis_matrix(cost, srcs, dsts, shape, isize)
+    needed = sum(ilp._class_columns(key[2], key[3], key[4], *costs)
+                 for key, costs in groups.items())
+    assert needed > 0
+    kept = {key: [g.copy(), m.copy()] for key, (g, m) in groups.items()}
+    assert ilp._merge_classes(kept, needed) == (needed, 0)
+    np.testing.assert_allclose(charged_by(kept, len(srcs), len(dsts)), per_axis, rtol=1e-12)
+    merged = {key: [g.copy(), m.copy()] for key, (g, m) in groups.items()}
+    columns, num_merged = ilp._merge_classes(merged, needed - 1)
+    assert columns == 0 and num_merged == sum(len(m) > 1 for _, m in groups.values())
+    assert all(len(m) == 1 for _, m in merged.values())
+    one = charged_by(merged, len(srcs), len(dsts))
+    assert (one >= per_axis * (1 - 1e-12)).all()
+    assert (one > per_axis * (1 + 1e-9)).any()
+    for k, src in enumerate(srcs):
+        for j, dst in enumerate(dsts):
+            if all(axis_place(src, a) in (None, axis_place(dst, a)) for a in range(len(mesh))):
+                assert one[k, j] == pytest.approx(per_axis[k, j], rel=1e-12, abs=0)
+
+
+def test_one_class_ilp_keeps_the_pinned_weight_split(monkeypatch):
+    """``test_per_axis_ilp_keeps_the_pinned_weight_split`` with every term at one class
+    (``CLASS_COLUMNS = 0``): pricing from above keeps the tensor-parallel weight split (the
+    old terms, priced from below, gathered it), the ILP is marked approximate, and the plan
+    and its exact objective are those of the ILP with classes."""
+    w = jnp.ones((256, 1024), jnp.float32)
+    x = jnp.ones((256, 256), jnp.bfloat16)
+    closed = jax.make_jaxpr(weight_step)(w, x)
+    built = []
+    real = planner.build_ilp
+
+    def keep(prob, **kw):
+        built.append(real(prob, **kw))
+        return built[-1]
+    monkeypatch.setattr(planner, "build_ilp", keep)
+    option = AutoShardingOption(show_progress=False, logical_mesh_shape=(4, 2),
+                                exact_resharding_columns=0)
+    plans = []
+    for budget in (ilp.CLASS_COLUMNS, 0):
+        monkeypatch.setattr(ilp, "CLASS_COLUMNS", budget)
+        plans.append(plan_auto(closed, num_devices=8, option=option, in_paths=["w", "x"],
+                               out_paths=["y"], batch_invars=[False, True], aliases=(),
+                               fixed_in_specs=[P("y", None), None]))
+    classes, one = built
+    assert classes.info["merged_class_terms"] == 0 and classes.info["class_columns"] > 0
+    assert one.info["merged_class_terms"] > 0 and one.approximate
+    assert plans[1].in_specs == plans[0].in_specs and plans[1].in_specs[0] == P("y")
+    assert [(c.kind, c.axes) for c in plans[1].collectives] == [("all-reduce", ("y",))]
+    assert plans[1].objective.total_s == pytest.approx(plans[0].objective.total_s, rel=1e-12)

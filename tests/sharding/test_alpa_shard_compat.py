@@ -532,14 +532,9 @@ class MoELM(nn.Module):
         return nn.Dense(self.vocab)(x.reshape((batch, length, m)))
 
 
-def test_moe_lm_2d_dispatches_with_all_to_alls():
-    """Covers test_moe.py::test_moe_lm_2d: on (2, 2) Alpa's plan keeps the tokens split over
-    both axes, the experts too, and moves the dispatched and combined tokens with 4 all-to-alls
-    over the flattened mesh (forward and backward), beside the gradients' all-reduces. Ours is
-    that plan. The dispatched tokens are read by two einsums (the experts' forward product and
-    the gradient of their weights): the planner prices their all-to-all once, at the layout op
-    both read (``simplify._forks``); priced once per reader, that plan lost to one that
-    all-gathers the token groups before both dispatch einsums (f32[32,32,64] twice)."""
+def _moe_lm_step():
+    """(step, state, batch) of ``MoELM`` (vocabulary 32, 16 experts) with Adam on 64 x 16
+    tokens: Alpa's test_moe_lm sizes, one layer."""
     model = MoELM(vocab=32, hidden=64, num_experts=16, group=32)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (64, 16), 0, 32)
     state = TrainState.create(apply_fn=model.apply, tx=optax.adam(1e-2),
@@ -552,7 +547,18 @@ def test_moe_lm_2d_dispatches_with_all_to_alls():
                                      * jax.nn.log_softmax(logits), axis=-1))
         return state.apply_gradients(grads=jax.grad(loss)(state.params))
 
-    batch = {"tokens": tokens, "labels": jnp.roll(tokens, 1, axis=1)}
+    return step, state, {"tokens": tokens, "labels": jnp.roll(tokens, 1, axis=1)}
+
+
+def test_moe_lm_2d_dispatches_with_all_to_alls():
+    """Covers test_moe.py::test_moe_lm_2d: on (2, 2) Alpa's plan keeps the tokens split over
+    both axes, the experts too, and moves the dispatched and combined tokens with 4 all-to-alls
+    over the flattened mesh (forward and backward), beside the gradients' all-reduces. Ours is
+    that plan. The dispatched tokens are read by two einsums (the experts' forward product and
+    the gradient of their weights): the planner prices their all-to-all once, at the layout op
+    both read (``simplify._forks``); priced once per reader, that plan lost to one that
+    all-gathers the token groups before both dispatch einsums (f32[32,32,64] twice)."""
+    step, state, batch = _moe_lm_step()
     shape = (2, 2)
     f, ex = compile_step(step, state, batch, mesh(shape), option())
     found = hlo.collectives(ex.get_hlo_text(), ("x", "y"), shape)
@@ -565,6 +571,48 @@ def test_moe_lm_2d_dispatches_with_all_to_alls():
     actual = f(state, batch)
     for a, b in zip(jax.tree.leaves(actual.params), jax.tree.leaves(expected.params),
                     strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_moe_lm_2d_reduce_scatter_over_both_axes():
+    """Covers test_moe.py::test_moe_lm_2d_reduce_scatter: test_moe_lm_2d's plan on (2, 2)
+    (tokens and experts split over both axes, 4 all-to-alls) with prefer_reduce_scatter, where
+    Alpa asserts reduce-scatters and nothing but all-reduces, all-gathers, reduce-scatters and
+    all-to-alls. The batch is split over x and y, so every weight gradient is a sum over both
+    axes: each is reduce-scattered over the 4 devices into one dim (the embedding's scatter-add,
+    the gate's and the head's products, the head bias's sum), their Adam moments held in
+    shards, the updated weights all-gathered. Before, the rules offered a reduce-scatter only
+    for a sum over one axis: every gradient was all-reduced and no reduce-scatter compiled. The
+    step equals jax.jit's."""
+    step, state, batch = _moe_lm_step()
+    shape = (2, 2)
+    f, ex = compile_step(step, state, batch, mesh(shape), option(prefer_reduce_scatter=True))
+    specs = {leaf.path: leaf.spec for leaf in ex.plan.inputs}
+    params = {p: s for p, s in specs.items() if p.startswith("arg0.params")}
+    moments = {p: s for p, s in specs.items() if ".mu[" in p or ".nu[" in p}
+    experts = {p for p in params if "'wi'" in p or "'wo'" in p}
+    assert all(params[p] == P(("x", "y")) for p in experts)
+    assert all(s == P() for p, s in params.items() if p not in experts)
+    assert len(moments) == 2 * len(params) and all(s != P() for s in moments.values())
+    dense = [leaf for p, leaf in jax.tree_util.tree_leaves_with_path(state.params)
+             if "'wi'" not in jax.tree_util.keystr(p) and "'wo'" not in jax.tree_util.keystr(p)]
+    dense_bytes = sum(leaf.size * 4 for leaf in dense)
+    scattered = [c for c in ex.plan.collectives if c.kind == "reduce-scatter"]
+    assert len(scattered) == len(dense) and all(c.axes == ("x", "y") for c in scattered)
+    assert sum(c.num_bytes * 4 for c in scattered) == dense_bytes
+    assert all(c.num_bytes == 4 for c in ex.plan.collectives if c.kind == "all-reduce")
+    # XLA:CPU lowers the merged reduce-scatter as one all-reduce of the 4 gradients over the
+    # 4 devices, each slicing its quarter (the loss's scalar may ride in it), and gathers the
+    # updated weights in one all-gather.
+    found = hlo.collectives(ex.get_hlo_text(), ("x", "y"), shape)
+    assert sorted(c.kind for c in found) == ["all-gather", "all-reduce"] + ["all-to-all"] * 4
+    assert all(c.axes == ("x", "y") for c in found)
+    by_kind = {c.kind: c.num_bytes for c in found}
+    assert by_kind["all-reduce"] in (dense_bytes, dense_bytes + 4)
+    assert by_kind["all-gather"] == dense_bytes
+    expected = jax.jit(step)(state, batch)
+    actual = f(state, batch)
+    for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 

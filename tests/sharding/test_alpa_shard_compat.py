@@ -484,14 +484,18 @@ class MoE(nn.Module):
         return x + jnp.einsum("GSEC,GECM->GSM", combine, outputs)
 
 
-def test_moe_2d_plan_moves_fewer_bytes_than_alpas():
+@pytest.mark.parametrize("prefer", [False, True])
+def test_moe_2d_plan_moves_fewer_bytes_than_alpas(prefer):
     """Covers the difference in test_moe.py::test_moe_layer_2d (and its reduce-scatter
-    variant): on (2, 2) Alpa asserts 2 all-reduces (the normal weights' and the expert
-    weights' gradients, the experts split over one axis and reduced over the other) beside
-    all-to-alls. Ours splits the experts over both axes (no expert-gradient reduction at all)
-    and the tokens over y; that costs all-to-alls over y and activation all-reduces over x. The
-    expert weights' gradient all-reduce of Alpa's plan alone moves more bytes per device than
-    our whole compiled step; the step equals jax.jit's."""
+    variant, ``prefer``): on (2, 2) Alpa asserts 2 all-reduces (the normal weights' and the
+    expert weights' gradients, the experts split over one axis and reduced over the other)
+    beside all-to-alls. Ours splits the experts over both axes (no expert-gradient reduction at
+    all) and the tokens over y; that costs all-to-alls over y and activation all-reduces over
+    x. The expert weights' gradient all-reduce of Alpa's plan alone moves more bytes per device
+    than our whole compiled step; the step equals jax.jit's. With prefer_reduce_scatter and
+    all-gathers off, the plan is the same: the gradients' all-reduces are not forced into
+    reduce-scatters (``build._prefer_reduce_scatter``), since the all-gather of the updated
+    parameter is off too."""
     num_experts, hidden = 16, 128
     model = MoE(num_experts, capacity=8, hidden=hidden)
     x = jax.random.normal(jax.random.PRNGKey(1), (32, 32, 32))
@@ -499,7 +503,8 @@ def test_moe_2d_plan_moves_fewer_bytes_than_alpas():
 
     batch = {"x": x, "y": jnp.ones_like(x)}
     shape = (2, 2)
-    f, ours = compile_step(step, state, batch, mesh(shape), option(allow_all_gather=False))
+    f, ours = compile_step(step, state, batch, mesh(shape),
+                           option(allow_all_gather=False, prefer_reduce_scatter=prefer))
     specs = {leaf.path.split("'")[-2]: leaf.spec for leaf in ours.plan.inputs
              if "params" in leaf.path and "'mu'" not in leaf.path and "'nu'" not in leaf.path}
     assert specs["wi"] == specs["wo"] == P(("x", "y"))
@@ -508,6 +513,9 @@ def test_moe_2d_plan_moves_fewer_bytes_than_alpas():
     expert_bytes = 2 * num_experts * 32 * hidden * 4
     alpa_expert_reduction = 2 * (2 - 1) / 2 * expert_bytes / 2
     assert _wire_bytes(ours, shape) < alpa_expert_reduction
+    if prefer:  # the plan without prefer_reduce_scatter, byte for byte
+        _, plain = compile_step(step, state, batch, mesh(shape), option(allow_all_gather=False))
+        assert _wire_bytes(ours, shape) == _wire_bytes(plain, shape)
     expected = jax.jit(step)(state, batch)
     actual = f(state, batch)
     for a, b in zip(jax.tree.leaves(actual.params), jax.tree.leaves(expected.params),
@@ -722,6 +730,24 @@ def test_mlp_data_parallel_reduce_scatter_is_zero2(shape):
     n_opt = len(jax.tree.leaves(state.opt_state))
     expected = sum(all_reduce_cost(p.size * 4, 4) for p in params) + PENALTY * (len(params) + n_opt)
     assert ex.auto_sharding_objective == pytest.approx(expected, rel=1e-2)
+
+
+def test_2d_mlp_reduce_scatter_is_zero2_over_both_axes():
+    """Covers the difference in test_mlp.py::test_n_layer_mlp_2d_mesh_reduce_scatter: Alpa
+    asserts its Megatron plan (5 all-reduces, 2 reduce-scatters); ours is data parallel over
+    both axes of (2, 2), as without prefer_reduce_scatter (``test_2d_mlp_plan_moves_fewer_
+    bytes_than_alpas``), and now ZeRO-2 over both: every gradient, a sum over x and y, is
+    reduce-scattered over the 4 devices into one collective, the updated parameters gathered
+    in one (``_assert_zero2``). Before, a sum over two axes was offered no reduce-scatter:
+    the 12 gradients were all-reduced and the Adam moments kept whole."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(256, 32)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(256, 32)), jnp.float32)
+    step, state, batch = _zero2_step(MLP(6, 32), x, y)
+    f, ex = compile_step(step, state, batch, mesh((2, 2)),
+                         option(beta=(1.0, 0.1), prefer_reduce_scatter=True))
+    assert {c.axes for c in ex.plan.collectives if c.kind == "reduce-scatter"} == {("x", "y")}
+    _assert_zero2(f, ex, step, state, batch)
 
 
 def test_bert_layer_data_parallel_reduce_scatter_is_zero2():

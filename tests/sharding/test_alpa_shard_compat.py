@@ -484,14 +484,18 @@ class MoE(nn.Module):
         return x + jnp.einsum("GSEC,GECM->GSM", combine, outputs)
 
 
-def test_moe_2d_plan_moves_fewer_bytes_than_alpas():
+@pytest.mark.parametrize("prefer", [False, True])
+def test_moe_2d_plan_moves_fewer_bytes_than_alpas(prefer):
     """Covers the difference in test_moe.py::test_moe_layer_2d (and its reduce-scatter
-    variant): on (2, 2) Alpa asserts 2 all-reduces (the normal weights' and the expert
-    weights' gradients, the experts split over one axis and reduced over the other) beside
-    all-to-alls. Ours splits the experts over both axes (no expert-gradient reduction at all)
-    and the tokens over y; that costs all-to-alls over y and activation all-reduces over x. The
-    expert weights' gradient all-reduce of Alpa's plan alone moves more bytes per device than
-    our whole compiled step; the step equals jax.jit's."""
+    variant, ``prefer``): on (2, 2) Alpa asserts 2 all-reduces (the normal weights' and the
+    expert weights' gradients, the experts split over one axis and reduced over the other)
+    beside all-to-alls. Ours splits the experts over both axes (no expert-gradient reduction at
+    all) and the tokens over y; that costs all-to-alls over y and activation all-reduces over
+    x. The expert weights' gradient all-reduce of Alpa's plan alone moves more bytes per device
+    than our whole compiled step; the step equals jax.jit's. With prefer_reduce_scatter and
+    all-gathers off, the plan is the same: the gradients' all-reduces are not forced into
+    reduce-scatters (``build._prefer_reduce_scatter``), since the all-gather of the updated
+    parameter is off too."""
     num_experts, hidden = 16, 128
     model = MoE(num_experts, capacity=8, hidden=hidden)
     x = jax.random.normal(jax.random.PRNGKey(1), (32, 32, 32))
@@ -499,7 +503,8 @@ def test_moe_2d_plan_moves_fewer_bytes_than_alpas():
 
     batch = {"x": x, "y": jnp.ones_like(x)}
     shape = (2, 2)
-    f, ours = compile_step(step, state, batch, mesh(shape), option(allow_all_gather=False))
+    f, ours = compile_step(step, state, batch, mesh(shape),
+                           option(allow_all_gather=False, prefer_reduce_scatter=prefer))
     specs = {leaf.path.split("'")[-2]: leaf.spec for leaf in ours.plan.inputs
              if "params" in leaf.path and "'mu'" not in leaf.path and "'nu'" not in leaf.path}
     assert specs["wi"] == specs["wo"] == P(("x", "y"))
@@ -508,6 +513,9 @@ def test_moe_2d_plan_moves_fewer_bytes_than_alpas():
     expert_bytes = 2 * num_experts * 32 * hidden * 4
     alpa_expert_reduction = 2 * (2 - 1) / 2 * expert_bytes / 2
     assert _wire_bytes(ours, shape) < alpa_expert_reduction
+    if prefer:  # the plan without prefer_reduce_scatter, byte for byte
+        _, plain = compile_step(step, state, batch, mesh(shape), option(allow_all_gather=False))
+        assert _wire_bytes(ours, shape) == _wire_bytes(plain, shape)
     expected = jax.jit(step)(state, batch)
     actual = f(state, batch)
     for a, b in zip(jax.tree.leaves(actual.params), jax.tree.leaves(expected.params),
@@ -532,14 +540,9 @@ class MoELM(nn.Module):
         return nn.Dense(self.vocab)(x.reshape((batch, length, m)))
 
 
-def test_moe_lm_2d_dispatches_with_all_to_alls():
-    """Covers test_moe.py::test_moe_lm_2d: on (2, 2) Alpa's plan keeps the tokens split over
-    both axes, the experts too, and moves the dispatched and combined tokens with 4 all-to-alls
-    over the flattened mesh (forward and backward), beside the gradients' all-reduces. Ours is
-    that plan. The dispatched tokens are read by two einsums (the experts' forward product and
-    the gradient of their weights): the planner prices their all-to-all once, at the layout op
-    both read (``simplify._forks``); priced once per reader, that plan lost to one that
-    all-gathers the token groups before both dispatch einsums (f32[32,32,64] twice)."""
+def _moe_lm_step():
+    """(step, state, batch) of ``MoELM`` (vocabulary 32, 16 experts) with Adam on 64 x 16
+    tokens: Alpa's test_moe_lm sizes, one layer."""
     model = MoELM(vocab=32, hidden=64, num_experts=16, group=32)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (64, 16), 0, 32)
     state = TrainState.create(apply_fn=model.apply, tx=optax.adam(1e-2),
@@ -552,7 +555,18 @@ def test_moe_lm_2d_dispatches_with_all_to_alls():
                                      * jax.nn.log_softmax(logits), axis=-1))
         return state.apply_gradients(grads=jax.grad(loss)(state.params))
 
-    batch = {"tokens": tokens, "labels": jnp.roll(tokens, 1, axis=1)}
+    return step, state, {"tokens": tokens, "labels": jnp.roll(tokens, 1, axis=1)}
+
+
+def test_moe_lm_2d_dispatches_with_all_to_alls():
+    """Covers test_moe.py::test_moe_lm_2d: on (2, 2) Alpa's plan keeps the tokens split over
+    both axes, the experts too, and moves the dispatched and combined tokens with 4 all-to-alls
+    over the flattened mesh (forward and backward), beside the gradients' all-reduces. Ours is
+    that plan. The dispatched tokens are read by two einsums (the experts' forward product and
+    the gradient of their weights): the planner prices their all-to-all once, at the layout op
+    both read (``simplify._forks``); priced once per reader, that plan lost to one that
+    all-gathers the token groups before both dispatch einsums (f32[32,32,64] twice)."""
+    step, state, batch = _moe_lm_step()
     shape = (2, 2)
     f, ex = compile_step(step, state, batch, mesh(shape), option())
     found = hlo.collectives(ex.get_hlo_text(), ("x", "y"), shape)
@@ -565,6 +579,48 @@ def test_moe_lm_2d_dispatches_with_all_to_alls():
     actual = f(state, batch)
     for a, b in zip(jax.tree.leaves(actual.params), jax.tree.leaves(expected.params),
                     strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_moe_lm_2d_reduce_scatter_over_both_axes():
+    """Covers test_moe.py::test_moe_lm_2d_reduce_scatter: test_moe_lm_2d's plan on (2, 2)
+    (tokens and experts split over both axes, 4 all-to-alls) with prefer_reduce_scatter, where
+    Alpa asserts reduce-scatters and nothing but all-reduces, all-gathers, reduce-scatters and
+    all-to-alls. The batch is split over x and y, so every weight gradient is a sum over both
+    axes: each is reduce-scattered over the 4 devices into one dim (the embedding's scatter-add,
+    the gate's and the head's products, the head bias's sum), their Adam moments held in
+    shards, the updated weights all-gathered. Before, the rules offered a reduce-scatter only
+    for a sum over one axis: every gradient was all-reduced and no reduce-scatter compiled. The
+    step equals jax.jit's."""
+    step, state, batch = _moe_lm_step()
+    shape = (2, 2)
+    f, ex = compile_step(step, state, batch, mesh(shape), option(prefer_reduce_scatter=True))
+    specs = {leaf.path: leaf.spec for leaf in ex.plan.inputs}
+    params = {p: s for p, s in specs.items() if p.startswith("arg0.params")}
+    moments = {p: s for p, s in specs.items() if ".mu[" in p or ".nu[" in p}
+    experts = {p for p in params if "'wi'" in p or "'wo'" in p}
+    assert all(params[p] == P(("x", "y")) for p in experts)
+    assert all(s == P() for p, s in params.items() if p not in experts)
+    assert len(moments) == 2 * len(params) and all(s != P() for s in moments.values())
+    dense = [leaf for p, leaf in jax.tree_util.tree_leaves_with_path(state.params)
+             if "'wi'" not in jax.tree_util.keystr(p) and "'wo'" not in jax.tree_util.keystr(p)]
+    dense_bytes = sum(leaf.size * 4 for leaf in dense)
+    scattered = [c for c in ex.plan.collectives if c.kind == "reduce-scatter"]
+    assert len(scattered) == len(dense) and all(c.axes == ("x", "y") for c in scattered)
+    assert sum(c.num_bytes * 4 for c in scattered) == dense_bytes
+    assert all(c.num_bytes == 4 for c in ex.plan.collectives if c.kind == "all-reduce")
+    # XLA:CPU lowers the merged reduce-scatter as one all-reduce of the 4 gradients over the
+    # 4 devices, each slicing its quarter (the loss's scalar may ride in it), and gathers the
+    # updated weights in one all-gather.
+    found = hlo.collectives(ex.get_hlo_text(), ("x", "y"), shape)
+    assert sorted(c.kind for c in found) == ["all-gather", "all-reduce"] + ["all-to-all"] * 4
+    assert all(c.axes == ("x", "y") for c in found)
+    by_kind = {c.kind: c.num_bytes for c in found}
+    assert by_kind["all-reduce"] in (dense_bytes, dense_bytes + 4)
+    assert by_kind["all-gather"] == dense_bytes
+    expected = jax.jit(step)(state, batch)
+    actual = f(state, batch)
+    for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
@@ -674,6 +730,24 @@ def test_mlp_data_parallel_reduce_scatter_is_zero2(shape):
     n_opt = len(jax.tree.leaves(state.opt_state))
     expected = sum(all_reduce_cost(p.size * 4, 4) for p in params) + PENALTY * (len(params) + n_opt)
     assert ex.auto_sharding_objective == pytest.approx(expected, rel=1e-2)
+
+
+def test_2d_mlp_reduce_scatter_is_zero2_over_both_axes():
+    """Covers the difference in test_mlp.py::test_n_layer_mlp_2d_mesh_reduce_scatter: Alpa
+    asserts its Megatron plan (5 all-reduces, 2 reduce-scatters); ours is data parallel over
+    both axes of (2, 2), as without prefer_reduce_scatter (``test_2d_mlp_plan_moves_fewer_
+    bytes_than_alpas``), and now ZeRO-2 over both: every gradient, a sum over x and y, is
+    reduce-scattered over the 4 devices into one collective, the updated parameters gathered
+    in one (``_assert_zero2``). Before, a sum over two axes was offered no reduce-scatter:
+    the 12 gradients were all-reduced and the Adam moments kept whole."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(256, 32)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(256, 32)), jnp.float32)
+    step, state, batch = _zero2_step(MLP(6, 32), x, y)
+    f, ex = compile_step(step, state, batch, mesh((2, 2)),
+                         option(beta=(1.0, 0.1), prefer_reduce_scatter=True))
+    assert {c.axes for c in ex.plan.collectives if c.kind == "reduce-scatter"} == {("x", "y")}
+    _assert_zero2(f, ex, step, state, batch)
 
 
 def test_bert_layer_data_parallel_reduce_scatter_is_zero2():

@@ -115,6 +115,45 @@ def test_dot_strategies_include_contracting_split_with_all_reduce():
     assert any(s.collectives and s.collectives[0][0] == "reduce-scatter" for s in rs)
 
 
+def test_sums_over_two_axes_offer_one_reduce_scatter_over_both():
+    """A weight gradient with the batch split over both axes of (2, 4) (its contracting dim
+    on (0, 1)), and a bias gradient summed over the same batch, are offered a reduce-scatter
+    over both axes into one dim of the result, priced as one collective over the 8 devices
+    (hierarchical: ``CostModel.collective``), beside their all-reduce. Before, only a sum over
+    one axis was."""
+    mesh_shape = (2, 4)
+    ctx = _ctx(mesh_shape, prefer_reduce_scatter=True)
+    x = jax.ShapeDtypeStruct((64, 16), np.float32)
+    g = jax.ShapeDtypeStruct((64, 32), np.float32)
+    out = jax.ShapeDtypeStruct((16, 32), np.float32)
+    params = {"dimension_numbers": (((0,), (0,)), ((), ()))}
+    found = strategies_for(ctx, "dot_general", [x, g], [out], params)
+    both = [s for s in found if s.in_specs == (((0, 1), ()), ((0, 1), ()))]
+    whole = 16 * 32 * 4
+    assert {s.out_specs for s in both} == {(((), ()),), (((0, 1), ()),), (((), (0, 1)),)}
+    for s in both:
+        if s.out_specs == (((), ()),):
+            assert s.collectives == (("all-reduce", (0, 1), whole),)
+        else:
+            assert s.collectives == (("reduce-scatter", (0, 1), whole // 8),)
+            assert s.comm_s == pytest.approx(ctx.cost.collective("reduce-scatter", (0, 1), whole))
+    # a dim of 12 rows cannot be split 8 ways: no reduce-scatter into it
+    odd = jax.ShapeDtypeStruct((12, 32), np.float32)
+    found = strategies_for(ctx, "dot_general", [jax.ShapeDtypeStruct((64, 12), np.float32), g],
+                           [odd], params)
+    assert {s.out_specs for s in found if s.in_specs == (((0, 1), ()), ((0, 1), ()))} == {
+        (((), ()),), (((), (0, 1)),)}
+    bias = strategies_for(ctx, "reduce_sum", [g], [jax.ShapeDtypeStruct((32,), np.float32)],
+                          {"axes": (0,)})
+    assert [(s.out_specs, s.collectives) for s in bias if s.in_specs == (((0, 1), ()),)] == [
+        ((((0, 1),),), (("reduce-scatter", (0, 1), 32 * 4 // 8),)),
+        ((((),),), (("all-reduce", (0, 1), 32 * 4),))]
+    # without prefer_reduce_scatter (or a user's budget): the all-reduce only
+    plain = strategies_for(_ctx(mesh_shape), "dot_general", [x, g], [out], params)
+    assert [s.out_specs for s in plain if s.in_specs == (((0, 1), ()), ((0, 1), ()))] == [
+        (((), ()),)]
+
+
 def test_candidate_specs_and_reshape_groups():
     assert candidate_specs((16, 6), (8,)) == [((), ()), ((0,), ())]
     two_d = candidate_specs((8, 4), (2, 4))

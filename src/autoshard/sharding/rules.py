@@ -156,23 +156,39 @@ def reduce_sum(ctx, in_avals, out_avals, params):
 
 def scattered_sums(ctx, out, out_spec, reduced, group_bytes, ins, compute, in_avals):
     """With ``ctx.scatter_reductions`` (``prefer_reduce_scatter``, or a user's memory budget),
-    a sum over one mesh axis may leave each device its slice of the result (a reduce-scatter
+    a sum over mesh axes may leave each device its slice of the result (a reduce-scatter
     into one of its dims) instead of all of it: a bias gradient, or an embedding's (a
     scatter-add of the batch's rows: ``rules_linalg._scatter``), can then be updated on shards
     like the kernels' (the cost decides between the two: ``build._prefer_reduce_scatter``)."""
-    if not ctx.scatter_reductions or len(reduced) != 1 or in_avals[0].dtype.kind \
-            not in "fc":
+    if not ctx.scatter_reductions or not reduced or in_avals[0].dtype.kind not in "fc":
         return []
-    a = reduced[0]
+    return reduce_scatters(ctx, out, out_spec, reduced, group_bytes, ins, compute)
+
+
+def reduce_scatters(ctx, out, out_spec: Spec, axes, group_bytes: float, ins, compute: float
+                    ) -> list[Strategy]:
+    """The reduce-scatters of a sum over mesh ``axes`` whose result would have ``out_spec``:
+    one per dim of the result that the axes can split, all of them on that one dim.
+
+    A sum over several axes (a weight gradient with the batch split over two axes) is one
+    reduce-scatter over all their devices, as XLA emits it (one collective over the product
+    of the groups, scattered along one dim; a dim per axis would be an all-reduce and a
+    slice on two dims, or one reduce-scatter per axis). Priced by the hierarchical rule of
+    ``CostModel.collective`` on the group's whole array; the recorded bytes are what one
+    device keeps."""
+    axes = tuple(sorted(a for a in axes if ctx.mesh_shape[a] > 1))
+    if not axes:
+        return []
+    cost = ctx.cost.collective("reduce-scatter", axes, group_bytes)
+    kept = int(group_bytes) // dim_shards(axes, ctx.mesh_shape)
     found = []
     for d in range(len(out_spec)):
         spec = list(out_spec)
-        spec[d] = tuple(sorted(spec[d] + (a,)))
+        spec[d] = tuple(sorted(spec[d] + axes))
         spec = tuple(spec)
         if is_valid(spec, tuple(out.shape), ctx.mesh_shape):
-            cost = ctx.cost.collective("reduce-scatter", (a,), group_bytes)
-            found.append(Strategy((spec,), ins, cost, compute, (
-                ("reduce-scatter", (a,), int(group_bytes) // ctx.mesh_shape[a]),)))
+            found.append(Strategy((spec,), ins, cost, compute,
+                                  (("reduce-scatter", axes, kept),)))
     return found
 
 

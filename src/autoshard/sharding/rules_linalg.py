@@ -15,7 +15,7 @@ import math
 
 from ..ir._prims import conv_flops, dot_flops
 from .cost import byte_cost, flop_cost
-from .rules import scattered_sums
+from .rules import reduce_scatters, scattered_sums
 from .spec import Spec, from_assignment, is_valid, shards
 from .strategy import RuleContext, Strategy, nbytes, register
 
@@ -62,8 +62,9 @@ def heaviest_flops(nodes, values) -> float:
 def _contracting(ctx, out_spec: Spec, out_aval, axes, found, used, ins, compute):
     """Append the strategies of a contracting split over ``axes``: all-reduce, or reduce-scatter.
 
-    With ``ctx.scatter_reductions`` a split whose result can be scattered over its axis offers
-    reduce-scatters beside the all-reduce. Under ``prefer_reduce_scatter`` ``build`` keeps the
+    With ``ctx.scatter_reductions`` a split whose result can be scattered over its axes (all
+    of them on one dim: ``rules.reduce_scatters``) offers reduce-scatters beside the
+    all-reduce. Under ``prefer_reduce_scatter`` ``build`` keeps the
     all-reduce only where the result feeds later heavy ops (an activation, as in Alpa), so a
     gradient is reduce-scattered: the optimizer update then runs on shards and the updated
     values are all-gathered where they are needed whole (ZeRO-2-like). Under a user's memory
@@ -74,19 +75,9 @@ def _contracting(ctx, out_spec: Spec, out_aval, axes, found, used, ins, compute)
     free dims.
     """
     group_bytes = nbytes(out_aval) / shards(out_spec, ctx.mesh_shape)
-    scattered = []
-    if ctx.scatter_reductions and len(axes) == 1:
-        a = axes[0]
-        for d in range(len(out_spec)):
-            spec = list(out_spec)
-            spec[d] = tuple(sorted(spec[d] + (a,)))
-            spec = tuple(spec)
-            if is_valid(spec, tuple(out_aval.shape), ctx.mesh_shape):
-                cost = ctx.cost.collective("reduce-scatter", (a,), group_bytes)
-                result_bytes = int(group_bytes) // ctx.mesh_shape[a]  # what one device keeps
-                scattered.append((used, Strategy((spec,), ins, cost, compute,
-                                                 (("reduce-scatter", (a,), result_bytes),))))
-    found.extend(scattered)
+    if ctx.scatter_reductions:
+        found.extend((used, s) for s in reduce_scatters(ctx, out_aval, out_spec, axes,
+                                                         group_bytes, ins, compute))
     comm, coll = ctx.all_reduce(axes, group_bytes)
     found.append((used, Strategy((out_spec,), ins, comm, compute, coll)))
 

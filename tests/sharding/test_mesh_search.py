@@ -155,8 +155,11 @@ def test_a_mesh_whose_lp_relaxation_ran_out_of_time_is_not_solved_again(monkeypa
 
     from autoshard.sharding import solver
 
-    def stopped(ilp):
-        ilp.lp = (None, solver.LP_STOPPED)
+    def stopped(ilp, memory=True):
+        if memory:
+            ilp.lp = (None, solver.LP_STOPPED)
+        else:
+            ilp.lp_core = (None, solver.LP_STOPPED)
         return None
     monkeypatch.setattr(solver, "CUTOFF_MIN_COLUMNS", 0)
     monkeypatch.setattr(solver, "lp_bound_s", stopped)

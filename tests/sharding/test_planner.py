@@ -289,3 +289,32 @@ def test_memory_rows_are_added_where_the_plan_goes_over_the_budget(monkeypatch):
     plan = _plan(args, logical_mesh_shape=(8,), memory_budget_per_device=budget)
     assert plan.objective.peak_bytes_per_device <= budget
     assert plan.objective.total_s > blind.objective.total_s  # fitting costs something here
+
+
+def test_cutoff_asks_the_relaxation_without_memory_rows_first(monkeypatch):
+    """Under a budget the cutoff compares the LP relaxation without the memory rows first (a
+    weaker bound, cheaper): a mesh it prunes never has the full relaxation solved; one it does
+    not prune is compared with the full relaxation, which is no lower."""
+    from autoshard.sharding import planner, solver
+    built = []
+    real = planner.build_ilp
+
+    def keep(prob, **kw):
+        built.append((prob, kw))
+        return real(prob, **kw)
+    monkeypatch.setattr(planner, "build_ilp", keep)
+    args, budget = _mlp_args(batch=64, hidden=256), 700_000
+    _plan(args, logical_mesh_shape=(8,), memory_budget_per_device=budget)
+    prob, kw = built[0]
+    assert kw["memory_budget"] == budget
+    fresh = real(prob, **kw)
+    core, full = solver.lp_bound_s(fresh, memory=False), solver.lp_bound_s(fresh)
+    assert fresh.num_core_constraints < len(fresh.constraints)
+    assert core < full * (1 - 1e-6)  # the budget binds: the rows raise the bound
+    monkeypatch.setattr(solver, "CUTOFF_MIN_COLUMNS", 0)
+    pruned = real(prob, **kw)
+    sol = solver.solve_ilp(pruned, cutoff_s=core)
+    assert sol.bound_s == core and pruned.lp is None and pruned.lp_core[0] == core
+    between = real(prob, **kw)
+    sol = solver.solve_ilp(between, cutoff_s=(core + full) / 2)
+    assert sol.bound_s == full and between.lp[0] == full

@@ -89,9 +89,14 @@ class Ilp:
     memory_budget: int | None
     time_limit_s: float
     build_s: float
+    num_core_constraints: int = 0
+    """The constraints before the memory rows (``constraints[:num_core_constraints]``: the
+    one-hot and resharding rows)."""
     lp: tuple | None = None
     """(LP relaxation objective in seconds or None if it found none, HiGHS's status), once
     computed."""
+    lp_core: tuple | None = None
+    """The same for the LP relaxation without the memory rows (``solver.lp_bound_s``)."""
     copies: tuple[CopyBounds, int] | None = None
     """Under a budget: the copy columns' bounds and their first column (memory.CopyBounds)."""
 
@@ -298,6 +303,7 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
     if nub:
         A_ub = sp.csr_array((ub_vals, (ub_rows, ub_cols)), shape=(nub, total))
         constraints.append(LinearConstraint(A_ub, -np.inf, np.zeros(nub)))
+    num_core = len(constraints)
     if memory_budget is not None:
         aux = (copies, ncols + num_edge)
         M = _in_budgets(memory_rows(prob, col0, K, total, copies=aux), memory_budget,
@@ -321,7 +327,7 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
                unary=unary, edges=edges, approximate=len(exact) < len(reduced) or num_merged > 0,
                info=info,
                memory_budget=memory_budget, time_limit_s=time_limit_s,
-               build_s=time.perf_counter() - t0,
+               build_s=time.perf_counter() - t0, num_core_constraints=num_core,
                copies=None if copies is None else (copies, ncols + num_edge))
 
 

@@ -239,7 +239,9 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                                   for _, _, ilp in built):
             # Large ILPs are solved best-first (lowest LP bound first), so the cutoff skips
             # the meshes that cannot win; small ones keep the candidate order.
-            bounds = [bounded(shape, lp_bound_s(ilp)) for shape, _, ilp in built]
+            # (without the memory rows: ordering needs no tighter bound, and the cutoff
+            # asks for the full relaxation only where this one does not reach it)
+            bounds = [bounded(shape, lp_bound_s(ilp, memory=False)) for shape, _, ilp in built]
             order = sorted(range(len(built)), key=lambda i: (
                 bounds[i] is None, bounds[i] or 0.0, i))
             built = [built[i] for i in order]

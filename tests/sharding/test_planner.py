@@ -294,7 +294,8 @@ def test_memory_rows_are_added_where_the_plan_goes_over_the_budget(monkeypatch):
 def test_cutoff_asks_the_relaxation_without_memory_rows_first(monkeypatch):
     """Under a budget the cutoff compares the LP relaxation without the memory rows first (a
     weaker bound, cheaper): a mesh it prunes never has the full relaxation solved; one it does
-    not prune is compared with the full relaxation, which is no lower."""
+    not prune gets the memory rows its relaxation goes over (solver.BOUND_ROUNDS), then the
+    full relaxation, each a bound no lower."""
     from autoshard.sharding import planner, solver
     built = []
     real = planner.build_ilp
@@ -315,6 +316,14 @@ def test_cutoff_asks_the_relaxation_without_memory_rows_first(monkeypatch):
     pruned = real(prob, **kw)
     sol = solver.solve_ilp(pruned, cutoff_s=core)
     assert sol.bound_s == core and pruned.lp is None and pruned.lp_core[0] == core
+    # Between the two: the memory rows the relaxation goes over are added (a bound between
+    # the two, at or over the cutoff), the full relaxation is not solved.
     between = real(prob, **kw)
-    sol = solver.solve_ilp(between, cutoff_s=(core + full) / 2)
-    assert sol.bound_s == full and between.lp[0] == full
+    cutoff = (core + full) / 2
+    sol = solver.solve_ilp(between, cutoff_s=cutoff)
+    assert cutoff <= sol.bound_s <= full * (1 + 1e-9)
+    assert between.lp is None or between.lp[0] == sol.bound_s
+    above = real(prob, **kw)  # a cutoff no relaxation reaches: solved, the full bound noted
+    sol = solver.solve_ilp(above, cutoff_s=full * 2)
+    assert sol.bound_s is None and above.lp[0] == pytest.approx(full, rel=1e-9)
+    assert sol.info["lp_bound_s"] == pytest.approx(full, rel=1e-9)

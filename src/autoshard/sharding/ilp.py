@@ -93,8 +93,8 @@ class Ilp:
     """The constraints before the memory rows (``constraints[:num_core_constraints]``: the
     one-hot and resharding rows)."""
     lp: tuple | None = None
-    """(LP relaxation objective in seconds or None if it found none, HiGHS's status), once
-    computed."""
+    """(LP relaxation objective in seconds or None if it found none, HiGHS's status, its
+    solution), once computed."""
     lp_core: tuple | None = None
     """The same for the LP relaxation without the memory rows (``solver.lp_bound_s``)."""
     copies: tuple[CopyBounds, int] | None = None

@@ -9,6 +9,7 @@ axis splits read several times too cheap beside keeping the tensor-parallel layo
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +152,14 @@ def charged_by(groups, num_srcs, num_dsts):
     return charged
 
 
+def edges_of(groups):
+    """An ``ilp._Edges`` holding only ``groups`` (what ``_merge_classes`` reads and adds to)."""
+    edges = SimpleNamespace(groups=groups)
+    edges.add_group = lambda group, gathers, moves: ilp._Edges.add_group(
+        edges, group, gathers, moves)
+    return edges
+
+
 @pytest.mark.parametrize("mesh", [(2, 2, 2), (4, 1, 2), (2, 4)])
 def test_terms_over_the_class_budget_take_one_class_priced_from_above(mesh):
     """Past ``ilp.CLASS_COLUMNS`` every term takes one producer class at its largest costs
@@ -166,10 +175,10 @@ def test_terms_over_the_class_budget_take_one_class_priced_from_above(mesh):
                  for key, costs in groups.items())
     assert needed > 0
     kept = {key: [g.copy(), m.copy()] for key, (g, m) in groups.items()}
-    assert ilp._merge_classes(kept, needed) == (needed, 0)
+    assert ilp._merge_classes(edges_of(kept), needed) == (needed, 0)
     np.testing.assert_allclose(charged_by(kept, len(srcs), len(dsts)), per_axis, rtol=1e-12)
     merged = {key: [g.copy(), m.copy()] for key, (g, m) in groups.items()}
-    columns, num_merged = ilp._merge_classes(merged, needed - 1)
+    columns, num_merged = ilp._merge_classes(edges_of(merged), needed - 1)
     assert columns == 0 and num_merged == sum(len(m) > 1 for _, m in groups.values())
     assert all(len(m) == 1 for _, m in merged.values())
     one = charged_by(merged, len(srcs), len(dsts))

@@ -211,7 +211,7 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
             ub_rows.append(nub), ub_cols.append(col), ub_vals.append(coef)
         nub += 1
 
-    num_class_columns, num_merged = _merge_classes(edges.groups, CLASS_COLUMNS)
+    num_class_columns, num_merged = _merge_classes(edges, CLASS_COLUMNS)
     for (ru, rv, src_dims, classes, dst_dims), (gathers, moves) in edges.groups.items():
         if prob.no_reshard or ru in edges.held:
             # X_d <= Y_d: a split the producer has, the consumer keeps
@@ -340,7 +340,7 @@ def _class_columns(src_dims, classes, dst_dims, gathers, moves) -> int:
     return (per_class - len(shared)) + ((len(moves) - 1) if None in dst_dims else 0)
 
 
-def _merge_classes(groups: dict, budget: int) -> tuple[int, int]:
+def _merge_classes(edges: _Edges, budget: int) -> tuple[int, int]:
     """The producer classes of every term if they add at most ``budget`` columns, else one
     class per term at its largest gather and move (never a mix: on a 24-layer scan step,
     classes kept for the terms whose costs differ most gave a plan 1.1% slower than one class
@@ -353,21 +353,15 @@ def _merge_classes(groups: dict, budget: int) -> tuple[int, int]:
     relaxation and 20 s per branch-and-bound node with classes, 17.8 s for the whole solve
     with one class."""
     extra = {key: _class_columns(key[2], key[3], key[4], *costs)
-             for key, costs in groups.items()}
+             for key, costs in edges.groups.items()}
     if sum(extra.values()) <= budget:
         return sum(extra.values()), 0
     merged = [key for key, n in extra.items() if n]
     for key in merged:
-        gathers, moves = groups.pop(key)
+        gathers, moves = edges.groups.pop(key)
         ru, rv, src_dims, classes, dst_dims = key
-        one = (ru, rv, src_dims, (0,) * len(classes), dst_dims)
-        top = [np.array([gathers.max()]), np.array([moves.max()])]
-        entry = groups.get(one)
-        if entry is None:
-            groups[one] = top
-        else:
-            entry[0] += top[0]
-            entry[1] += top[1]
+        edges.add_group((ru, rv, src_dims, (0,) * len(classes), dst_dims),
+                        np.array([gathers.max()]), np.array([moves.max()]))
     return 0, len(merged)
 
 

@@ -125,12 +125,14 @@ def _bound_with_rows(ilp: Ilp, cutoff_s: float) -> float | None:
     from scipy.optimize import LinearConstraint
     bound, _, x = ilp.lp_core
     constraints = list(ilp.constraints[:ilp.num_core_constraints])
+    blocks = []  # (rows, lower, upper) of each memory block, converted once
+    for block in ilp.constraints[ilp.num_core_constraints:]:
+        A = sp.csr_array(block.A)
+        blocks.append((A, np.broadcast_to(block.lb, A.shape[0]),
+                       np.broadcast_to(block.ub, A.shape[0])))
     for _ in range(BOUND_ROUNDS):
         added = []
-        for block in ilp.constraints[ilp.num_core_constraints:]:
-            A = sp.csr_array(block.A)
-            lb = np.broadcast_to(block.lb, A.shape[0])
-            ub = np.broadcast_to(block.ub, A.shape[0])
+        for A, lb, ub in blocks:
             over = A @ x - ub
             top = np.argsort(-over, kind="stable")[:BOUND_ROWS]
             top = np.sort(top[over[top] > 1e-9])
@@ -140,7 +142,7 @@ def _bound_with_rows(ilp: Ilp, cutoff_s: float) -> float | None:
             ilp.lp = (bound, 0, x)
             return bound
         constraints += added
-        bound, status, x = _relaxed(ilp, constraints)
+        bound, _, x = _relaxed(ilp, constraints)
         if bound is None or bound >= cutoff_s:
             return bound
     return bound

@@ -323,8 +323,10 @@ def test_gradient_accumulation_reduce_scatter():
     gathers = [c for c in found if c.kind == "all-gather"]
     assert [c.num_bytes for c in gathers] == [2 * (16 * 16 + 16) * 4]
     assert [c.kind for c in found if c.kind != "all-gather"] == ["all-reduce"]
-    # each device's kernel update reads a quarter of the reduced gradient
-    assert len(re.findall(r"f32\[16,4\]\{[01],[01]\} dynamic-slice", ex.get_hlo_text())) >= 2
+    # each device's kernel update reads a quarter of the reduced gradient (rows or columns:
+    # the two cost the same, and HiGHS may return either)
+    assert len(re.findall(r"f32\[(?:16,4|4,16)\]\{[01],[01]\} dynamic-slice",
+                          ex.get_hlo_text())) >= 2
     expected = jax.jit(step)(state, batch)
     actual = f(state, batch)
     for a, b in zip(jax.tree.leaves(actual.params), jax.tree.leaves(expected.params),

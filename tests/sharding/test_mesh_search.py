@@ -151,9 +151,7 @@ def test_a_mesh_whose_lp_relaxation_ran_out_of_time_is_not_solved_again(monkeypa
     512 GPUs: 131 s for the LP alone) means the branch and bound, which starts from it, finds
     no plan in that time either: the ILP is not started (the greedy fallback, with its
     warning, as when the clock stops a solve without an incumbent)."""
-    import scipy.optimize
-
-    from autoshard.sharding import solver
+    from autoshard.sharding import highs, solver
 
     def stopped(ilp, memory=True):
         if memory:
@@ -165,8 +163,8 @@ def test_a_mesh_whose_lp_relaxation_ran_out_of_time_is_not_solved_again(monkeypa
     monkeypatch.setattr(solver, "lp_bound_s", stopped)
     monkeypatch.setattr(planner, "lp_bound_s", stopped)
     calls = []
-    real = scipy.optimize.milp
-    monkeypatch.setattr(scipy.optimize, "milp", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = highs.milp
+    monkeypatch.setattr(highs, "milp", lambda *a, **k: calls.append(1) or real(*a, **k))
     with pytest.warns(RuntimeWarning, match=r"no plan found yet: greedy fallback"):
         plan = _plan_under(1e9)
     assert calls == [] and plan.objective.solver_status.startswith("solver limit: no incumbent")

@@ -237,7 +237,9 @@ def test_bert_mlm_data_parallel_reduce_scatter(shape, monkeypatch):
     _, ex = compile_step(step, state, batch, shape, prefer_reduce_scatter=True, **ALPA_COSTS)
     axis = "x" if shape[0] == 4 else "y"
     (ps,) = ex.plan.partial_sums
-    assert ps.total_spec == jax.sharding.PartitionSpec(axis)
+    # a quarter of the vocabulary or of the hidden dim: the two cost the same
+    P = jax.sharding.PartitionSpec
+    assert ps.total_spec in (P(axis), P(None, axis))
     # Six moments held in shards: the kernel's, the bias's (its sum reduce-scattered with the
     # other gradients) and the tied embedding's mu and nu.
     assert ex.auto_sharding_objective == pytest.approx(

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import jax
 import pytest
-import scipy.optimize
 
 import autoshard
-from autoshard.sharding import pareto, reshard_memo
+from autoshard.sharding import highs, pareto, reshard_memo
 
 BENCH = Path(__file__).parent.parent.parent / "benchmarks"
 
@@ -37,17 +36,17 @@ def _plan(case):
 
 
 def _count_solves(monkeypatch) -> dict[str, int]:
-    """Wrap ``scipy.optimize.milp`` (every caller imports it at call time): HiGHS solves per
+    """Wrap ``highs.milp`` (every caller imports it at call time): HiGHS solves per
     calling function."""
     counts: dict[str, int] = {}
-    real = scipy.optimize.milp
+    real = highs.milp
 
     def milp(*args, **kwargs):
         caller = sys._getframe(1).f_code.co_name
         counts[caller] = counts.get(caller, 0) + 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(scipy.optimize, "milp", milp)
+    monkeypatch.setattr(highs, "milp", milp)
     return counts
 
 

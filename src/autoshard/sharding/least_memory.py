@@ -37,7 +37,7 @@ SCALE = 1e3
 
 def least_memory(ilp: Ilp, first: Solution, tradeoff: float) -> Solution:
     """A plan of much less peak memory whose time is within ``tradeoff`` of ``first``'s."""
-    from scipy.optimize import milp  # loads on first use
+    from .highs import milp
     prob = ilp.prob
     if tradeoff <= 0 or not first.choice or first.objective_s <= 0:
         return first

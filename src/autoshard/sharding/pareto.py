@@ -128,9 +128,8 @@ def least_peak(ilp, first):
     Weighing the whole plateau found in one solve what the peak point alone took two for (the
     suite's 2-D GPT, the families decoder at 2 and 16 layers: 1.3-2.7 CPU s each).
     """
-    from scipy.optimize import milp  # loads on first use
-
     from . import solver
+    from .highs import milp
     from .ilp import evaluate
     from .memory import live_bytes, memory_rows
 

@@ -1,4 +1,4 @@
-"""The sharding ILP solved with HiGHS (``scipy.optimize.milp``): its LP bound, the solve, and
+"""The sharding ILP solved with HiGHS (``highs.milp``): its LP bound, the solve, and
 the rounds that add memory rows where a plan went over the budget (``ilp.build_ilp`` builds
 it)."""
 
@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from .highs import INFEASIBLE, OPTIMAL, STOPPED
 from .ilp import OBJECTIVE_SCALE, Ilp, _in_budgets, build_ilp, evaluate
 from .memory import (
     copy_bound_bytes,
@@ -100,7 +101,7 @@ def _memory_heavy(ilp: Ilp) -> bool:
 def _relaxed(ilp: Ilp, constraints) -> tuple:
     """(objective in seconds or None, HiGHS's status, the solution or None) of the LP
     relaxation of ``ilp`` under ``constraints``."""
-    from scipy.optimize import milp  # scipy loads on the first plan, not on import
+    from .highs import milp
     relaxed = milp(ilp.c * OBJECTIVE_SCALE, integrality=np.zeros(ilp.total), bounds=ilp.bounds,
                    constraints=constraints,
                    options={k: v for k, v in ilp.options.items() if k != "node_limit"})
@@ -148,8 +149,8 @@ def _bound_with_rows(ilp: Ilp, cutoff_s: float) -> float | None:
     return bound
 
 
-LP_STOPPED = 1
-"""``scipy.optimize.milp``'s status for a solve stopped by a limit (time, nodes)."""
+LP_STOPPED = STOPPED
+"""``highs.milp``'s status for a solve stopped by a limit (time, nodes)."""
 
 
 def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:
@@ -164,7 +165,9 @@ def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:
     without one (an objective row bounded by the cutoff was tried: it made those solves up to
     2x slower).
     """
-    from scipy.optimize import LinearConstraint, milp  # loads on first use
+    from scipy.optimize import LinearConstraint  # loads on first use
+
+    from .highs import milp
     t0 = time.perf_counter() - ilp.build_s
     prob, c, integrality, bounds = ilp.prob, ilp.c, ilp.integrality, ilp.bounds
     constraints, options, col0, K, roots = (list(ilp.constraints), ilp.options, ilp.col0,
@@ -237,7 +240,7 @@ def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:
             f"over). Raise the budget to {peak:,} B or more.")
     hit_clock = time.perf_counter() - t_solve >= 0.95 * time_limit_s
     if res.x is None:
-        if res.status == 2:
+        if res.status == INFEASIBLE:
             raise ValueError(
                 "The sharding ILP is infeasible: no plan fits memory_budget_per_device "
                 f"({memory_budget} bytes) on mesh {prob.ctx.mesh_shape}, or the forced specs "
@@ -261,7 +264,7 @@ def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:
                         num_ilp_vars=total, info=info)
     gap = getattr(res, "mip_gap", None)
     gap_text = f" (gap {gap:.2%})" if gap is not None and np.isfinite(gap) else ""
-    if res.status == 0:
+    if res.status == OPTIMAL:
         status = "optimal"
     elif hit_clock:
         status = "time limit: best incumbent" + gap_text

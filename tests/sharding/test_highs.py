@@ -78,14 +78,20 @@ def test_large_problems_solve_their_lp_by_interior_point(monkeypatch):
         assert (option, "ipm") in chosen
         assert ours.status == theirs.status == highs.OPTIMAL
         assert ours.fun == pytest.approx(theirs.fun, rel=1e-5)
-    # Few rows, or many columns per row (as the pair-priced ILPs): the simplex.
-    for groups, items in ((50, 3), (n, highs.IPM_MAX_COLUMNS_PER_ROW + 1)):
+    # Few rows, or many columns per row (as the pair-priced ILPs): the simplex; and no
+    # presolve where such a problem is large.
+    wide = highs.IPM_MAX_COLUMNS_PER_ROW + 1
+    for groups, items, presolve in ((50, 3, True), (n, wide, True),
+                                    (n, -(-highs.NO_PRESOLVE_MIN_COLUMNS // n), False)):
         chosen.clear()
         c, cons = _knapsack(groups, items=items)
-        res = highs.milp(c, integrality=np.zeros(len(c)),
-                         bounds=(np.zeros(len(c)), np.ones(len(c))), constraints=cons)
-        assert res.status == highs.OPTIMAL
+        bounds = (np.zeros(len(c)), np.ones(len(c)))
+        res = highs.milp(c, integrality=np.zeros(len(c)), bounds=bounds, constraints=cons)
+        theirs = scipy_milp(c, integrality=np.zeros(len(c)), bounds=Bounds(*bounds),
+                            constraints=cons)
+        assert res.status == highs.OPTIMAL and res.fun == pytest.approx(theirs.fun, rel=1e-9)
         assert not any(value == "ipm" for _, value in chosen)
+        assert (("presolve", "off") not in chosen) == presolve
 
 
 def test_unknown_option_is_refused():

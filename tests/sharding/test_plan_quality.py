@@ -298,7 +298,8 @@ def test_prefer_reduce_scatter_scatters_gradients_and_gathers_after_the_update()
     gathered = [c for c in plan.collectives if c.kind == "all-gather"]
     assert len(gathered) == 2  # each updated weight is gathered once, where it is used whole
     found = collectives(hlo_of(closed, plan, args))
-    # On the CPU a reduce-scatter compiles to an all-reduce of the whole array and a slice;
-    # the two updated weights are gathered after the update, in one buffer.
-    assert sorted(kind for kind, _ in found) == ["all-gather", "all-reduce"]
+    # The step reduce-scatters the two gradients in one collective (a shard of each); the two
+    # updated weights are gathered after the update, in one buffer; the loss's scalar sum.
+    assert sorted(found) == [("all-gather", 2 * 128 * 512 * 4), ("all-reduce", 4),
+                             ("reduce-scatter", 2 * 128 * 512 * 4 // 8)]
     assert_close(run_plan(closed, plan, args), [jax.jit(MLP_STEP)(*args)])

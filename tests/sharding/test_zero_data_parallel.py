@@ -38,8 +38,9 @@ def test_zero2_under_data_parallel_shards_the_update_only(shape):
     (planned: the bias sums' reduce-scatters merge with the kernels', build.
     _prefer_reduce_scatter) so their Adam moments are held in quarters, and the four updated
     parameters come back in one all-gather (one buffer, 8,448 bytes). The compiled step has
-    one all-reduce beside that all-gather (XLA:CPU's merged reduce-scatters, each device
-    slicing its part), no other gather, no all-to-all; the step equals jax.jit's. Before, the
+    one reduce-scatter of the four gradients beside that all-gather
+    (``partial_run.PartialSums.flush``), no other gather, no all-to-all, no all-reduce but
+    the loss's scalar; the step equals jax.jit's. Before, the
     plan all-reduced every gradient and kept the state whole (no all-gather)."""
     step, state, batch = train_step((32, 32), 256, 32)
     f, ex = compile_step(step, state, batch, shape, zero2_option())
@@ -54,7 +55,8 @@ def test_zero2_under_data_parallel_shards_the_update_only(shape):
     assert scattered == ["dot_general"] * 2 + ["reduce_sum"] * 2
     found = hlo.collectives(ex.get_hlo_text())
     assert [c.kind for c in found if c.kind != "all-reduce" or c.num_bytes > 4] == [
-        "all-reduce", "all-gather"]
+        "reduce-scatter", "all-gather"]
+    assert [c.num_bytes for c in found if c.kind == "reduce-scatter"] == [(32 * 32 + 32) * 2]
     assert [c.num_bytes for c in found if c.kind == "all-gather"] == [2 * (32 * 32 + 32) * 4]
     expected = jax.jit(step)(state, batch)
     actual = f(state, batch)

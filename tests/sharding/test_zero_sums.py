@@ -37,8 +37,8 @@ def zero3_option():
 def test_zero3_mlp_reduce_scatters_every_gradient(shape):
     """6 layers: all 12 gradients (6 kernels' dots, 6 biases' sums) are reduce-scattered
     into the sharded parameters and moments; no all-gather after the update; the compiled
-    step has one merged all-reduce (XLA:CPU's reduce-scatters) beside the loss's scalar ones
-    and the forward pass's 12 parameter all-gathers (XLA:CPU does not combine them); the
+    step has one reduce-scatter of all 12 gradients (``partial_run.PartialSums.flush``)
+    beside the forward pass's 12 parameter all-gathers (XLA:CPU does not combine them); the
     objective is Alpa's (every parameter's all-reduce plus its replicated penalty per leaf)
     and the step equals jax.jit's."""
     step, state, batch = mlp_step(6, 256, 32)
@@ -57,11 +57,12 @@ def test_zero3_mlp_reduce_scatters_every_gradient(shape):
                       for _ in range(int(c.count)))
     assert gathered == sorted([32 * 4] * 6 + [32 * 32 * 4] * 6)  # each parameter, once
     found = hlo.collectives(ex.get_hlo_text())
-    whole = [c for c in found if c.kind == "all-reduce" and c.num_bytes > 4]
-    assert len(whole) == 1 and whole[0].num_bytes == (32 * 32 + 32) * 6 * 4
+    assert not [c for c in found if c.kind == "all-reduce" and c.num_bytes > 4]
+    scattered = [c.num_bytes for c in found if c.kind == "reduce-scatter"]
+    assert scattered == [(32 * 32 + 32) * 6 * 4 // 4]
     gathers = sorted(c.num_bytes for c in found if c.kind == "all-gather")
     assert gathers == sorted([32 * 4] * 6 + [32 * 32 * 4] * 6)
-    assert {c.kind for c in found} == {"all-reduce", "all-gather"}
+    assert {c.kind for c in found} == {"reduce-scatter", "all-gather"}
 
     n = 4
     params = jax.tree.leaves(state.params)

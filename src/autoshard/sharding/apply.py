@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..ir._compat import bind_eqn
 from ..ir._walk import REMATS, Walker, eqn_site, site
-from .partial_sums import PartialSums
+from .partial_run import PartialSums
 from .plan import ShardingPlan
 
 
@@ -44,7 +44,7 @@ class _Pins:
         self.used: set = set()
         self.pinned: dict[int, tuple] = {}
         """id of a pinned value -> (the value, its spec): which outputs leave the step split."""
-        self.partial = PartialSums(plan.partial_sums, mesh)
+        self.partial = PartialSums(plan.partial_sums + plan.reduce_scattered, mesh)
         """The plan's sums of partial sums (they spend their own pins)."""
 
     def _pin(self, key, x, sharding, spec=None):
@@ -116,6 +116,7 @@ def apply_plan(closed_jaxpr: core.ClosedJaxpr, plan: ShardingPlan, mesh: Mesh) -
             raise TypeError(f"the planned function takes {n_in} flat arguments, got {len(args)}.")
         pins = _Pins(plan, mesh)
         outs = _Apply(pins).walk(closed_jaxpr.jaxpr, closed_jaxpr.consts, list(args))
+        outs = [pins.partial.resolve(x) for x in outs]
         pins.check_all_used()
         return gather_outputs_once(outs, plan.out_specs, pins, mesh)
 
@@ -190,6 +191,8 @@ class PlanEvaluator:
             self._apply.run_eqns([jaxpr.eqns[i] for i in indices], env, (), list(indices))
         finally:
             self._apply.key_hook = None
+        for var, x in env.items():  # the parts run in different traces: nothing stays pending
+            env[var] = self.pins.partial.resolve(x)
 
     def mark_used(self, jaxpr, indices) -> None:
         """Count the pins of ``jaxpr.eqns[i]`` (and everything inside them) as used: that part
@@ -217,11 +220,16 @@ class PlanEvaluator:
         every pin was used, with the outputs computed split and returned whole gathered in
         one buffer as ``apply_plan`` gathers them (``gather_outputs_once``)."""
         self.pins.check_all_used()
+        outs = [self.pins.partial.resolve(x) for x in outs]
         return gather_outputs_once(outs, self._out_specs, self.pins, self.pins.mesh)
 
 
 class _Apply(Walker):
-    """Evaluates the program under tracing, pinning the plan's values by site."""
+    """Evaluates the program under tracing, pinning the plan's values by site.
+
+    A reduce-scattered partial sum is held ``Pending`` until an equation reads one
+    (``PartialSums.resolve``); loops and rematerialised calls trace their bodies as functions
+    of their own, so every pending sum is reduced before them."""
 
     def __init__(self, pins: _Pins):
         self.pins = pins
@@ -229,6 +237,7 @@ class _Apply(Walker):
 
     def equation(self, eqn, ins, path):
         pins = self.pins
+        ins = [pins.partial.resolve(x) for x in ins]
         if pins.partial.handles(path):  # a term, layout op or sum of a partial sum
             pins.used.update(pins.partial.pin_keys(eqn, path))
             return pins.partial.run(eqn, ins, path)
@@ -243,15 +252,19 @@ class _Apply(Walker):
     def call(self, eqn, ins, path):
         if eqn.primitive.name not in REMATS:
             return super().call(eqn, ins, path)
-        parent = super()
+        parent, partial = super(), self.pins.partial
+        partial.flush()
+        ins = [partial.resolve(x) for x in ins]
 
         def body(*xs):
-            return parent.call(eqn, list(xs), path)
+            return [partial.resolve(x) for x in parent.call(eqn, list(xs), path)]
 
         return list(jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True),
                                    policy=eqn.params.get("policy"))(*ins))
 
     def loop(self, eqn, ins, path):
+        self.pins.partial.flush()
+        ins = [self.pins.partial.resolve(x) for x in ins]
         return {"scan": self._scan, "while": self._while, "cond": self._cond}[
             eqn.primitive.name](eqn, ins, path)
 

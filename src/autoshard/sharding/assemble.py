@@ -11,7 +11,7 @@ import numpy as np
 
 from .build import COMBINED_KINDS, is_merged, merge_group, merged_latency
 from .memory import peak_bytes
-from .partial_sums import partial_sum_regions
+from .partial_sums import partial_sum_regions, reduce_scattered_regions
 from .plan import Collective, LeafPlan, Objective, ShardingPlan
 from .problem import Problem
 from .solver import Solution
@@ -115,11 +115,17 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
     if prob.ctx.dropped_constraints:
         notes.append("sharding constraints on another mesh, left to the planner: "
                      + "; ".join(sorted(prob.ctx.dropped_constraints)))
+    def choice_of(node_id):
+        return sol.k(prob, node_id)
+
+    partial_sums = partial_sum_regions(prob, choice_of, names)
     return ShardingPlan(method="ShardParallel", mesh_shape=tuple(ctx.mesh_shape),
                         axis_names=names, inputs=tuple(inputs), outputs=tuple(outputs),
                         intermediates=tuple(pinned), operand_specs=tuple(operand_specs),
                         collectives=colls, objective=objective, notes=tuple(notes),
-                        partial_sums=partial_sum_regions(prob, lambda n: sol.k(prob, n), names))
+                        partial_sums=partial_sums,
+                        reduce_scattered=reduce_scattered_regions(prob, choice_of, names,
+                                                                  partial_sums))
 
 
 def _as_compiled(steps: list[tuple[str, int, float, float]]

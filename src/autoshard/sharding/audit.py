@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from . import hlo
-from .plan import ShardingPlan
+from .plan import ShardingPlan, spec_axes
 
 BYTES_RATIO_RANGE = (0.5, 1.1)
 """Compiled over predicted collective bytes per step outside this range is a divergence."""
@@ -216,10 +216,15 @@ def audit(plan: ShardingPlan, hlo_text: str, compiled_memory: int, *,
           platform: str = "cpu") -> Audit:
     sizes = plan.mesh_sizes
     predicted: dict[tuple, int] = {}
+    # Reduce-scatters the step makes itself (the gradients reduced together) stay
+    # reduce-scatters on the CPU; XLA's partitioner makes the others all-reduces and slices.
+    explicit = {src.where for ps in plan.partial_sums + plan.reduce_scattered
+                if any(set(spec_axes(e)) & set(ps.axes) for e in ps.total_spec)
+                for src in ps.sources}
     for c in plan.collectives:
         kind, num_bytes = c.kind, c.num_bytes
         group = math.prod(sizes[a] for a in c.axes)
-        if kind == "reduce-scatter" and platform == "cpu":
+        if kind == "reduce-scatter" and platform == "cpu" and c.where not in explicit:
             kind, num_bytes = "all-reduce", num_bytes * group
         elif kind == "all-to-all":   # priced on the group's array; a device ends with 1/n of it
             num_bytes = num_bytes / group

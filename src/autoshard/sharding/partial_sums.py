@@ -14,37 +14,33 @@ pairs of theirs (every plan possible before stays possible); in a pair whose two
 reduce over the same axes with the same collective, the second term's reduction is dropped,
 so the ILP pays it once. Anything else keeps its plan.
 
-Applying (``PartialSums``): each term runs under ``jax.shard_map`` on its operands' shards and
-returns its per-device partial result stacked along a new leading dim split over the axes;
-the layout ops run on that stack (``vmap``); the sum adds the stacks and one ``psum`` reduces
-it (followed by each device's slice where the sum's spec splits a dim over the axes: a
-reduce-scatter, as XLA's partitioner emits one).
+The same machinery reduces every other weight gradient the chosen plan reduce-scatters, as a
+sum of one term (``reduce_scattered_regions``; ``ShardingPlan.reduce_scattered``), so that
+the step reduces all of them in one collective.
+
+Applying: ``sharding.partial_run``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 
-import jax
-from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec
-
-from ..ir._compat import bind_eqn
 from ..ir._prims import ADDS
-from ..ir._walk import eqn_site, site
-from .build import COMBINED_KINDS
+from .build import COMBINED_KINDS, feeds_chain_mask
+from .partial_run import SCATTER_KINDS
 from .plan import PartialSource, PartialSum
 from .problem import Problem
 from .spec import Spec, to_partition_spec
 
-SOURCE_KINDS = frozenset({"dot_general", "scatter-add", "scatter_add"})
+SOURCE_KINDS = frozenset({"dot_general"}) | SCATTER_KINDS
 """Equations whose result can be a partial sum computed on local shards."""
 CHAIN_KINDS = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
 """Layout ops a partial term may pass through on its way to the sum (linear, one operand,
 exact: a sum of their results is their result of the sum)."""
+LONE_KINDS = SOURCE_KINDS | {"reduce_sum"}
+"""Equations whose reduce-scattered result may be reduced with the others (``reduce_scattered_regions``)."""
 MAX_CHAIN = 8
 """Most layout ops between a term and the sum."""
 MAX_JOINT_STRATEGIES = 1024
@@ -72,6 +68,17 @@ def _plain(node) -> bool:
             and len(node.outputs) == 1)
 
 
+def _layout(prob: Problem, node) -> bool:
+    """A layout op (``CHAIN_KINDS``), or a sum over dims of size 1 (how JAX transposes the
+    broadcast of a bias into ``(1, 1, n)``)."""
+    if node.kind in CHAIN_KINDS:
+        return True
+    if node.kind != "reduce_sum" or len(node.operands) != 1 or node.operands[0] is None:
+        return False
+    shape = prob.graph.values[node.operands[0]].shape
+    return all(shape[d] == 1 for d in node.params["axes"])
+
+
 def _trace(prob: Problem, consumers, value_id: int):
     """(term node id, layout node ids in program order) behind ``value_id``, or None."""
     g = prob.graph
@@ -84,7 +91,7 @@ def _trace(prob: Problem, consumers, value_id: int):
             if any(u is None for u in node.operands):
                 return None
             return node.id, tuple(reversed(chain))
-        if node.kind not in CHAIN_KINDS or len(node.operands) != 1 or node.operands[0] is None:
+        if not _layout(prob, node) or len(node.operands) != 1 or node.operands[0] is None:
             return None
         chain.append(node.id)
         value_id = node.operands[0]
@@ -105,7 +112,7 @@ def _reduction(prob: Problem, node, s):
         return None
     if kind == "reduce-scatter" and (len(on_out) != 1 or out[on_out[0]][-len(axes):] != axes):
         return None  # scattered into one dim, its axes the minor ones of that dim
-    if node.kind != "dot_general":  # a scatter-add: the scattered operand dims stay whole
+    if node.kind in SCATTER_KINDS:  # the scattered operand dims stay whole
         dn = node.params["dimension_numbers"]
         operand = s.in_specs[0]
         if any(operand[d] for d in (*dn.inserted_window_dims, *dn.operand_batching_dims)):
@@ -249,7 +256,8 @@ def partial_sum_regions(prob: Problem, choice_of, names: tuple[str, ...]
         sources = tuple(PartialSource(
             site=g.node_sites[s],
             operand_specs=tuple(to_partition_spec(spec, names) for spec in chosen(s).in_specs),
-            spec=to_partition_spec(_strip(chosen(s).out_specs[0], axes), names))
+            spec=to_partition_spec(_strip(chosen(s).out_specs[0], axes), names),
+            where=g.nodes[s].where)
             for s in cand.sources)
         chain = tuple((g.node_sites[c], to_partition_spec(_strip(chosen(c).out_specs[0], axes),
                                                           names))
@@ -263,96 +271,73 @@ def partial_sum_regions(prob: Problem, choice_of, names: tuple[str, ...]
     return tuple(found)
 
 
-# Applying -------------------------------------------------------------------------------------
+def reduce_scattered_regions(prob: Problem, choice_of, names: tuple[str, ...],
+                             partial_sums: tuple[PartialSum, ...]) -> tuple[PartialSum, ...]:
+    """A ``PartialSum`` of one term for every other weight gradient (a product, scatter-add or
+    sum outside loops that feeds no heavy op: ``feeds_chain_mask``) the chosen plan
+    reduce-scatters, so the step reduces them all in one collective
+    (``partial_run.PartialSums.flush``). Its ``total`` is the last of the single-use layout ops after the term (the transpose or
+    reshape into the parameter's shape), or the term itself. Where every reader of the total
+    gathers it again over the axes (the plan's reduce-scatter of test_moe_lm's LM head bias
+    gradient, then an all-gather before the sum over its dims of size 1), it is all-reduced
+    there instead: the pair's bytes in one collective.
 
-def _axis_entry(axes: tuple[str, ...]):
-    return axes[0] if len(axes) == 1 else axes
+    XLA:GPU's combiner merges such reduce-scatters by itself. XLA:CPU lowers each as an
+    all-reduce and a slice, and its all-reduce combiner, which closes a group at the first
+    reduction that reads a member, merged each gradient's with the previous gradient's
+    optimizer statistics (Adafactor's row and column sums) instead."""
+    g = prob.graph
+    feeds_chain = feeds_chain_mask(g)
+    consumers = g.consumers()
+    sites = {src.site for ps in partial_sums for src in ps.sources}
+    taken = {n for n, key in g.node_sites.items() if key in sites}
 
+    def chosen(node_id):
+        return prob.strategies[node_id][choice_of(node_id)]
 
-def _stacked(axes, spec: PartitionSpec) -> PartitionSpec:
-    return PartitionSpec(_axis_entry(axes), *spec)
-
-
-class PartialSums:
-    """The plan's partial sums while a planned program is evaluated (``apply._Apply``).
-
-    ``run`` evaluates an equation of a partial sum; every value between a term and the sum is
-    the stack of the devices' partial results (leading dim split over the sum's axes). The
-    plan's pins of those values and of their operands are spent here, not applied."""
-
-    def __init__(self, partial_sums, mesh):
-        self.mesh = mesh
-        self.roles: dict[str, tuple] = {}
-        for ps in partial_sums:
-            for src in ps.sources:
-                self.roles[src.site] = ("source", ps, src)
-            for path, spec in ps.chain:
-                self.roles[path] = ("chain", ps, spec)
-            self.roles[ps.total] = ("total", ps, None)
-        self.seen: set[str] = set()
-
-    def handles(self, path) -> bool:
-        return eqn_site(path) in self.roles
-
-    def pin_keys(self, eqn, path) -> list:
-        """The plan's pin keys this equation spends (its result, its operands)."""
-        key = eqn_site(path)
-        return [site(path, 0)] + [(key, p) for p in range(len(eqn.invars))]
-
-    def run(self, eqn, ins, path) -> list:
-        key = eqn_site(path)
-        role, ps, extra = self.roles[key]
-        self.seen.add(key)
-        return [{"source": self._source, "chain": self._chain, "total": self._total}[role](
-            eqn, ins, ps, extra)]
-
-    def mark_seen(self, heads: set[str]) -> None:
-        """Count the partial sums' equations under the top-level equations ``heads`` as run
-        (``apply.PlanEvaluator.mark_used``)."""
-        self.seen.update(key for key in self.roles if key.split("/")[0] in heads)
-
-    def missing(self) -> list[str]:
-        return sorted(set(self.roles) - self.seen)
-
-    def _constrain(self, x, spec: PartitionSpec):
-        return lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
-
-    def _source(self, eqn, ins, ps: PartialSum, src: PartialSource):
-        axes = ps.axes
-        is_scatter = eqn.primitive.name != "dot_general"
-
-        def local(*xs):
-            xs = list(xs)
-            if is_scatter:  # the operand is added once, on the first device of the axes
-                first = functools.reduce(jax.numpy.logical_and,
-                                         [lax.axis_index(a) == 0 for a in axes])
-                xs[0] = jax.numpy.where(first, xs[0], jax.numpy.zeros_like(xs[0]))
-            return bind_eqn(eqn, xs)[0][None]
-
-        out = jax.shard_map(local, mesh=self.mesh, in_specs=tuple(src.operand_specs),
-                            out_specs=_stacked(axes, src.spec), check_vma=False)(*ins)
-        return self._constrain(out, _stacked(axes, src.spec))
-
-    def _chain(self, eqn, ins, ps: PartialSum, spec: PartitionSpec):
-        out = jax.vmap(lambda x: bind_eqn(eqn, [x])[0])(ins[0])
-        return self._constrain(out, _stacked(ps.axes, spec))
-
-    def _total(self, eqn, ins, ps: PartialSum, _):
-        axes, total = ps.axes, ps.total_spec
-        rest = PartitionSpec(*(_without(entry, axes) for entry in total))
-        summed = self._constrain(bind_eqn(eqn, list(ins))[0], _stacked(axes, rest))
-        # One psum. Where the sum's spec splits a dim over the axes, the pin after it keeps
-        # each device's slice: the all-reduce and dynamic-slice XLA's partitioner emits for
-        # every planned reduce-scatter (XLA:GPU rewrites the pair into a reduce-scatter), so
-        # the step's combiner merges it with the other gradients' reductions.
-        out = jax.shard_map(lambda x: lax.psum(x[0], axes), mesh=self.mesh,
-                            in_specs=_stacked(axes, rest), out_specs=rest,
-                            check_vma=False)(summed)
-        return self._constrain(out, total)
+    found = []
+    for node in g.nodes:
+        if (node.kind not in LONE_KINDS or node.id in taken or feeds_chain[node.id]
+                or not _plain(node) or node.id in prob.free
+                or any(u is None for u in node.operands)):
+            continue
+        red = _reduction(prob, node, chosen(node.id))
+        if red is None or red[0] != "reduce-scatter":
+            continue
+        axes = red[1]
+        chain, last = [], node.id
+        while len(chain) < MAX_CHAIN and len(consumers[last]) == 1:
+            nxt = g.nodes[consumers[last][0][0]]
+            if (not _layout(prob, nxt) or len(nxt.operands) != 1 or not _plain(nxt)
+                    or nxt.id in prob.free or nxt.id in taken):
+                break
+            chain.append(nxt.id)
+            last = nxt.id
+        while chain and _scattered_dims(chosen(chain[-1]).out_specs[0], axes) != 1:
+            chain.pop()  # the sum is held split over the axes on one dim, as the term is
+        total = chain[-1] if chain else node.id
+        total_spec = chosen(total).out_specs[0]
+        read = {chosen(c).in_specs[p] for c, p in consumers[total]}
+        if read == {_strip(total_spec, axes)}:
+            total_spec = read.pop()  # gathered again at once: one all-reduce, not the pair
+        taken.update((node.id, *chain))
+        found.append(PartialSum(
+            axes=tuple(names[a] for a in axes),
+            sources=(PartialSource(
+                site=g.node_sites[node.id],
+                operand_specs=tuple(to_partition_spec(sp, names)
+                                    for sp in chosen(node.id).in_specs),
+                spec=to_partition_spec(_strip(chosen(node.id).out_specs[0], axes), names),
+                where=node.where),),
+            chain=tuple((g.node_sites[c], to_partition_spec(
+                _strip(chosen(c).out_specs[0], axes), names)) for c in chain[:-1]),
+            total=g.node_sites[total], total_spec=to_partition_spec(total_spec, names),
+            where=node.where))
+    return tuple(found)
 
 
-def _without(entry, axes):
-    """A PartitionSpec entry without ``axes``."""
-    named = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    kept = tuple(a for a in named if a not in axes)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
+def _scattered_dims(spec: Spec, axes) -> int:
+    """How many dims of ``spec`` are split over ``axes``, -1 if one is not split over them as
+    its minor axes."""
+    dims = [d for d in spec if set(d) & set(axes)]
+    return len(dims) if all(tuple(d[-len(axes):]) == tuple(axes) for d in dims) else -1

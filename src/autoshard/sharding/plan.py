@@ -95,6 +95,8 @@ class PartialSource:
     """Spec each operand is read in (the shards the equation runs on)."""
     spec: PartitionSpec
     """Spec of the partial result on the axes the sum is not partial over."""
+    where: str = ""
+    """The operation (as ``Collective.where`` names it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,6 +287,10 @@ class ShardingPlan:
     """The program and devices the plan was made for (``autoshard.plan``); checked on apply."""
     partial_sums: tuple[PartialSum, ...] = ()
     """Sums of partial sums reduced once after the sum (``sharding.partial_sums``)."""
+    reduce_scattered: tuple[PartialSum, ...] = ()
+    """The other gradients the plan reduce-scatters, each a sum of one term: the step
+    reduces them together, one reduce-scatter per mesh axes and dtype, with the partial sums
+    reduce-scattered (``sharding.partial_sums``)."""
 
     def __post_init__(self):
         assert len(self.mesh_shape) == len(self.axis_names), (self.mesh_shape, self.axis_names)
@@ -334,6 +340,11 @@ class ShardingPlan:
                              f"{c.where}")
         for ps in self.partial_sums:
             lines.append(f"  partial sums reduced once over {'+'.join(ps.axes)}: {ps.where}")
+        by_axes: dict = {}
+        for ps in self.reduce_scattered:
+            by_axes[ps.axes] = by_axes.get(ps.axes, 0) + 1
+        for axes, n in by_axes.items():
+            lines.append(f"  {n} gradients reduce-scattered together over {'+'.join(axes)}")
         if self.objective is not None:
             o = self.objective
             lines.append(f"  objective: {o.total_s * 1e3:.4f} ms = communication "
@@ -446,14 +457,16 @@ def _decode_plan(data: dict) -> ShardingPlan:
         o["_data_parallel_s"] = o.pop("data_parallel_s", None)
         objective = Objective(**o)
     fingerprint = data.get("fingerprint")
-    partial_sums = tuple(PartialSum(
-        axes=tuple(d["axes"]),
-        sources=tuple(PartialSource(site=x["site"], spec=spec(x["spec"]),
-                                    operand_specs=tuple(spec(o) for o in x["operand_specs"]))
-                      for x in d["sources"]),
-        chain=tuple((c, spec(p)) for c, p in d.get("chain", ())),
-        total=d["total"], total_spec=spec(d["total_spec"]), where=d.get("where", ""))
-        for d in data.get("partial_sums", ()))
+    def partial_sum(d):
+        return PartialSum(
+            axes=tuple(d["axes"]),
+            sources=tuple(PartialSource(site=x["site"], spec=spec(x["spec"]),
+                                        operand_specs=tuple(spec(o) for o in x["operand_specs"]),
+                                        where=x.get("where", ""))
+                          for x in d["sources"]),
+            chain=tuple((c, spec(p)) for c, p in d.get("chain", ())),
+            total=d["total"], total_spec=spec(d["total_spec"]), where=d.get("where", ""))
+
     return ShardingPlan(
         method=data["method"], mesh_shape=tuple(data["mesh_shape"]),
         axis_names=tuple(data["axis_names"]),
@@ -467,4 +480,5 @@ def _decode_plan(data: dict) -> ShardingPlan:
         cluster=data.get("cluster", ""),
         fingerprint=PlanFingerprint(_program=fingerprint.pop("program"), **fingerprint)
         if fingerprint else None,
-        partial_sums=partial_sums)
+        partial_sums=tuple(partial_sum(d) for d in data.get("partial_sums", ())),
+        reduce_scattered=tuple(partial_sum(d) for d in data.get("reduce_scattered", ())))

@@ -8,7 +8,8 @@ Upstream tests covered:
   six-entry list for two stages; no collective in the forwards, exactly one (combined)
   all-reduce per data-parallel stage in its backward entry (the once-per-step reduction);
   with ``prefer_reduce_scatter`` exactly one all-gather per apply entry (the update runs on
-  shards, ZeRO-2), without it none; numerics equal to jax.jit.
+  shards, ZeRO-2), without it none; numerics equal to jax.jit. ``test_bert_grad_acc_friendly``
+  in small: the same counts with biases and layer-norm scales (vector gradients).
 * ``test_scatter_gather.py`` ``test_2_layer_bert``: ``force_batch_dim_to_mesh_dim=0`` on a
   ``(1, 2)`` sub-mesh is accepted (a warning), an axis that does not exist is an error.
 * ``test_set_input_shard.py``: ``jax.core.ShapedArray`` arguments, stage input specs reused;
@@ -149,6 +150,53 @@ def test_prefer_reduce_scatter_shards_a_data_parallel_stages_update():
         if leaf.shape == p.shape:
             assert leaf.sharding.shard_shape(leaf.shape) == (leaf.shape[0] // 4,) + (
                 leaf.shape[1:])
+
+
+def test_prefer_reduce_scatter_keeps_backward_accumulators_whole():
+    """``test_bert_grad_acc_friendly`` in small: layers with biases and a layer norm. The
+    backward tasks' gradient accumulators are not the update's state: ZeRO-2's resharding of
+    a step's update (``zero_update``) must not shard them (it did, and each stage's backward
+    then all-gathered a bias gradient every micro-batch: two collectives where Alpa asserts
+    one all-reduce)."""
+    rng = np.random.default_rng(3)
+    dims = (16, 32, 32, 32, 8)
+    params = {}
+    for i, (a, b) in enumerate(itertools.pairwise(dims)):
+        params[f"w{i}"] = jnp.asarray(rng.normal(size=(a, b)) / math.sqrt(a), jnp.float32)
+        params[f"b{i}"] = jnp.zeros((b,), jnp.float32)
+        params[f"g{i}"] = jnp.ones((b,), jnp.float32)
+    batch = (jnp.asarray(rng.normal(size=(32, 16)), jnp.float32),
+             jnp.asarray(rng.normal(size=(32, 8)), jnp.float32))
+    state = TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+
+    def layer(p, i, h):
+        h = h @ p[f"w{i}"] + p[f"b{i}"]
+        h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+        return jnp.tanh(h * p[f"g{i}"])
+
+    def loss(p, x, y):
+        h = layer(p, 1, layer(p, 0, x))
+        autoshard.mark_pipeline_boundary()
+        return jnp.mean((layer(p, 3, layer(p, 2, h)) - y) ** 2)
+
+    def step(state, batch):
+        grads = autoshard.grad(lambda p: loss(p, *batch))(state.params)
+        return state.apply_gradients(grads=grads)
+
+    method = PipeshardParallel(
+        num_micro_batches=4, layer_option="manual",
+        stage_option=UniformStageOption(num_stages=2),
+        default_auto_sharding_option=autoshard.AutoShardingOption(
+            force_data_parallel=True, prefer_reduce_scatter=True),
+        blocking=True)
+    f = autoshard.parallelize(step, method=method)
+    got, want = state, state
+    for _ in range(3):
+        got, want = f(got, batch), jax.jit(step)(want, batch)
+    assert_trees_close(got.params, want.params)
+    texts = f.get_last_executable().get_hlo_text()
+    assert [collectives(t) for t in texts] == [
+        [], [], ["all-reduce"], ["all-reduce"], ["all-gather"], ["all-gather"]]
 
 
 def test_inference_get_hlo_text_is_the_forwards():

@@ -72,6 +72,7 @@ from .simulate import simulate
 from .stages import AutoStageOption, stage_dp
 from .taskfn import task_fn
 from .tasks import FIXES, Target, plan_task, plan_tasks, task_costs, task_signature
+from .zero import forward_backward_option
 
 
 def price_pipeline(method, program, cluster: Cluster, *,
@@ -211,6 +212,8 @@ class _Pricer:
         batch = [part.holds_rows(v) for v in invars] + [False] * extra
         aliases = list(aliases) + [(n + i, len(outvars) + i) for i in range(len(acc))]
         option = self.option(shape, overrides)
+        if task not in part.apply:
+            option = forward_backward_option(option)
         fixed_in = None if fixed is None else list(fixed) + [None] * extra
         key = (str(closed), tuple(batch), tuple(aliases), sub, repr(option), repr(fixed_in),
                axis_names)

@@ -45,7 +45,7 @@ from .layouts import carried, step_aliases
 from .partition import Partition, Task
 from .reduce import acc_dtype, stacked_spec, without_batch_reductions
 from .taskfn import is_collective, local_task, pinned, reads, spec_of, task_fn
-from .zero import gather_once, zero_apply
+from .zero import forward_backward_option, gather_once, zero_apply
 
 
 def plan_task(closed, name: str, *, num_devices: int, option: AutoShardingOption,
@@ -284,6 +284,8 @@ def plan_tasks(part: Partition, targets: Sequence[Target], split: bool, options:
             arriving = [p if (p := manual.input_spec(v, t.stage)) is not None else a
                         for v, a in zip(invars, arriving, strict=True)]
         option, pins, gathered, aliases, note = options[t.stage], None, (), (), ""
+        if kind != "apply":
+            option = forward_backward_option(option)
         if kind == "apply":
             aliases = step_aliases(t, part.jaxpr, program.aliases)
             z = None if manual is not None else zero_apply(

@@ -13,6 +13,7 @@ the devices do not divide stay replicated.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -37,6 +38,20 @@ class ZeroApply:
     tasks of the stage read (they take them split)."""
     pins: dict
     """Output position -> its spec, for the outputs left split."""
+
+
+def forward_backward_option(option):
+    """The option a stage's forward and backward tasks are planned with: pure data parallel
+    where the stage's option asks for ZeRO-2 (``force_data_parallel`` with
+    ``prefer_reduce_scatter``). ZeRO-2 is the apply tasks' (``zero_apply``); a forward or
+    backward task holds no update, and with that option's all-gathers allowed its plan drifted
+    from data parallel: a forward left a broadcast bias split over the sub-mesh for its
+    backward to gather every micro-batch, and the whole-step ZeRO-2 of ``sharding.zero_update``
+    sharded a backward's gradient accumulators (Alpa's ``test_bert_grad_acc_friendly`` asserts
+    one all-reduce and nothing else in each backward)."""
+    if option is not None and option.force_data_parallel and option.prefer_reduce_scatter:
+        return dataclasses.replace(option, prefer_reduce_scatter=False)
+    return option
 
 
 def zero_apply(task, part, program, mesh, option, split_before=frozenset()
@@ -118,4 +133,4 @@ def gather_once(fn, positions, mesh):
     return run
 
 
-__all__ = ["ZeroApply", "gather_once", "zero_apply"]
+__all__ = ["ZeroApply", "forward_backward_option", "gather_once", "zero_apply"]

@@ -73,6 +73,8 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
     if option.prefer_reduce_scatter:
         _hold_parameters_whole(prob, aliases, fixed_in_specs)
     _input_masks(prob, batch_invars, fixed_in_specs)
+    if option.force_data_parallel and not option.prefer_reduce_scatter:
+        _replicate_batch_free(prob, batch_invars)
     if batch_dims and option.force_batch_dim_to_mesh_dim is not None and not (
             option.force_data_parallel):
         _batch_dim_masks(prob, batch_dims, option.force_batch_dim_to_mesh_dim)
@@ -476,6 +478,32 @@ def data_parallel_variant(prob: Problem, batch_invars) -> Problem:
                  no_reshard=True, combined=prob.combined, siblings=prob.siblings)
     _input_masks(dp, batch_invars)
     return dp
+
+
+def _replicate_batch_free(prob: Problem, batch_invars) -> None:
+    """Pure data parallel: a value computed from no batch input (a parameter broadcast for a
+    bias add, a weight cast) stays replicated. A free slice would otherwise let a plan keep
+    such a value split over a non-batch dim where only elementwise work reads it, which a
+    pipeline's forward task did with a broadcast bias it hands to its backward: the backward
+    then gathered it every micro-batch. Nodes with no replicated strategy keep theirs."""
+    g = prob.graph
+    from_batch = [False] * len(g.nodes)
+    for i, node_id in enumerate(g.inputs):
+        from_batch[node_id] = bool(batch_invars[i])
+    producer = {v: node.id for node in g.nodes for v in node.outputs}
+    for node in g.nodes:
+        if node.kind in ("input", "output"):
+            continue
+        from_batch[node.id] = any(from_batch[producer[v]] for v in node.operands
+                                  if v in producer)
+        if from_batch[node.id]:
+            continue
+        strategies = prob.strategies[node.id]
+        whole = {k for k, s in enumerate(strategies)
+                 if not any(axes for spec in s.out_specs for axes in spec)}
+        allowed = prob.allowed.get(node.id, set(range(len(strategies)))) & whole
+        if allowed:
+            prob.allowed[node.id] = allowed
 
 
 def _input_masks(prob: Problem, batch_invars, fixed_in_specs=None):

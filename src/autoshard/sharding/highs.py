@@ -89,6 +89,16 @@ def _scipy(c, integrality, bounds, constraints, options) -> Result:
                   mip_node_count=getattr(res, "mip_node_count", None))
 
 
+def csr_rows(constraint):
+    """A ``LinearConstraint``'s rows as (CSR matrix, lower bounds, upper bounds), the bounds
+    broadcast to one per row."""
+    import scipy.sparse as sp
+    A = sp.csr_array(constraint.A)
+    n = A.shape[0]
+    return (A, np.broadcast_to(np.asarray(constraint.lb, dtype=float), n),
+            np.broadcast_to(np.asarray(constraint.ub, dtype=float), n))
+
+
 def _highspy(c, integrality, bounds, constraints, options, *, ipm: bool,
              presolve: bool) -> Result:
     """The problem passed to ``highspy`` with the interior-point method (``ipm``) and/or
@@ -100,10 +110,10 @@ def _highspy(c, integrality, bounds, constraints, options, *, ipm: bool,
     lower, upper = (bounds.lb, bounds.ub) if hasattr(bounds, "lb") else bounds
     blocks, row_lower, row_upper = [], [], []
     for con in constraints:
-        A = sp.csr_array(con.A)
+        A, lb, ub = csr_rows(con)
         blocks.append(A)
-        row_lower.append(np.broadcast_to(np.asarray(con.lb, dtype=float), A.shape[0]))
-        row_upper.append(np.broadcast_to(np.asarray(con.ub, dtype=float), A.shape[0]))
+        row_lower.append(lb)
+        row_upper.append(ub)
     A = (sp.vstack(blocks, format="csr") if blocks else sp.csr_array((0, n)))
     integer = np.asarray(integrality if integrality is not None else np.zeros(n)) > 0
     inf = highspy.kHighsInf
@@ -186,4 +196,5 @@ def _status(model_status) -> int:
     return OTHER
 
 
-__all__ = ["IPM_MAX_COLUMNS_PER_ROW", "IPM_MIN_ROWS", "NO_PRESOLVE_MIN_COLUMNS", "Result", "milp"]
+__all__ = ["IPM_MAX_COLUMNS_PER_ROW", "IPM_MIN_ROWS", "NO_PRESOLVE_MIN_COLUMNS", "Result", "csr_rows",
+           "milp"]

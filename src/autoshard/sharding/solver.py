@@ -122,15 +122,13 @@ def _bound_with_rows(ilp: Ilp, cutoff_s: float) -> float | None:
     """``ilp``'s relaxation with the memory rows its solutions go over, added until the bound
     reaches ``cutoff_s`` (``BOUND_ROUNDS``); the full relaxation's objective where no row is
     violated (cached as ``ilp.lp``)."""
-    import scipy.sparse as sp
     from scipy.optimize import LinearConstraint
+
+    from .highs import csr_rows
     bound, _, x = ilp.lp_core
     constraints = list(ilp.constraints[:ilp.num_core_constraints])
-    blocks = []  # (rows, lower, upper) of each memory block, converted once
-    for block in ilp.constraints[ilp.num_core_constraints:]:
-        A = sp.csr_array(block.A)
-        blocks.append((A, np.broadcast_to(block.lb, A.shape[0]),
-                       np.broadcast_to(block.ub, A.shape[0])))
+    # (rows, lower, upper) of each memory block, converted once
+    blocks = [csr_rows(block) for block in ilp.constraints[ilp.num_core_constraints:]]
     for _ in range(BOUND_ROUNDS):
         added = []
         for A, lb, ub in blocks:

@@ -109,7 +109,10 @@ def test_memory_block_shows_the_trade_off_and_keeps_a_budget(capsys):
     assert scope["smallest"].memory < scope["chosen"].memory
     assert all(r.memory >= scope["smallest"].memory for r in rows)
     assert scope["budget"] < scope["chosen"].memory
-    assert "executable" in scope, out  # the budget was kept (the block's assert checked 1.02x)
+    assert scope["plan"].objective.peak_bytes_per_device < (
+        scope["fastest"].objective.peak_bytes_per_device)   # the default weighed memory
+    if "executable" not in scope:   # a budget the estimate cannot keep: by how much, and a fix
+        assert "compiles to" in out and "Raise memory_budget_per_device to" in out, out
 
 
 def test_pipeline_block_trains_like_jit_and_prints_text(tmp_path, monkeypatch, capsys):

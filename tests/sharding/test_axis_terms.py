@@ -137,7 +137,10 @@ def test_per_axis_ilp_keeps_the_pinned_weight_split():
     for plan in (per_axis, exact):
         gathered = [c.num_bytes for c in plan.collectives if c.kind == "all-gather"]
         assert all(b < weight_bytes for b in gathered), plan.explain()
-    assert [(c.kind, c.axes) for c in per_axis.collectives] == [("all-reduce", ("y",))]
+    # the product reduced over y: all-reduced, or (the default offers it for a result no
+    # later product reads) reduce-scattered into a split output
+    assert [(c.kind, c.axes) for c in per_axis.collectives] in (
+        [("all-reduce", ("y",))], [("reduce-scatter", ("y",))])
     assert per_axis.objective.total_s <= 1.15 * exact.objective.total_s
 
 
@@ -217,5 +220,6 @@ def test_one_class_ilp_keeps_the_pinned_weight_split(monkeypatch):
     assert classes.info["merged_class_terms"] == 0 and classes.info["class_columns"] > 0
     assert one.info["merged_class_terms"] > 0 and one.approximate
     assert plans[1].in_specs == plans[0].in_specs and plans[1].in_specs[0] == P("y")
-    assert [(c.kind, c.axes) for c in plans[1].collectives] == [("all-reduce", ("y",))]
+    assert [(c.kind, c.axes) for c in plans[1].collectives] in (
+        [("all-reduce", ("y",))], [("reduce-scatter", ("y",))])
     assert plans[1].objective.total_s == pytest.approx(plans[0].objective.total_s, rel=1e-12)

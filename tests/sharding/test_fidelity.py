@@ -129,7 +129,7 @@ def test_expert_layer_all_to_alls_are_predicted_exactly():
 def test_memory_tradeoff_takes_a_plan_of_less_memory_within_the_time_given():
     sizes = dict(vocab=256, dim=64, heads=8, layers=1, seq=16, batch=8)
     fastest = _executable("gpt", (2, 4), sizes, memory_tradeoff=0.0)
-    lean = _executable("gpt", (2, 4), sizes)  # the default: 0.1 for a whole step
+    lean = _executable("gpt", (2, 4), sizes, memory_tradeoff=0.1)
     f_obj, l_obj = fastest.plan.objective, lean.plan.objective
     assert l_obj.peak_bytes_per_device <= 0.99 * f_obj.peak_bytes_per_device
     assert l_obj.total_s <= 1.1 * f_obj.total_s
@@ -157,3 +157,26 @@ def test_pipeline_tasks_are_planned_for_time_unless_told_otherwise():
 def test_memory_tradeoff_must_be_a_fraction():
     with pytest.raises(ValueError, match=r"memory_tradeoff \(-0.5\)"):
         autoshard.AutoShardingOption(memory_tradeoff=-0.5)
+
+
+def test_default_takes_the_plan_of_least_bytes_plus_memory():
+    """The default (``pareto.expert_choice``): of the plans found on the chosen mesh, the one
+    of least bytes sent per step plus peak bytes per device, within ``MAX_SLOWDOWN`` of the
+    fastest's estimated time. On this GPT it holds less memory than the fastest plan."""
+    from autoshard.sharding.pareto import MAX_SLOWDOWN, received_bytes
+    sizes = dict(vocab=256, dim=64, heads=8, layers=1, seq=16, batch=8)
+    fastest = _executable("gpt", (2, 4), sizes, memory_tradeoff=0.0)
+    default = _executable("gpt", (2, 4), sizes)
+    rows = default.plan.objective.trade_off
+    chosen = rows[0]
+    limit = (1 + MAX_SLOWDOWN) * fastest.plan.objective.total_s
+    assert chosen.time_s <= limit * (1 + 1e-9)
+    assert chosen.bytes + chosen.memory == min(r.bytes + r.memory for r in rows
+                                               if r.time_s <= limit * (1 + 1e-9))
+    plan = default.plan
+    assert chosen.bytes == received_bytes(plan.collectives, plan.mesh_sizes)
+    assert any(n.startswith("the default weighs memory") for n in plan.notes)
+    assert plan.objective.peak_bytes_per_device < fastest.plan.objective.peak_bytes_per_device
+    a = default.audit()
+    assert a.compiled_memory < fastest.audit().compiled_memory
+    assert a.bytes_ratio() == pytest.approx(1.0, rel=0.10) and a.memory_ratio() <= 1.10

@@ -54,8 +54,9 @@ def fft_step(op):
 
 
 def gathers_into_fft(hlo_text: str) -> bool:
-    """An all-gather of the (64, 16) operand of the FFT, which an opaque operation forces."""
-    return re.search(r"\[64,16\]\{1,0\} all-gather", hlo_text) is not None
+    """The (64, 16) operand of the FFT made whole on every device, which an opaque
+    operation forces: all-gathered, or (the product split over its contraction) all-reduced."""
+    return re.search(r"\[64,16\]\{1,0\} all-(gather|reduce)\(", hlo_text) is not None
 
 
 @pytest.mark.parametrize("form", ["rule", "infer"])

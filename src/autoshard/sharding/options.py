@@ -42,7 +42,11 @@ class AutoShardingOption:
     """Estimated step time (a fraction) the planner may give up for less memory: the chosen
     mesh's ILP is solved again weighing a fraction of peak memory as much as the same fraction
     of time, and that plan is taken when its peak is at least 1% lower and its time within
-    this fraction of the fastest (``sharding/least_memory.py``). None: ``DEFAULT_MEMORY_TRADEOFF``
+    this fraction of the fastest (``sharding/least_memory.py``). None, for the plan of a whole
+    step on devices of unbounded memory without a budget or a micro-batch loop: the default
+    weighs memory (``pareto.expert_choice``: weight gradients may be reduce-scattered into
+    sharded updates, and of the plans found the one of least bytes sent plus peak memory is
+    taken, at most ``pareto.MAX_SLOWDOWN`` slower); elsewhere ``DEFAULT_MEMORY_TRADEOFF``
     (0.1, about the cost model's own error) for the plan of a whole step, 0 for a pipeline's
     task plans (a task's peak is not its stage's: trading each task's time for its own memory
     moved 5x the bytes on the pipeline benchmark). 0: the fastest plan whatever its memory, as

@@ -43,6 +43,8 @@ it stops), which runs without HiGHS's presolve (with it, the root alone took 3x 
 time of the families benchmark's decoder)."""
 GAP = 0.01
 """Relative optimality gap at which a least-memory solve stops."""
+LEAST_PEAK = "least peak memory found"
+"""The status of ``least_peak``'s solution."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +85,8 @@ def trade_off(ilp, found, make_plan) -> tuple[TradeOffRow, ...]:
     is solved here (``least_peak``) and joins ``found``.
     """
     chosen = found[0]
-    extra = least_peak(ilp, chosen)
+    searched = any(sol.status == LEAST_PEAK for sol in found)   # by expert_choice
+    extra = None if searched else least_peak(ilp, chosen)
     plans = []
     seen = set()
     for sol in list(found) + ([extra] if extra is not None else []):
@@ -105,6 +108,45 @@ def trade_off(ilp, found, make_plan) -> tuple[TradeOffRow, ...]:
         roles.setdefault(plan, []).append(role)
     return tuple(TradeOffRow(role=", ".join(r), bytes=p[0], memory=p[1], time_s=p[2])
                  for p, r in roles.items())
+
+
+MAX_SLOWDOWN = 0.5
+"""The default plan (``expert_choice``) is estimated at most this fraction slower than the
+fastest plan found."""
+
+
+def expert_choice(ilp, chosen, make_plan):
+    """The default's plan on the chosen mesh: of the plans found there (``chosen``, the others
+    in its ``info["found"]`` and ``least_peak``'s), the one of least collective bytes sent per
+    step plus estimated peak bytes per device, among those within ``MAX_SLOWDOWN`` of the
+    fastest's estimated time. A byte of memory saved is worth a byte more sent each step: an
+    expert shards parameters and optimizer state over the data axis (FSDP x TP) when that
+    saves more memory than the gathers add traffic, and keeps them whole when it does not."""
+    import dataclasses
+    found = [chosen, *[s for s in chosen.info.get("found", ()) if s is not chosen]]
+    extra = least_peak(ilp, chosen)
+    if extra is not None:
+        found.append(extra)
+    rows, seen = [], set()
+    for sol in found:
+        key = tuple(sorted(sol.choice.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        plan = make_plan(sol)
+        rows.append((received_bytes(plan.collectives, plan.mesh_sizes),
+                     plan.objective.peak_bytes_per_device or 0, sol.objective_s, sol))
+    fastest = min(r[2] for r in rows)
+    ok = [r for r in rows if r[2] <= (1 + MAX_SLOWDOWN) * fastest]
+    pick = min(ok, key=lambda r: (r[0] + r[1], r[2]))
+    others = tuple(r[3] for r in rows if r is not pick)
+    info = dict(chosen.info, found=(pick[3], *others))   # the trade-off table's plans
+    info.pop("least_memory", None)
+    info["expert_choice"] = (
+        f"of {len(rows)} plans found on this mesh, the least bytes sent plus peak memory "
+        f"within {MAX_SLOWDOWN:.0%} of the fastest's time: {pick[0]:,} B sent, {pick[1]:,} B "
+        f"per device, {pick[2] / fastest - 1:+.1%} estimated time")
+    return dataclasses.replace(pick[3], solve_s=chosen.solve_s, info=info)
 
 
 def plan_trade_off(plan, ilp, chosen, make_plan) -> tuple[TradeOffRow, ...]:
@@ -162,7 +204,7 @@ def least_peak(ilp, first):
         points.append(top)
     if best is None:
         return None
-    return solver.Solution(best[0], "least peak memory found",
+    return solver.Solution(best[0], LEAST_PEAK,
                            evaluate(prob, best[0], ilp.edges), 0.0,
                            num_ilp_vars=ilp.total)
 
@@ -196,5 +238,5 @@ def _ratio(a: int, b: int) -> str:
     return f"{a / b:.2f}x" if b else ("1.00x" if a == 0 else "inf")
 
 
-__all__ = ["TradeOffRow", "least_peak", "plan_trade_off", "received_bytes", "table_lines",
+__all__ = ["MAX_SLOWDOWN", "TradeOffRow", "expert_choice", "least_peak", "plan_trade_off", "received_bytes", "table_lines",
            "trade_off"]

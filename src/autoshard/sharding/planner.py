@@ -30,7 +30,7 @@ from .ilp import build_ilp
 from .least_memory import least_memory
 from .memory import peak_bytes
 from .options import DEFAULT_MEMORY_TRADEOFF, AutoShardingOption
-from .pareto import plan_trade_off
+from .pareto import expert_choice, plan_trade_off
 from .partial_sums import fold_partial_sums
 from .plan import ShardingPlan, later
 from .problem import Problem
@@ -164,6 +164,14 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
         raise ValueError(f"fixed_in_specs has {len(fixed_in_specs)} entries but the jaxpr has "
                          f"{n_in} inputs; give one PartitionSpec or None per flat leaf.")
     user_budget = option.memory_budget_per_device is not None  # before a cluster fills it in
+    # The default weighs memory (``pareto.expert_choice``): it offers the gradients'
+    # reduce-scatters into their update's shards (ZeRO) as a user's budget does. Not where
+    # the devices' memory bounds the plan (a cluster's: the fastest plan within it), nor for
+    # a micro-batch loop (``top_mults``: its accumulators' sharded layouts compiled to 1.29x
+    # the estimate, tests/test_micro_batch_plan.py), nor under Alpa's data-parallel options.
+    weigh_memory = (option.memory_tradeoff is None and not user_budget and not top_mults
+                    and (cluster is None or cluster.memory_bytes is None)
+                    and not option.force_data_parallel and not option.prefer_reduce_scatter)
     if cluster is not None:
         if cluster.num_devices != num_devices:
             raise ValueError(
@@ -209,7 +217,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                                                              names),
                                  alpa_costs=option.mesh_alpha is not None
                                  and option.mesh_beta is not None, batch_dims=batch_dims,
-                                 user_budget=user_budget)
+                                 user_budget=user_budget or weigh_memory)
             if option.force_data_parallel and option.prefer_reduce_scatter and (
                     fixed_in_specs is None):
                 zero_update(prob)   # ZeRO-2: only the update leaves data parallelism
@@ -288,6 +296,10 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             tradeoff = (DEFAULT_MEMORY_TRADEOFF if option.memory_tradeoff is None
                         else option.memory_tradeoff)
             best = best[:2] + (least_memory(best_ilp, best[2], tradeoff),)
+            if weigh_memory:
+                names = _axis_names(axis_names, best[0])
+                best = best[:2] + (expert_choice(best_ilp, best[2], lambda sol: make_plan(
+                    best[1], sol, names, dp_objective=None)),)
         if best is None:
             if outpriced:
                 raise Outpriced(cutoff_s, {m: pruned[m] for m in outpriced}, errors)
@@ -349,6 +361,8 @@ def _finish(best, tried, pruned, option, batch_invars, axis_names, graph,
         notes.append("meshes tried: " + ", ".join(f"{s} {o * 1e3:.4f} ms" for s, o in tried))
     # No wall-clock time here: the same program and options must give an identical plan.
     notes.append(f"ILP: {sol.num_ilp_vars} columns, {sol.info.get('rows', 0)} rows")
+    if "expert_choice" in sol.info:
+        notes.append("the default weighs memory: " + sol.info["expert_choice"])
     if "least_memory" in sol.info:
         notes.append("least memory among plans within memory_tradeoff of the fastest: "
                      + sol.info["least_memory"])

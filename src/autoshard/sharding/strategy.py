@@ -55,8 +55,7 @@ class RuleContext:
         """Offer reduce-scatters of contractions and sums beside their all-reduces: with
         ``prefer_reduce_scatter``, or under a budget the user gave (``build`` then excludes
         those of activations: ``_scatter_gradients_only``)."""
-        return self.option.prefer_reduce_scatter or (
-            self.user_budget and self.option.memory_budget_per_device is not None)
+        return self.option.prefer_reduce_scatter or self.user_budget
 
     def candidates(self, shape) -> list[Spec]:
         found = candidate_specs(tuple(shape), self.mesh_shape)

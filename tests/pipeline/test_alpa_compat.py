@@ -117,15 +117,17 @@ def test_get_hlo_text_is_alpas_list_with_one_reduction_per_data_parallel_stage()
     assert collectives(tasks["B0"]) == collectives(tasks["B1"]) == []  # partial sums
 
 
-def test_prefer_reduce_scatter_shards_a_data_parallel_stages_update():
-    """``test_mlp_grad_acc_friendly`` in full: with prefer_reduce_scatter the update runs on
-    gradient and momentum shards and the new parameters come back in one all-gather."""
-    tx = optax.sgd(0.1, momentum=0.9)
-    state = TrainState.create(apply_fn=None, params=mlp_params(), tx=tx)
-    batch = mlp_batch()
+ZERO2_COLLECTIVES = [[], [], ["all-reduce"], ["all-reduce"], ["all-gather"], ["all-gather"]]
+"""Alpa's grad_acc_friendly counts for two ZeRO-2 stages: nothing in the forwards, one
+(combined) all-reduce in each backward entry, one all-gather in each apply entry."""
 
+
+def _zero2_pipeline(loss, state, batch, steps: int = 3):
+    """Two data-parallel stages with ZeRO-2 (``force_data_parallel`` and
+    ``prefer_reduce_scatter``), 4 micro-batches, trained ``steps`` steps beside ``jax.jit``:
+    (state, jax.jit's state, the executable)."""
     def step(state, batch):
-        grads = autoshard.grad(lambda p: mlp_loss(p, *batch))(state.params)
+        grads = autoshard.grad(lambda p: loss(p, *batch))(state.params)
         return state.apply_gradients(grads=grads)
 
     method = PipeshardParallel(
@@ -136,13 +138,20 @@ def test_prefer_reduce_scatter_shards_a_data_parallel_stages_update():
         blocking=True)
     f = autoshard.parallelize(step, method=method)
     got, want = state, state
-    for _ in range(3):
+    for _ in range(steps):
         got, want = f(got, batch), jax.jit(step)(want, batch)
+    return got, want, f.get_last_executable()
+
+
+def test_prefer_reduce_scatter_shards_a_data_parallel_stages_update():
+    """``test_mlp_grad_acc_friendly`` in full: with prefer_reduce_scatter the update runs on
+    gradient and momentum shards and the new parameters come back in one all-gather."""
+    tx = optax.sgd(0.1, momentum=0.9)
+    state = TrainState.create(apply_fn=None, params=mlp_params(), tx=tx)
+    got, want, ex = _zero2_pipeline(mlp_loss, state, mlp_batch())
     assert_trees_close(got.params, want.params)
     assert_trees_close(got.opt_state, want.opt_state)
-    ex = f.get_last_executable()
-    assert [collectives(t) for t in ex.get_hlo_text()] == [
-        [], [], ["all-reduce"], ["all-reduce"], ["all-gather"], ["all-gather"]]
+    assert [collectives(t) for t in ex.get_hlo_text()] == ZERO2_COLLECTIVES
     assert "apply0.0: ZeRO-2 update" in ex.explain()
     # each of a stage's 4 devices keeps a quarter of every momentum buffer
     for leaf, p in zip(jax.tree.leaves(got.opt_state), jax.tree.leaves(got.params),
@@ -179,24 +188,9 @@ def test_prefer_reduce_scatter_keeps_backward_accumulators_whole():
         autoshard.mark_pipeline_boundary()
         return jnp.mean((layer(p, 3, layer(p, 2, h)) - y) ** 2)
 
-    def step(state, batch):
-        grads = autoshard.grad(lambda p: loss(p, *batch))(state.params)
-        return state.apply_gradients(grads=grads)
-
-    method = PipeshardParallel(
-        num_micro_batches=4, layer_option="manual",
-        stage_option=UniformStageOption(num_stages=2),
-        default_auto_sharding_option=autoshard.AutoShardingOption(
-            force_data_parallel=True, prefer_reduce_scatter=True),
-        blocking=True)
-    f = autoshard.parallelize(step, method=method)
-    got, want = state, state
-    for _ in range(3):
-        got, want = f(got, batch), jax.jit(step)(want, batch)
+    got, want, ex = _zero2_pipeline(loss, state, batch)
     assert_trees_close(got.params, want.params)
-    texts = f.get_last_executable().get_hlo_text()
-    assert [collectives(t) for t in texts] == [
-        [], [], ["all-reduce"], ["all-reduce"], ["all-gather"], ["all-gather"]]
+    assert [collectives(t) for t in ex.get_hlo_text()] == ZERO2_COLLECTIVES
 
 
 def test_inference_get_hlo_text_is_the_forwards():

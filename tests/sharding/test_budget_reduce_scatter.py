@@ -7,7 +7,7 @@ reduce-scatter only with ``prefer_reduce_scatter``: under the expert's compiled 
 budget it gathered the batch instead (the families ViT: 2.6x the expert's bytes) or compiled
 over the budget (this step: 1.45x, then no plan under the tightened budget). A budget the
 user sets now offers the reduce-scatters of weight gradients beside their all-reduces
-(``build.build_problem``'s ``user_budget``; an activation's are excluded,
+(``build.build_problem``'s ``scatter_gradients``; an activation's are excluded,
 ``build._scatter_gradients_only``); one the planner fills from a cluster's memory (80 GiB on
 an A100) does not, so cluster-costed ILPs keep their size.
 """

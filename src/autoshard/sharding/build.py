@@ -28,7 +28,7 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
                   devices_per_host: int | None = None,
                   axis_names: tuple[str, ...] = (), fixed_in_specs=None,
                   alpa_costs: bool = False, batch_dims: dict | None = None,
-                  user_budget: bool = False) -> Problem:
+                  scatter_gradients: bool = False) -> Problem:
     """``fixed_in_specs``: per input its only allowed spec (internal form), or None.
     ``batch_dims``: value site -> the dim holding the batch's rows (``after_grad.
     row_dims_by_site``): with ``force_batch_dim_to_mesh_dim``, that dim of every such value
@@ -36,9 +36,10 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
     it; None: the batch inputs alone are forced.
     ``alpa_costs``: the user gave Alpa's cost parameters (``mesh_alpha`` and ``mesh_beta``):
     the reductions later work reads are priced one latency each, as Alpa's ILP does.
-    ``user_budget``: the option's ``memory_budget_per_device`` is the user's (not filled in
-    from a cluster's memory): contractions and sums whose result feeds no later heavy op (a
-    weight gradient) are offered reduce-scatters beside their all-reduces
+    ``scatter_gradients``: under a budget the user gave (not one filled in from a cluster's
+    memory) and in the default that weighs memory (``pareto.expert_choice``), contractions and
+    sums whose result feeds no later heavy op (a weight gradient) are offered reduce-scatters
+    beside their all-reduces
     (``RuleContext.scatter_reductions``; ``_scatter_gradients_only``), as with
     ``prefer_reduce_scatter`` but without forbidding the all-reduces, so a plan under a tight
     budget can update weights on the shards their gradients are reduced into. A cluster's
@@ -47,7 +48,8 @@ def build_problem(graph: Graph, mesh_shape: tuple[int, ...], option: AutoShardin
     cost = CostModel.from_option(mesh_shape, option, devices_per_host)
     light = LIGHT_OP_FRACTION * heaviest_flops(graph.nodes, graph.values)
     ctx = RuleContext(mesh_shape, cost, option, warned, keep_whole=conv_spatial_dims(graph),
-                      axis_names=tuple(axis_names), light_flops=light, user_budget=user_budget)
+                      axis_names=tuple(axis_names), light_flops=light,
+                      scatter_gradients=scatter_gradients)
     prob = Problem(graph, ctx, [], list(range(len(graph.nodes))))
     for node in graph.nodes:
         prob.strategies.append(node_strategies(prob, node))

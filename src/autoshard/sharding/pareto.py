@@ -14,6 +14,7 @@ that memory at up to that plan's bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -122,7 +123,6 @@ def expert_choice(ilp, chosen, make_plan):
     fastest's estimated time. A byte of memory saved is worth a byte more sent each step: an
     expert shards parameters and optimizer state over the data axis (FSDP x TP) when that
     saves more memory than the gathers add traffic, and keeps them whole when it does not."""
-    import dataclasses
     found = [chosen, *[s for s in chosen.info.get("found", ()) if s is not chosen]]
     extra = least_peak(ilp, chosen)
     if extra is not None:

@@ -115,8 +115,9 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
     that cross hosts cost the inter-host link. ``cluster`` (an ``autoshard.Cluster``) gives
     the links, FLOP/s and memory instead: its links price every axis where it lies, its
     device's speed the compute term, its memory the budget (unless the option sets one).
-    Only a budget the option sets offers the reduce-scatters of gradients into their update's
-    shards (``build.build_problem``'s ``user_budget``): a cluster's memory keeps the ILP's size.
+    Only a budget the option sets (or the default that weighs memory) offers the
+    reduce-scatters of gradients into their update's shards (``build.build_problem``'s
+    ``scatter_gradients``): a cluster's memory keeps the ILP's size.
 
     ``batch_dims``: value site -> the dim holding the batch's rows; with
     ``force_batch_dim_to_mesh_dim`` that dim of every value follows the forced axis
@@ -217,7 +218,7 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                                                              names),
                                  alpa_costs=option.mesh_alpha is not None
                                  and option.mesh_beta is not None, batch_dims=batch_dims,
-                                 user_budget=user_budget or weigh_memory)
+                                 scatter_gradients=user_budget or weigh_memory)
             if option.force_data_parallel and option.prefer_reduce_scatter and (
                     fixed_in_specs is None):
                 zero_update(prob)   # ZeRO-2: only the update leaves data parallelism

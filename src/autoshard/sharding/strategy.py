@@ -46,16 +46,16 @@ class RuleContext:
     """Names the plan will give the mesh axes (to read users' sharding constraints)."""
     dropped_constraints: set[str] = field(default_factory=set)
     """Users' constraints that name another mesh than the plan's (kept as free identities)."""
-    user_budget: bool = False
-    """The option's ``memory_budget_per_device`` is the user's, not one the planner filled in
-    from a cluster's memory (``build.build_problem``)."""
+    scatter_gradients: bool = False
+    """Weight gradients may be reduce-scattered into their update's shards: under a budget the
+    user gave, or in the default that weighs memory (``build.build_problem``)."""
 
     @property
     def scatter_reductions(self) -> bool:
         """Offer reduce-scatters of contractions and sums beside their all-reduces: with
-        ``prefer_reduce_scatter``, or under a budget the user gave (``build`` then excludes
+        ``prefer_reduce_scatter``, or with ``scatter_gradients`` (``build`` then excludes
         those of activations: ``_scatter_gradients_only``)."""
-        return self.option.prefer_reduce_scatter or self.user_budget
+        return self.option.prefer_reduce_scatter or self.scatter_gradients
 
     def candidates(self, shape) -> list[Spec]:
         found = candidate_specs(tuple(shape), self.mesh_shape)

@@ -88,19 +88,8 @@ def trade_off(ilp, found, make_plan) -> tuple[TradeOffRow, ...]:
     chosen = found[0]
     searched = any(sol.status == LEAST_PEAK for sol in found)   # by expert_choice
     extra = None if searched else least_peak(ilp, chosen)
-    plans = []
-    seen = set()
-    for sol in list(found) + ([extra] if extra is not None else []):
-        key = tuple(sorted(sol.choice.items()))
-        if key in seen:
-            continue
-        seen.add(key)
-        plan = make_plan(sol)   # its objective's peak is memory.peak_bytes of the choice
-        peak = plan.objective.peak_bytes_per_device
-        if plans and ilp.memory_budget is not None and peak > ilp.memory_budget:
-            continue   # over the budget the plan was made under: not a plan
-        plans.append((received_bytes(plan.collectives, plan.mesh_sizes), peak,
-                      sol.objective_s))
+    plans = [row[:3] for row in _costed(
+        list(found) + ([extra] if extra is not None else []), make_plan, ilp.memory_budget)]
     fewest = min(plans, key=lambda p: (p[0], p[1], p[2]))
     smallest = min(plans, key=lambda p: (p[1], p[0], p[2]))
     roles: dict[tuple, list[str]] = {}   # one row per plan, the chosen first
@@ -109,6 +98,25 @@ def trade_off(ilp, found, make_plan) -> tuple[TradeOffRow, ...]:
         roles.setdefault(plan, []).append(role)
     return tuple(TradeOffRow(role=", ".join(r), bytes=p[0], memory=p[1], time_s=p[2])
                  for p, r in roles.items())
+
+
+def _costed(found, make_plan, budget) -> list[tuple]:
+    """(bytes one device receives per step, estimated peak bytes per device, estimated time,
+    solution) of each distinct plan in ``found`` (the first always; a later one over
+    ``budget``, the budget its ILP was made under, is no plan and left out)."""
+    rows, seen = [], set()
+    for sol in found:
+        key = tuple(sorted(sol.choice.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        plan = make_plan(sol)   # its objective's peak is memory.peak_bytes of the choice
+        peak = plan.objective.peak_bytes_per_device or 0
+        if rows and budget is not None and peak > budget:
+            continue
+        rows.append((received_bytes(plan.collectives, plan.mesh_sizes), peak,
+                     sol.objective_s, sol))
+    return rows
 
 
 MAX_SLOWDOWN = 0.5
@@ -123,19 +131,11 @@ def expert_choice(ilp, chosen, make_plan):
     fastest's estimated time. A byte of memory saved is worth a byte more sent each step: an
     expert shards parameters and optimizer state over the data axis (FSDP x TP) when that
     saves more memory than the gathers add traffic, and keeps them whole when it does not."""
-    found = [chosen, *[s for s in chosen.info.get("found", ()) if s is not chosen]]
+    found = [chosen, *chosen.info.get("found", ())]
     extra = least_peak(ilp, chosen)
     if extra is not None:
         found.append(extra)
-    rows, seen = [], set()
-    for sol in found:
-        key = tuple(sorted(sol.choice.items()))
-        if key in seen:
-            continue
-        seen.add(key)
-        plan = make_plan(sol)
-        rows.append((received_bytes(plan.collectives, plan.mesh_sizes),
-                     plan.objective.peak_bytes_per_device or 0, sol.objective_s, sol))
+    rows = _costed(found, make_plan, ilp.memory_budget)
     fastest = min(r[2] for r in rows)
     ok = [r for r in rows if r[2] <= (1 + MAX_SLOWDOWN) * fastest]
     pick = min(ok, key=lambda r: (r[0] + r[1], r[2]))
@@ -238,5 +238,5 @@ def _ratio(a: int, b: int) -> str:
     return f"{a / b:.2f}x" if b else ("1.00x" if a == 0 else "inf")
 
 
-__all__ = ["MAX_SLOWDOWN", "TradeOffRow", "expert_choice", "least_peak", "plan_trade_off", "received_bytes", "table_lines",
-           "trade_off"]
+__all__ = ["MAX_SLOWDOWN", "TradeOffRow", "expert_choice", "least_peak", "plan_trade_off",
+           "received_bytes", "table_lines", "trade_off"]

@@ -1,6 +1,6 @@
 """``sharding.highs.milp``: HiGHS through highspy, checked against ``scipy.optimize.milp`` (the
-same solver's scipy front end) on small problems and on one large enough for the
-interior-point root."""
+same solver's scipy front end) on small problems and on ones large enough for the simplex-first
+path and its interior-point fallback."""
 
 import highspy
 import numpy as np
@@ -12,15 +12,15 @@ from scipy.optimize import milp as scipy_milp
 from autoshard.sharding import highs
 
 
-def _knapsack(n: int, seed: int = 0, items: int = 3):
+def _knapsack(n: int, seed: int = 0, items: int = 3, capacity: float = 1.4):
     """Choose one of ``items`` items per group (rows ``sum x = 1``) under a shared weight
-    row."""
+    row (``capacity`` times a random choice's mean weight)."""
     rng = np.random.default_rng(seed)
     c = rng.uniform(1, 10, items * n)
     pick = sparse.kron(sparse.eye(n), np.ones((1, items))).tocsr()
     weight = rng.uniform(0, 1, (1, items * n))
     cons = [LinearConstraint(pick, 1, 1),
-            LinearConstraint(weight, -np.inf, 1.4 * weight.sum() / items)]
+            LinearConstraint(weight, -np.inf, capacity * weight.sum() / items)]
     return c, cons
 
 
@@ -55,9 +55,8 @@ def test_infeasible_and_limits_use_scipys_codes():
     assert res.mip_node_count <= 1
 
 
-def test_large_problems_solve_their_lp_by_interior_point(monkeypatch):
-    """At ``IPM_MIN_ROWS`` rows the LP (and an ILP's root LP) is solved by the interior-point
-    method, with the same optimum as scipy's (simplex) front end."""
+def _recorded_options(monkeypatch) -> list:
+    """The (name, value) of every HiGHS option set from now on."""
     chosen = []
     real = highspy.Highs.setOptionValue
 
@@ -65,19 +64,77 @@ def test_large_problems_solve_their_lp_by_interior_point(monkeypatch):
         chosen.append((name, value))
         return real(self, name, value)
     monkeypatch.setattr(highspy.Highs, "setOptionValue", record)
+    return chosen
+
+
+def _large_knapsack(integer: bool, weight: bool = True):
+    c, cons = _knapsack(highs.IPM_MIN_ROWS, seed=1, capacity=0.9)
+    if not weight:
+        cons = cons[:1]
+    return dict(c=c, integrality=np.full(len(c), 1 if integer else 0),
+                bounds=(np.zeros(len(c)), np.ones(len(c))), constraints=cons,
+                options={"mip_rel_gap": 1e-6})
+
+
+def _scipy_fun(problem) -> float:
+    res = scipy_milp(problem["c"], integrality=problem["integrality"],
+                     bounds=Bounds(*problem["bounds"]), constraints=problem["constraints"],
+                     options=problem["options"])
+    assert res.status == highs.OPTIMAL
+    return res.fun
+
+
+@pytest.mark.parametrize("integer", [False, True])
+def test_large_problems_try_the_dual_simplex_first(monkeypatch, integer):
+    """At ``IPM_MIN_ROWS`` rows the LP is first solved by the dual simplex within
+    ``SIMPLEX_ITERATIONS_PER_ROW`` iterations per row: an LP is done there; the knapsack's
+    binding weight row leaves its LP fractional, so the ILP then goes the interior-point
+    path (its root LP by the interior-point method, the branch and bound HiGHS's)."""
+    chosen = _recorded_options(monkeypatch)
+    problem = _large_knapsack(integer)
+    ours = highs.milp(**problem)
+    rows = highs.IPM_MIN_ROWS + 1
+    assert chosen[:3] == [("output_flag", False), ("mip_rel_gap", 1e-6),
+                          ("simplex_iteration_limit", highs.SIMPLEX_ITERATIONS_PER_ROW * rows)]
+    runs = sum(1 for name, _ in chosen if name == "output_flag")
+    assert runs == (2 if integer else 1)  # the fractional LP, then the ILP
+    assert (("mip_lp_solver", "ipm") in chosen) == integer
+    assert ("solver", "ipm") not in chosen
+    assert ours.status == highs.OPTIMAL
+    assert ours.fun == pytest.approx(_scipy_fun(problem), rel=1e-5)
+    if integer:
+        assert set(np.round(ours.x, 6)) <= {0.0, 1.0}
+
+
+def test_an_integral_lp_optimum_is_the_ilps(monkeypatch):
+    """Without the weight row the LP's vertex optimum is integral: it is returned as the ILP's
+    optimum with no branch and bound run."""
+    chosen = _recorded_options(monkeypatch)
+    problem = _large_knapsack(integer=True, weight=False)
+    ours = highs.milp(**problem)
+    assert ours.status == highs.OPTIMAL and ours.mip_node_count == 0 and ours.mip_gap == 0.0
+    assert set(np.round(ours.x, 9)) <= {0.0, 1.0}
+    assert ours.fun == pytest.approx(_scipy_fun(problem), rel=1e-9)
+    assert sum(1 for name, _ in chosen if name == "output_flag") == 1  # one HiGHS run
+
+
+@pytest.mark.parametrize("integer,option", [(False, "solver"), (True, "mip_lp_solver")])
+def test_a_stalled_simplex_hands_over_to_interior_point(monkeypatch, integer, option):
+    """A dual simplex that reaches its iteration limit (degenerate LPs: the per-axis ILPs of
+    Table 1's pipeline tasks) leaves the problem to the interior-point method."""
+    monkeypatch.setattr(highs, "SIMPLEX_ITERATIONS_PER_ROW", 0.01)
+    chosen = _recorded_options(monkeypatch)
+    problem = _large_knapsack(integer)
+    ours = highs.milp(**problem)
+    assert ("simplex_iteration_limit", int(0.01 * (highs.IPM_MIN_ROWS + 1))) in chosen
+    assert (option, "ipm") in chosen
+    assert ours.status == highs.OPTIMAL
+    assert ours.fun == pytest.approx(_scipy_fun(problem), rel=1e-5)
+
+
+def test_wide_and_small_problems_stay_on_the_simplex(monkeypatch):
     n = highs.IPM_MIN_ROWS
-    c, cons = _knapsack(n, seed=1)
-    bounds = (np.zeros(len(c)), np.ones(len(c)))
-    for integer, option in ((False, "solver"), (True, "mip_lp_solver")):
-        chosen.clear()
-        integrality = np.full(len(c), 1 if integer else 0)
-        ours = highs.milp(c, integrality=integrality, bounds=bounds, constraints=cons,
-                          options={"mip_rel_gap": 1e-6})
-        theirs = scipy_milp(c, integrality=integrality, bounds=Bounds(*bounds),
-                            constraints=cons, options={"mip_rel_gap": 1e-6})
-        assert (option, "ipm") in chosen
-        assert ours.status == theirs.status == highs.OPTIMAL
-        assert ours.fun == pytest.approx(theirs.fun, rel=1e-5)
+    chosen = _recorded_options(monkeypatch)
     # Few rows, or many columns per row (as the pair-priced ILPs): the simplex; and no
     # presolve where such a problem is large.
     wide = highs.IPM_MAX_COLUMNS_PER_ROW + 1

@@ -22,6 +22,18 @@ and benchmarks were measured with (highspy 1.16 picks other ones, e.g. a pipelin
 residual split over both axes, which kept its backward from running per device over the
 batch axis).
 
+The interior-point method is the fallback, not the first try, for those problems: on most
+sharding ILPs the dual simplex solves the LP in about one iteration per row, 3-4x faster than
+the interior-point method (the families benchmark's 16-layer decoder on a 2x4 mesh: 15,735
+rows, 18,348 columns; root LP 1.4 s against 4.2 s), and the LP is integral, so the ILP is
+solved there. So such a problem's LP is first solved by the dual simplex with at most
+``SIMPLEX_ITERATIONS_PER_ROW`` iterations per row. An integral optimum is the ILP's optimum
+(the LP bounds every plan) and is returned as it is. Otherwise the ILP goes the interior-point
+path as before, with the time left: a simplex that hits its limit (the degenerate per-axis
+ILPs above), and a fractional optimum (ILPs with memory rows: on the test decoder under a
+budget, 9,271 columns, HiGHS's branch and bound from the simplex root restarted without end
+where from the interior-point root it finished in 19 s).
+
 ``milp`` takes ``scipy.optimize.milp``'s arguments and returns what the planner reads of its
 result, with scipy's status codes.
 """
@@ -39,6 +51,11 @@ IPM_MAX_COLUMNS_PER_ROW = 4
 NO_PRESOLVE_MIN_COLUMNS = 100_000
 """Columns from which an LP or ILP wider than ``IPM_MAX_COLUMNS_PER_ROW`` columns per row is
 solved without HiGHS's presolve."""
+SIMPLEX_ITERATIONS_PER_ROW = 3
+"""The dual simplex's first try at an interior-point-sized LP stops after this many
+iterations per row (the decoder's LPs: 0.9-0.95 per row)."""
+INTEGRAL_TOLERANCE = 1e-6
+"""An LP solution whose integer columns are this close to integers is an ILP solution."""
 
 OPTIMAL, STOPPED, INFEASIBLE, UNBOUNDED, OTHER = range(5)
 """``scipy.optimize.milp``'s status codes (the planner's messages read them)."""
@@ -73,8 +90,39 @@ def milp(c, *, integrality, bounds, constraints, options: dict | None = None) ->
     no_presolve = wide and n >= NO_PRESOLVE_MIN_COLUMNS
     if not ipm and not no_presolve:
         return _scipy(c, integrality, bounds, constraints, options)
-    return _highspy(c, integrality, bounds, constraints, options, ipm=ipm,
-                    presolve=options.get("presolve", True) and not no_presolve)
+    model = _Model(c, integrality, bounds, constraints)
+    presolve = options.get("presolve", True) and not no_presolve
+    if not ipm:
+        return model.run(options, ipm=False, presolve=presolve)
+    return _simplex_first(model, options, presolve=presolve)
+
+
+def _simplex_first(model: _Model, options: dict, *, presolve: bool) -> Result:
+    """``model`` solved as the module's docstring says: the LP by the dual simplex within
+    ``SIMPLEX_ITERATIONS_PER_ROW`` iterations per row; then, unless that optimum is integral
+    (or the LP infeasible), the interior-point path."""
+    import time
+    t0 = time.perf_counter()
+    lp = model.run(options, ipm=False, presolve=presolve, relax=True,
+                   iteration_limit=SIMPLEX_ITERATIONS_PER_ROW * model.num_rows)
+    if lp.status == OPTIMAL:
+        if not model.mip:
+            return lp
+        x = lp.x[model.integer]
+        if np.all(np.abs(x - np.round(x)) <= INTEGRAL_TOLERANCE):
+            return Result(x=lp.x, fun=lp.fun, status=OPTIMAL, mip_gap=0.0, mip_node_count=0)
+    if lp.status == INFEASIBLE:  # no ILP solution where the LP has none
+        return lp
+    return model.run(_time_left(options, t0), ipm=True, presolve=presolve)
+
+
+def _time_left(options: dict, t0: float) -> dict:
+    """``options`` with ``time_limit`` less the seconds spent since ``t0``."""
+    import time
+    if "time_limit" not in options:
+        return options
+    spent = time.perf_counter() - t0
+    return dict(options, time_limit=max(float(options["time_limit"]) - spent, 1.0))
 
 
 def _scipy(c, integrality, bounds, constraints, options) -> Result:
@@ -99,62 +147,74 @@ def csr_rows(constraint):
             np.broadcast_to(np.asarray(constraint.ub, dtype=float), n))
 
 
-def _highspy(c, integrality, bounds, constraints, options, *, ipm: bool,
-             presolve: bool) -> Result:
-    """The problem passed to ``highspy`` with the interior-point method (``ipm``) and/or
-    without presolve."""
-    import highspy
-    import scipy.sparse as sp
+class _Model:
+    """A problem in ``milp``'s arguments as a ``highspy.HighsLp``, built once and solved one or
+    more ways (``run``)."""
 
-    n = len(c)
-    lower, upper = (bounds.lb, bounds.ub) if hasattr(bounds, "lb") else bounds
-    blocks, row_lower, row_upper = [], [], []
-    for con in constraints:
-        A, lb, ub = csr_rows(con)
-        blocks.append(A)
-        row_lower.append(lb)
-        row_upper.append(ub)
-    A = (sp.vstack(blocks, format="csr") if blocks else sp.csr_array((0, n)))
-    integer = np.asarray(integrality if integrality is not None else np.zeros(n)) > 0
-    inf = highspy.kHighsInf
+    def __init__(self, c, integrality, bounds, constraints):
+        import highspy
+        import scipy.sparse as sp
 
-    lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = n, A.shape[0]
-    lp.col_cost_ = c
-    lp.col_lower_ = np.clip(np.broadcast_to(np.asarray(lower, dtype=float), n), -inf, inf)
-    lp.col_upper_ = np.clip(np.broadcast_to(np.asarray(upper, dtype=float), n), -inf, inf)
-    lp.row_lower_ = np.clip(np.concatenate(row_lower) if blocks else np.zeros(0), -inf, inf)
-    lp.row_upper_ = np.clip(np.concatenate(row_upper) if blocks else np.zeros(0), -inf, inf)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = A.indptr.astype(np.int32)
-    lp.a_matrix_.index_ = A.indices.astype(np.int32)
-    lp.a_matrix_.value_ = A.data.astype(float)
-    mip = bool(integer.any())
-    if mip:
-        lp.integrality_ = [highspy.HighsVarType.kInteger if i else
-                           highspy.HighsVarType.kContinuous for i in integer]
+        n = len(c)
+        lower, upper = (bounds.lb, bounds.ub) if hasattr(bounds, "lb") else bounds
+        blocks, row_lower, row_upper = [], [], []
+        for con in constraints:
+            A, lb, ub = csr_rows(con)
+            blocks.append(A)
+            row_lower.append(lb)
+            row_upper.append(ub)
+        A = (sp.vstack(blocks, format="csr") if blocks else sp.csr_array((0, n)))
+        self.integer = np.asarray(integrality if integrality is not None else np.zeros(n)) > 0
+        self.mip = bool(self.integer.any())
+        self.num_rows = A.shape[0]
+        inf = highspy.kHighsInf
 
-    h = _new_highs()
-    h.setOptionValue("output_flag", bool(options.get("disp", False)))
-    if "time_limit" in options:
-        h.setOptionValue("time_limit", float(options["time_limit"]))
-    if "node_limit" in options:
-        h.setOptionValue("mip_max_nodes", int(options["node_limit"]))
-    if "mip_rel_gap" in options:
-        h.setOptionValue("mip_rel_gap", float(options["mip_rel_gap"]))
-    if not presolve:
-        h.setOptionValue("presolve", "off")
-    if ipm:
-        h.setOptionValue("mip_lp_solver" if mip else "solver", "ipm")
-    h.passModel(lp)
-    h.run()
-    info = h.getInfo()
-    has_x = info.primal_solution_status == 2  # kSolutionStatusFeasible
-    x = np.asarray(h.getSolution().col_value, dtype=float) if has_x else None
-    return Result(x=x, fun=float(info.objective_function_value) if has_x else None,
-                  status=_status(h.getModelStatus()),
-                  mip_gap=float(info.mip_gap) if mip else None,
-                  mip_node_count=int(info.mip_node_count) if mip else None)
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = n, A.shape[0]
+        lp.col_cost_ = c
+        lp.col_lower_ = np.clip(np.broadcast_to(np.asarray(lower, dtype=float), n), -inf, inf)
+        lp.col_upper_ = np.clip(np.broadcast_to(np.asarray(upper, dtype=float), n), -inf, inf)
+        lp.row_lower_ = np.clip(np.concatenate(row_lower) if blocks else np.zeros(0), -inf, inf)
+        lp.row_upper_ = np.clip(np.concatenate(row_upper) if blocks else np.zeros(0), -inf, inf)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = A.indptr.astype(np.int32)
+        lp.a_matrix_.index_ = A.indices.astype(np.int32)
+        lp.a_matrix_.value_ = A.data.astype(float)
+        self.lp = lp
+
+    def run(self, options: dict, *, ipm: bool, presolve: bool, relax: bool = False,
+            iteration_limit: int | None = None) -> Result:
+        """Solve with HiGHS: by the interior-point method (``ipm``: the LP, or the ILP's root
+        LP) or the dual simplex, with or without ``presolve``; ``relax``: the LP relaxation;
+        ``iteration_limit``: simplex iterations (a stop is ``STOPPED``)."""
+        import highspy
+        mip = self.mip and not relax
+        self.lp.integrality_ = ([highspy.HighsVarType.kInteger if i else
+                                 highspy.HighsVarType.kContinuous for i in self.integer]
+                                if mip else [])
+        h = _new_highs()
+        h.setOptionValue("output_flag", bool(options.get("disp", False)))
+        if "time_limit" in options:
+            h.setOptionValue("time_limit", float(options["time_limit"]))
+        if "node_limit" in options:
+            h.setOptionValue("mip_max_nodes", int(options["node_limit"]))
+        if "mip_rel_gap" in options:
+            h.setOptionValue("mip_rel_gap", float(options["mip_rel_gap"]))
+        if not presolve:
+            h.setOptionValue("presolve", "off")
+        if ipm:
+            h.setOptionValue("mip_lp_solver" if mip else "solver", "ipm")
+        if iteration_limit is not None:
+            h.setOptionValue("simplex_iteration_limit", int(iteration_limit))
+        h.passModel(self.lp)
+        h.run()
+        info = h.getInfo()
+        has_x = info.primal_solution_status == 2  # kSolutionStatusFeasible
+        x = np.asarray(h.getSolution().col_value, dtype=float) if has_x else None
+        return Result(x=x, fun=float(info.objective_function_value) if has_x else None,
+                      status=_status(h.getModelStatus()),
+                      mip_gap=float(info.mip_gap) if mip else None,
+                      mip_node_count=int(info.mip_node_count) if mip else None)
 
 
 _banner_shown = False
@@ -196,5 +256,5 @@ def _status(model_status) -> int:
     return OTHER
 
 
-__all__ = ["IPM_MAX_COLUMNS_PER_ROW", "IPM_MIN_ROWS", "NO_PRESOLVE_MIN_COLUMNS", "Result", "csr_rows",
-           "milp"]
+__all__ = ["INTEGRAL_TOLERANCE", "IPM_MAX_COLUMNS_PER_ROW", "IPM_MIN_ROWS",
+           "NO_PRESOLVE_MIN_COLUMNS", "Result", "SIMPLEX_ITERATIONS_PER_ROW", "csr_rows", "milp"]

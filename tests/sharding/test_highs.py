@@ -156,3 +156,29 @@ def test_unknown_option_is_refused():
     with pytest.raises(ValueError, match=r"\['threads'\].*time_limit, node_limit"):
         highs.milp(c, integrality=np.ones(len(c)), bounds=(np.zeros(9), np.ones(9)),
                    constraints=cons, options={"threads": 2})
+
+
+def test_concurrently_runs_the_calls_side_by_side_and_keeps_their_order(monkeypatch):
+    import threading
+    monkeypatch.setattr(highs, "SOLVER_THREADS", 2)
+    both = threading.Barrier(2, timeout=20)   # passed only when the two run at once
+
+    def call(i):
+        both.wait()
+        return i
+    assert highs.concurrently([lambda: call(1), lambda: call(2)]) == [1, 2]
+
+    def fails():
+        raise ValueError("no plan")
+    with pytest.raises(ValueError, match="no plan"):
+        highs.concurrently([lambda: 3, fails])
+    monkeypatch.setattr(highs, "SOLVER_THREADS", 1)
+    assert highs.concurrently([lambda: 4, lambda: 5]) == [4, 5]
+
+
+def test_concurrently_runs_each_call_in_the_callers_context(monkeypatch):
+    from autoshard.sharding.cost import byte_cost, device_speed, flop_cost
+    monkeypatch.setattr(highs, "SOLVER_THREADS", 2)
+    with device_speed(2.0, 3.0):
+        priced = highs.concurrently([lambda: flop_cost(10.0, 1), lambda: byte_cost(10.0, 2)])
+    assert priced == [20.0, 15.0]

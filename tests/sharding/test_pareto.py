@@ -3,6 +3,7 @@ the chosen plan and of the least-memory and least-bytes plans found."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -152,3 +153,30 @@ def test_a_budget_at_the_least_memory_row_gets_a_plan_within_it():
     budgeted = plan(memory_budget_per_device=smallest.memory)
     assert budgeted.objective.peak_bytes_per_device <= smallest.memory
     assert all(r.memory <= smallest.memory for r in budgeted.objective.trade_off)
+
+
+def test_least_peak_is_searched_from_the_plan_least_memory_returns(case, monkeypatch):
+    """The default solves least_memory's and least_peak's ILPs side by side, least_peak from
+    the fastest plan; where least_memory returns another plan, least_peak searches again from
+    that one (so the plan is the one the two solves one after the other give)."""
+    from autoshard.sharding import pareto, planner
+    searched = []
+    real_peak, real_memory = planner.least_peak, planner.least_memory
+
+    def spy_peak(ilp, first):
+        searched.append(first.objective_s)
+        return real_peak(ilp, first)
+    monkeypatch.setattr(planner, "least_peak", spy_peak)
+    monkeypatch.setattr(pareto, "least_peak", spy_peak)
+    side_by_side = _plan(case)
+    assert len(searched) == 1   # least_memory kept the fastest: the search made beside it
+    assert side_by_side.objective.trade_off == _plan(case).objective.trade_off
+
+    searched.clear()
+
+    def another(ilp, first, tradeoff):   # stands for a plan least_memory took instead
+        kept = real_memory(ilp, first, tradeoff)
+        return dataclasses.replace(kept, objective_s=kept.objective_s * 1.5)
+    monkeypatch.setattr(planner, "least_memory", another)
+    _plan(case)
+    assert len(searched) == 2 and searched[1] == pytest.approx(1.5 * searched[0])

@@ -30,6 +30,7 @@ Contract (as DESIGN.md states one for every method):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 import warnings
@@ -42,6 +43,7 @@ from ..methods._auto import plan_program
 from ..methods._base import ParallelMethod
 from ..methods._mesh import resolve_devices
 from ..methods._methods import ShardParallel
+from ..sharding.highs import concurrently
 from ..sharding.options import AutoShardingOption
 from ..sharding.plan import ShardingPlan
 from ..sharding.planner import Outpriced, mesh_candidates
@@ -413,6 +415,7 @@ def _pipelines(method: AutoParallel, program, cluster: Cluster,
         else:
             layouts[s] = found
     ranked = sorted(layouts, key=lambda s: (layouts[s][3], s))
+    runners, splits = {}, {}
     for rank, s in enumerate(ranked):
         stage_of_layer, placement, mesh, obj = layouts[s]
         manual = ManualStageOption(
@@ -421,30 +424,39 @@ def _pipelines(method: AutoParallel, program, cluster: Cluster,
             submesh_physical_shapes=[phys for _, phys in placement],
             submesh_logical_shapes=[tuple(m) for m in mesh],
             submesh_autosharding_option_dicts=[{} for _ in range(s)])
-        split = "; ".join(
+        splits[s] = "; ".join(
             f"layers {_span(stage_of_layer, t)} on {phys[0]}x{phys[1]} as "
             f"{'x'.join(map(str, m))}" for t, ((_, phys), m) in enumerate(zip(
                 placement, mesh, strict=True)))
         if rank >= method.num_priced:
             out[s] = Candidate(num_stages=s, num_micro_batches=k, step_s=math.inf, memory_bytes=None,
-                               search_s=obj, split=split,
+                               search_s=obj, split=splits[s],
                                dropped=f"not priced in full (num_priced={method.num_priced}: "
                                        "the stage counts of least DP objective are)")
-            continue
-        runner = method.pipeline(manual)
+        else:
+            runners[s] = method.pipeline(manual)
+
+    def price(s):
         try:
-            with warnings.catch_warnings():  # idle-stage warnings: the chosen one's come at run
-                warnings.simplefilter("ignore")
-                est = price_pipeline(runner, program, cluster, cache=pricer.cache)
+            return price_pipeline(runners[s], program, cluster, cache=pricer.cache)
         except ValueError as err:
             if "memory" not in str(err):
                 raise
+            return err
+    # the candidates priced side by side (most of their time is HiGHS's, which releases the
+    # GIL; they share the task-plan cache); idle-stage warnings: the chosen one's come at run
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        priced = concurrently([functools.partial(price, s) for s in runners])
+    for s, est in zip(runners, priced, strict=True):
+        obj = layouts[s][3]
+        if isinstance(est, ValueError):
             out[s] = Candidate(num_stages=s, num_micro_batches=k, step_s=math.inf, memory_bytes=None,
-                               search_s=obj, split=split, dropped=_first_sentence(err))
-            continue
-        out[s] = Candidate(num_stages=s, num_micro_batches=k, step_s=est.step_s,
-                           memory_bytes=est.peak_bytes_per_device, search_s=obj, split=split,
-                           estimate=est, method=runner)
+                               search_s=obj, split=splits[s], dropped=_first_sentence(est))
+        else:
+            out[s] = Candidate(num_stages=s, num_micro_batches=k, step_s=est.step_s,
+                               memory_bytes=est.peak_bytes_per_device, search_s=obj,
+                               split=splits[s], estimate=est, method=runners[s])
     if notes is not None:
         st = pricer.span_stats
         notes.append(

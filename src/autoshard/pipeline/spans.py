@@ -5,8 +5,10 @@ where its memory can decide the search's memory test (``_apply_bytes_bound``).""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
+from ..sharding.highs import concurrently
 from .placement import shape_cluster, submesh_shapes
 from .price import _Pricer
 from .stages import AutoStageOption
@@ -61,14 +63,19 @@ class SpanPricer(_Pricer):
                                     self.method.layer_option.remat)
             bound = sum(_apply_bytes_bound(t) for t in part.apply if t.stage == s)
             without_apply = dataclasses.replace(part, apply=[])
-            for c, shape in enumerate(shapes):
-                if not usable[c]:
+            subs = {c: shape_cluster(self.cluster, shape) for c, shape in enumerate(shapes)
+                    if usable[c]}
+            for c in range(len(shapes)):
+                if c not in subs:
                     measured[(i, j, c)] = (math.inf, math.inf, None)
                     self.span_stats["pruned"] += 1
-                    continue
-                sub = shape_cluster(self.cluster, shape)
+            # the sub-meshes side by side (their plans share no cache entry; most of their
+            # time is HiGHS's, which releases the GIL)
+            found = concurrently([functools.partial(self._measure, without_apply, s, (i, j),
+                                                    sub, overrides, num_layers)
+                                  for sub in subs.values()])
+            for (c, sub), sp in zip(subs.items(), found, strict=True):
                 self.span_stats["planned"] += 1
-                sp = self._measure(without_apply, s, (i, j), sub, overrides, num_layers)
                 measured[(i, j, c)] = sp
                 if sp is not None and limit is not None:
                     pending.append((i, j, c, part, s, sub, sp[1], bound))

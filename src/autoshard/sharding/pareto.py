@@ -124,15 +124,17 @@ MAX_SLOWDOWN = 0.5
 fastest plan found."""
 
 
-def expert_choice(ilp, chosen, make_plan):
+def expert_choice(ilp, chosen, make_plan, least_peak_found: tuple | None = None):
     """The default's plan on the chosen mesh: of the plans found there (``chosen``, the others
     in its ``info["found"]`` and ``least_peak``'s), the one of least collective bytes sent per
     step plus estimated peak bytes per device, among those within ``MAX_SLOWDOWN`` of the
     fastest's estimated time. A byte of memory saved is worth a byte more sent each step: an
     expert shards parameters and optimizer state over the data axis (FSDP x TP) when that
-    saves more memory than the gathers add traffic, and keeps them whole when it does not."""
+    saves more memory than the gathers add traffic, and keeps them whole when it does not.
+    ``least_peak_found``: ``(least_peak(ilp, chosen),)`` where the caller has it."""
     found = [chosen, *chosen.info.get("found", ())]
-    extra = least_peak(ilp, chosen)
+    extra = (least_peak_found[0] if least_peak_found is not None
+             else least_peak(ilp, chosen))
     if extra is not None:
         found.append(extra)
     rows = _costed(found, make_plan, ilp.memory_budget)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -26,11 +27,12 @@ from .build import (
 from .cost import ClusterCosts, CostModel, device_speed, dominated_meshes
 from .flops import eqn_roles, model_flops
 from .graph import Graph, build_graph
+from .highs import concurrently
 from .ilp import build_ilp
 from .least_memory import least_memory
 from .memory import peak_bytes
 from .options import DEFAULT_MEMORY_TRADEOFF, AutoShardingOption
-from .pareto import expert_choice, plan_trade_off
+from .pareto import expert_choice, least_peak, plan_trade_off
 from .partial_sums import fold_partial_sums
 from .plan import ShardingPlan, later
 from .problem import Problem
@@ -250,7 +252,11 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             # the meshes that cannot win; small ones keep the candidate order.
             # (without the memory rows: ordering needs no tighter bound, and the cutoff
             # asks for the full relaxation only where this one does not reach it)
-            bounds = [bounded(shape, lp_bound_s(ilp, memory=False)) for shape, _, ilp in built]
+            # (the LPs run side by side: HiGHS releases the GIL; Table 1's 39.1B row spent a
+            # quarter of its planning in these, one after the other)
+            lps = concurrently([functools.partial(lp_bound_s, ilp, memory=False)
+                                for _, _, ilp in built])
+            bounds = [bounded(shape, b) for (shape, _, _), b in zip(built, lps, strict=True)]
             order = sorted(range(len(built)), key=lambda i: (
                 bounds[i] is None, bounds[i] or 0.0, i))
             built = [built[i] for i in order]
@@ -296,11 +302,10 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
         if best is not None and best_ilp is not None:
             tradeoff = (DEFAULT_MEMORY_TRADEOFF if option.memory_tradeoff is None
                         else option.memory_tradeoff)
-            best = best[:2] + (least_memory(best_ilp, best[2], tradeoff),)
-            if weigh_memory:
-                names = _axis_names(axis_names, best[0])
-                best = best[:2] + (expert_choice(best_ilp, best[2], lambda sol: make_plan(
-                    best[1], sol, names, dp_objective=None)),)
+            names = _axis_names(axis_names, best[0])
+            best = best[:2] + (_memory_choice(
+                best_ilp, best[2], tradeoff, weigh_memory,
+                lambda sol: make_plan(best[1], sol, names, dp_objective=None)),)
         if best is None:
             if outpriced:
                 raise Outpriced(cutoff_s, {m: pruned[m] for m in outpriced}, errors)
@@ -315,6 +320,23 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             plan = dataclasses.replace(plan, objective=dataclasses.replace(
                 plan.objective, _trade_off=rows))
     return plan if cluster is None else dataclasses.replace(plan, cluster=cluster.describe())
+
+
+def _memory_choice(ilp, fastest: Solution, tradeoff: float, weigh_memory: bool,
+                   make) -> Solution:
+    """The plan taken on the chosen mesh from its fastest: ``least_memory``'s (the time rule)
+    or, where the default weighs memory, ``pareto.expert_choice`` among the fastest,
+    least_memory's and ``least_peak``'s plans (``make``: a solution's plan).
+
+    ``least_peak`` searches from the plan ``least_memory`` returns, most often the fastest:
+    the two solve side by side, from the fastest, and ``least_peak`` again only where
+    ``least_memory`` took another plan (the same plans as one after the other)."""
+    if not weigh_memory:
+        return least_memory(ilp, fastest, tradeoff)
+    kept, peak = concurrently([functools.partial(least_memory, ilp, fastest, tradeoff),
+                               functools.partial(least_peak, ilp, fastest)])
+    same = kept.choice == fastest.choice and kept.objective_s == fastest.objective_s
+    return expert_choice(ilp, kept, make, least_peak_found=(peak,) if same else None)
 
 
 def _fixed_specs(fixed_in_specs, closed_jaxpr, names):

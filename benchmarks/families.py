@@ -84,7 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--append-sweep", action="store_true",
                    help="run only the sweep (--sweep-layers) and add its rows to --out's "
-                        "families.json (replacing rows of the same layer count); rewrite the report")
+                        "families.json (replacing rows of the same layer count); the report "
+                        "regenerated from it goes to families_generated.md")
     p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.no_sweep:
@@ -505,8 +506,11 @@ def append_sweep(args, devices, t_start) -> int:
     result["total_s"] += time.perf_counter() - t_start
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    write_markdown(result, os.path.join(args.out, "families.md"))
-    print(f"added sweep rows {layers} to {path} and rewrote families.md")
+    # families.md holds the sessions' written sections above the generated report: the
+    # regenerated report goes beside it
+    write_markdown(result, os.path.join(args.out, "families_generated.md"))
+    print(f"added sweep rows {layers} to {path}; the report regenerated from it: "
+          "families_generated.md (families.md, written by hand around the runs, is kept)")
     return 0
 
 

@@ -95,7 +95,8 @@ def test_large_problems_try_the_dual_simplex_first(monkeypatch, integer):
     ours = highs.milp(**problem)
     rows = highs.IPM_MIN_ROWS + 1
     assert chosen[:3] == [("output_flag", False), ("mip_rel_gap", 1e-6),
-                          ("simplex_iteration_limit", highs.SIMPLEX_ITERATIONS_PER_ROW * rows)]
+                          ("simplex_iteration_limit",
+                           int(highs.SIMPLEX_ITERATIONS_PER_ROW * rows))]
     runs = sum(1 for name, _ in chosen if name == "output_flag")
     assert runs == (2 if integer else 1)  # the fractional LP, then the ILP
     assert (("mip_lp_solver", "ipm") in chosen) == integer

@@ -7,9 +7,9 @@ negative-cost overlap columns) are degenerate for the dual simplex HiGHS starts 
 backward task of Table 1's 76.1B model on a (4, 16, 8) sub-mesh (22,011 columns, 15,200
 rows) did not finish its root LP in 600 s, where the interior-point method solves it in 11 s
 and the whole ILP in 26 s. So LPs of ``IPM_MIN_ROWS`` rows or more and at most
-``IPM_MAX_COLUMNS_PER_ROW`` columns per row are solved by the interior-point method
-(``solver``), and the root LP of such ILPs too (``mip_lp_solver``); the branch and bound after
-the root stays HiGHS's own. The ILPs that price resharding pair by pair (a transportation
+``IPM_MAX_COLUMNS_PER_ROW`` columns per row that the dual simplex does not solve at a first
+try (below) are solved by the interior-point method (``solver``), and the root LP of such
+ILPs too (``mip_lp_solver``); the branch and bound after the root stays HiGHS's own. The ILPs that price resharding pair by pair (a transportation
 problem per edge: 36 columns per row on the 76.1B model's pipeline tasks, 640,000-730,000
 columns) stay with the dual simplex, which solves their LPs in 6-9 s where the interior-point
 method took 52-91 s; HiGHS's presolve removes 0.2% of their columns and was half the time of
@@ -48,7 +48,8 @@ from dataclasses import dataclass
 import numpy as np
 
 IPM_MIN_ROWS = 5_000
-"""Rows from which an LP (and an ILP's root LP) is solved by the interior-point method..."""
+"""Rows from which an LP (and an ILP's root LP) that the simplex's first try does not solve
+is solved by the interior-point method..."""
 IPM_MAX_COLUMNS_PER_ROW = 4
 """...where it has at most this many columns per row (per-axis terms: 1.4; pairs: 36)."""
 NO_PRESOLVE_MIN_COLUMNS = 100_000

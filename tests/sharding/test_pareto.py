@@ -180,3 +180,26 @@ def test_least_peak_is_searched_from_the_plan_least_memory_returns(case, monkeyp
     monkeypatch.setattr(planner, "least_memory", another)
     _plan(case)
     assert len(searched) == 2 and searched[1] == pytest.approx(1.5 * searched[0])
+
+
+def test_each_plan_found_is_made_once(case, monkeypatch):
+    """make_plan runs once per distinct plan found on the chosen mesh: the default's choice
+    costs each (``pareto._costed``), and the picked plan (``planner._finish``) and explain()'s
+    trade-off table reuse them. The plan equals one made afresh from the same solution."""
+    from autoshard.sharding import assemble, planner
+    made = []
+
+    def counting(prob, sol, names, *, dp_objective):
+        made.append(tuple(sorted(sol.choice.items())))
+        return assemble.make_plan(prob, sol, names, dp_objective=dp_objective)
+    monkeypatch.setattr(planner, "make_plan", counting)
+    plan = _plan(case)
+    rows = plan.objective.trade_off   # explain()'s table: its plans are not made again
+    assert len(rows) >= 2
+    assert len(made) == len(set(made)), "a plan was made twice"
+    monkeypatch.undo()
+    fresh = _plan(case)
+    assert (plan.intermediates, plan.operand_specs, plan.collectives, plan.inputs) == (
+        fresh.intermediates, fresh.operand_specs, fresh.collectives, fresh.inputs)
+    assert plan.objective.data_parallel_s == fresh.objective.data_parallel_s
+    assert plan.objective.solver_status == fresh.objective.solver_status

@@ -299,24 +299,22 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             if best is None or sol.objective_s < best[2].objective_s * (1 - 1e-9) - 1e-15:
                 best, best_ilp = (shape, prob, sol), ilp
         bar.close()
-        if best is not None and best_ilp is not None:
-            tradeoff = (DEFAULT_MEMORY_TRADEOFF if option.memory_tradeoff is None
-                        else option.memory_tradeoff)
-            names = _axis_names(axis_names, best[0])
-            best = best[:2] + (_memory_choice(
-                best_ilp, best[2], tradeoff, weigh_memory,
-                lambda sol: make_plan(best[1], sol, names, dp_objective=None)),)
         if best is None:
             if outpriced:
                 raise Outpriced(cutoff_s, {m: pruned[m] for m in outpriced}, errors)
             if not errors:
                 raise _state_too_large(pruned, option.memory_budget_per_device, graph)
             raise _no_plan_error(errors, options[0], graph)
-        plan = _finish(best, tried, pruned, option, batch_invars, axis_names, graph,
+        plans = _Plans(best[1], _axis_names(axis_names, best[0]))
+        if best_ilp is not None:
+            tradeoff = (DEFAULT_MEMORY_TRADEOFF if option.memory_tradeoff is None
+                        else option.memory_tradeoff)
+            best = best[:2] + (_memory_choice(best_ilp, best[2], tradeoff, weigh_memory,
+                                              plans),)
+        plan = _finish(best, tried, pruned, option, batch_invars, graph, plans,
                        compare_data_parallel)
         if "found" in best[2].info:   # explain()'s trade-off table (sharding/pareto.py)
-            rows = later(plan_trade_off, plan, best_ilp, best[2], lambda sol: make_plan(
-                best[1], sol, plan.axis_names, dp_objective=None))
+            rows = later(plan_trade_off, plan, best_ilp, best[2], plans)
             plan = dataclasses.replace(plan, objective=dataclasses.replace(
                 plan.objective, _trade_off=rows))
     return plan if cluster is None else dataclasses.replace(plan, cluster=cluster.describe())
@@ -360,14 +358,33 @@ def _fixed_specs(fixed_in_specs, closed_jaxpr, names):
     return out
 
 
-def _finish(best, tried, pruned, option, batch_invars, axis_names, graph,
+class _Plans:
+    """``make_plan`` of one mesh's solutions, each choice made once: the default's choice
+    (``pareto.expert_choice``), ``_finish`` and explain()'s trade-off table read the same
+    plans. ``plans(sol, dp)`` is ``make_plan(prob, sol, names, dp_objective=dp)``."""
+
+    def __init__(self, prob: Problem, names: tuple[str, ...]):
+        self.prob, self.names = prob, names
+        self._made: dict[tuple, ShardingPlan] = {}
+
+    def __call__(self, sol: Solution, dp_objective=None) -> ShardingPlan:
+        key = tuple(sorted(sol.choice.items()))
+        plan = self._made.get(key)
+        if plan is None:
+            plan = self._made[key] = make_plan(self.prob, sol, self.names, dp_objective=None)
+        if dp_objective is None and plan.objective.solver_status == sol.status:
+            return plan
+        return dataclasses.replace(plan, objective=dataclasses.replace(
+            plan.objective, _data_parallel_s=dp_objective, solver_status=sol.status))
+
+
+def _finish(best, tried, pruned, option, batch_invars, graph, plans: _Plans,
             compare_data_parallel: bool = True) -> ShardingPlan:
     shape, prob, sol = best
-    names = _axis_names(axis_names, shape)
     dp = (None if not compare_data_parallel
           else best[2].objective_s if option.force_data_parallel or not graph.nodes
           else later(_data_parallel_objective, prob, batch_invars, option))
-    plan = make_plan(prob, sol, names, dp_objective=dp)
+    plan = plans(sol, dp)
     alpa = None
     if option.mesh_alpha is not None and option.mesh_beta is not None:
         alpa = alpa_objective(plan, option.mesh_alpha, option.mesh_beta,

@@ -76,6 +76,10 @@ def parse_args(argv=None):
                    help="comma-separated AxB meshes the budget plan is planned on (fixed "
                         "logical_mesh_shape; the first is the judged autoshard_budget row, "
                         "the others autoshard_budget_AxB); empty: the planner's mesh search")
+    p.add_argument("--default-meshes", default="",
+                   help="comma-separated meshes (8, AxB) the default plan is also planned on "
+                        "with that fixed logical_mesh_shape, one autoshard_<mesh> row each "
+                        "(the memory estimate judged on every mesh)")
     p.add_argument("--devices16", action=argparse.BooleanOptionalAction, default=True,
                    help="also the decoder on 16 devices (a child process)")
     p.add_argument("--sweep-layers", default="4,8,16,32",
@@ -269,6 +273,10 @@ def run_model(name: str, args, devices) -> list[dict]:
     budget = min(r["compiled_memory"] for r in two_d) if two_d else None
     if wanted is None or "autoshard" in wanted:
         done(measure_autoshard(case, "autoshard", None, devices, args.steps))
+    for mesh in (m for m in args.default_meshes.split(",") if m):
+        mesh_shape = tuple(int(x) for x in mesh.split("x"))
+        done(measure_autoshard(case, f"autoshard_{mesh}", None, devices, args.steps,
+                               mesh_shape=mesh_shape))
     if (wanted is None or "autoshard_budget" in wanted) and budget is not None:
         meshes = [tuple(int(x) for x in m.split("x")) for m in args.budget_mesh.split(",") if m]
         for i, mesh_shape in enumerate(meshes or [None]):
@@ -401,9 +409,8 @@ def targets(records: list[dict], sweep_rows: list[dict]) -> list[dict]:
         elif budget is not None:
             row("budget plan: compiled memory <= 1.02x budget", where, None, 1.02,
                 "no plan: " + budget["error"][:200])
-        for p in AUTOSHARD_PLANS:
-            r = plans.get(p)
-            if r is not None and r.get("predicted_memory"):
+        for p, r in plans.items():   # autoshard, autoshard_budget and their per-mesh rows
+            if p.startswith(AUTOSHARD_PLANS) and r.get("predicted_memory"):
                 ratio = r["compiled_memory"] / r["predicted_memory"]
                 row(f"{p}: memory estimate within 1.10x", where, max(ratio, 1 / ratio), 1.10,
                     f"compiled/predicted {ratio:.3f}")

@@ -80,3 +80,22 @@ def test_expert_plan_shards_and_matches_jit(case, reference, plan):
     assert measured["counts_by_kind"]["all-gather"] > 0   # FSDP gathers parameters at use
     assert measured["compiled_memory"] > measured["argument_bytes"] > 0
     assert jax.tree.leaves(state.params)[0].sharding.mesh.devices.shape == mesh_shape
+
+
+def test_every_autoshard_row_has_its_memory_estimate_judged():
+    # --default-meshes adds autoshard_<mesh> rows: each is judged against the 1.10x band,
+    # either way (compiled over or under the estimate), beside the default's own row.
+    def rec(plan, compiled, predicted=None, kind="autoshard"):
+        return {"model": "m", "num_devices": 8, "plan": plan, "kind": kind,
+                "compiled_memory": compiled, "predicted_memory": predicted,
+                "collective_bytes": 100}
+    records = [rec("2d_2x4", 100, kind="expert"), rec("autoshard", 95, 100),
+               rec("autoshard_8", 120, 100), rec("autoshard_4x2", 80, 100)]
+    rows = {r["target"]: r for r in families.targets(records, [])
+            if "memory estimate" in r["target"]}
+    assert set(rows) == {f"{p}: memory estimate within 1.10x"
+                         for p in ("autoshard", "autoshard_8", "autoshard_4x2")}
+    assert rows["autoshard: memory estimate within 1.10x"]["met"]
+    assert not rows["autoshard_8: memory estimate within 1.10x"]["met"]       # 1.20x over
+    assert not rows["autoshard_4x2: memory estimate within 1.10x"]["met"]     # 1.25x under
+    assert families.parse_args(["--default-meshes", "8,4x2"]).default_meshes == "8,4x2"

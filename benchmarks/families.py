@@ -242,6 +242,11 @@ def measure_autoshard(case, name, budget, devices, steps, mesh_shape=None) -> di
     return rec
 
 
+def mesh_shapes(text: str) -> list[tuple[int, ...]]:
+    """``"8,2x4"`` -> ``[(8,), (2, 4)]`` (--budget-mesh, --default-meshes)."""
+    return [tuple(int(x) for x in m.split("x")) for m in text.split(",") if m]
+
+
 def run_model(name: str, args, devices) -> list[dict]:
     import numpy as np
 
@@ -273,12 +278,11 @@ def run_model(name: str, args, devices) -> list[dict]:
     budget = min(r["compiled_memory"] for r in two_d) if two_d else None
     if wanted is None or "autoshard" in wanted:
         done(measure_autoshard(case, "autoshard", None, devices, args.steps))
-    for mesh in (m for m in args.default_meshes.split(",") if m):
-        mesh_shape = tuple(int(x) for x in mesh.split("x"))
-        done(measure_autoshard(case, f"autoshard_{mesh}", None, devices, args.steps,
-                               mesh_shape=mesh_shape))
+    for mesh_shape in mesh_shapes(args.default_meshes):
+        done(measure_autoshard(case, f"autoshard_{'x'.join(map(str, mesh_shape))}", None,
+                               devices, args.steps, mesh_shape=mesh_shape))
     if (wanted is None or "autoshard_budget" in wanted) and budget is not None:
-        meshes = [tuple(int(x) for x in m.split("x")) for m in args.budget_mesh.split(",") if m]
+        meshes = mesh_shapes(args.budget_mesh)
         for i, mesh_shape in enumerate(meshes or [None]):
             plan = ("autoshard_budget" if i == 0
                     else f"autoshard_budget_{'x'.join(map(str, mesh_shape))}")

@@ -311,7 +311,7 @@ def sweep(layers: list[int], devices) -> list[dict]:
     rows = []
     for num_layers in layers:
         case = fm.make_case("llama", "default", layers=num_layers)
-        state = jax.eval_shape(case.init_state)
+        state = case.state_shapes()
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), case.batch)
         times = []
         for _ in range(2):

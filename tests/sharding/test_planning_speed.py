@@ -28,7 +28,7 @@ def case():
 
 
 def _plan(case):
-    state = jax.eval_shape(case.init_state)
+    state = case.state_shapes()
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), case.batch)
     opt = autoshard.AutoShardingOption(show_progress=False, logical_mesh_shape=(2, 4))
     return autoshard.plan(case.step, state, batch,

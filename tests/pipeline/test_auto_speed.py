@@ -64,6 +64,29 @@ def test_spans_are_planned_once_per_distinct_layer_and_usable_sub_mesh(counted):
     assert "apply tasks planned: 0 of 15" in est.explain()
 
 
+def test_every_span_and_sub_mesh_is_planned_side_by_side(monkeypatch):
+    """The stage search hands every (span, sub-mesh) pair to one ``concurrently`` call
+    (5 layers x sub-meshes of 1, 2 and 4 devices), repeated blocks after the distinct
+    layers, then the apply tasks (none here) to a second: before, one call per span left a
+    single solve running for most of Table 1's 76.1B stage search."""
+    batches = []
+    real = spans.concurrently
+
+    def concurrently(calls):
+        batches.append([(c.args[2], c.args[3].num_devices) for c in calls])
+        return real(calls)
+    monkeypatch.setattr(spans, "concurrently", concurrently)
+    autoshard.plan(step, *shapes(), cluster=CLUSTER, method=method(), batch_argnums=(2, 3))
+    first, apply = batches
+    assert len(first) == 15
+    assert sorted(first) == sorted(((x, x + 1), n) for x in range(NUM_BLOCKS + 2)
+                                   for n in (1, 2, 4))
+    # the first block's spans before the repeated blocks' (blocks are layers 1-3)
+    assert [span for span, _ in first[9:]] == [(2, 3)] * 3 + [(3, 4)] * 3
+    assert {span for span, _ in first[:9]} == {(0, 1), (1, 2), (4, 5)}
+    assert apply == []
+
+
 class _Traced(Exception):
     pass
 

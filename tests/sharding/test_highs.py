@@ -183,3 +183,57 @@ def test_concurrently_runs_each_call_in_the_callers_context(monkeypatch):
     with device_speed(2.0, 3.0):
         priced = highs.concurrently([lambda: flop_cost(10.0, 1), lambda: byte_cost(10.0, 2)])
     assert priced == [20.0, 15.0]
+
+
+def test_once_computes_a_key_one_time_while_other_threads_wait_for_it(monkeypatch):
+    import threading
+    import time
+    monkeypatch.setattr(highs, "SOLVER_THREADS", 2)
+    cache, calls = {}, []
+    started = threading.Event()
+
+    def compute():
+        calls.append(1)
+        started.set()
+        time.sleep(0.2)   # the second thread asks while this one computes
+        return "plan"
+
+    def first():
+        return highs.once(cache, "task", compute)
+
+    def second():
+        started.wait(20)
+        return highs.once(cache, "task", compute)
+    assert highs.concurrently([first, second]) == ["plan", "plan"]
+    assert len(calls) == 1 and cache == {"task": "plan"}
+    assert highs.once(cache, "task", compute) == "plan" and len(calls) == 1
+
+
+def test_once_hands_an_error_to_the_waiting_thread_and_keeps_nothing(monkeypatch):
+    import threading
+    import time
+    monkeypatch.setattr(highs, "SOLVER_THREADS", 2)
+    cache, calls = {}, []
+    started = threading.Event()
+
+    def compute():
+        calls.append(1)
+        started.set()
+        time.sleep(0.2)
+        raise ValueError("no plan within the memory")
+
+    def waiter():
+        started.wait(20)
+        try:
+            highs.once(cache, "task", compute)
+        except ValueError as err:
+            return str(err)
+
+    def owner():
+        try:
+            highs.once(cache, "task", compute)
+        except ValueError as err:
+            return str(err)
+    assert highs.concurrently([owner, waiter]) == ["no plan within the memory"] * 2
+    assert len(calls) == 1 and cache == {}
+    assert highs.once(cache, "task", lambda: "planned") == "planned"   # computed again

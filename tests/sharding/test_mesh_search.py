@@ -146,6 +146,30 @@ def test_a_cutoff_above_the_best_plan_changes_nothing_and_below_it_raises_outpri
     assert all(">= cutoff" in why for why in caught.value.reasons.values())
 
 
+def test_a_mesh_its_cheap_bound_rules_out_gets_no_ilp_built(monkeypatch):
+    """Under a cutoff, a mesh whose cheapest-strategy bound (``lower_bound_s``) reaches it is
+    ruled out before its ILP is built (Table 1's whole-mesh candidates: building the ILPs
+    was most of that candidate's planning); the others are built and solved, as before. (The
+    two meshes of this step have equal bounds: they are set here, 1 s and 3 s.)"""
+    built = []
+    real_build = planner.build_ilp
+
+    def build(prob, **kw):
+        built.append(tuple(prob.ctx.mesh_shape))
+        return real_build(prob, **kw)
+    monkeypatch.setattr(planner, "lower_bound_s",
+                        lambda prob: 1.0 if tuple(prob.ctx.mesh_shape) == (8,) else 3.0)
+    monkeypatch.setattr(planner, "build_ilp", build)
+    plan = _plan_under(2.0)
+    assert built == [(8,)] and tuple(plan.mesh_shape) == (8,)
+    built.clear()
+    with pytest.raises(planner.Outpriced) as caught:
+        _plan_under(0.5)
+    assert built == []
+    assert sorted(caught.value.reasons) == [(2, 4), (8,)]
+    assert all(why.startswith("cost lower bound") for why in caught.value.reasons.values())
+
+
 def test_a_mesh_whose_lp_relaxation_ran_out_of_time_is_not_solved_again(monkeypatch):
     """An LP relaxation stopped by ``solver_time_limit_s`` (3-D meshes of a 48-layer step on
     512 GPUs: 131 s for the LP alone) means the branch and bound, which starts from it, finds

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import jax
 
 from ..cluster import GIB, Cluster
+from ..sharding.highs import once
 from ..sharding.options import AutoShardingOption
 from ..sharding.plan import ShardingPlan
 from . import balance
@@ -217,13 +218,10 @@ class _Pricer:
         fixed_in = None if fixed is None else list(fixed) + [None] * extra
         key = (str(closed), tuple(batch), tuple(aliases), sub, repr(option), repr(fixed_in),
                axis_names)
-        if key in self.cache:
-            return self.cache[key]
-        plan = plan_task(closed, task.name, num_devices=sub.num_devices, option=option,
-                         batch=batch, aliases=aliases, fixed=fixed_in, cluster=sub,
-                         axis_names=axis_names, notes=self.notes, compare_data_parallel=False)
-        self.cache[key] = plan
-        return plan
+        return once(self.cache, key, lambda: plan_task(
+            closed, task.name, num_devices=sub.num_devices, option=option, batch=batch,
+            aliases=aliases, fixed=fixed_in, cluster=sub, axis_names=axis_names,
+            notes=self.notes, compare_data_parallel=False))
 
     def option(self, shape, overrides) -> AutoShardingOption:
         """The planner options of a stage on a sub-mesh of logical ``shape``, as the runtime
@@ -446,17 +444,17 @@ class _Pricer:
         sub-meshes of 16, 32 and 64 hosts: 466 s). ``with_apply``: the layer's partition
         keeps its apply tasks (the forward then also outputs what they read)."""
         key = ("submesh mesh", num_layers, sub, repr(overrides), with_apply)
-        if key in self.cache:
-            return self.cache[key]
-        part, s = self._representative(num_layers, with_apply)[0]
-        try:
-            mesh = tuple(self.plan_task(part, part.forward[s], sub, None, overrides).mesh_shape)
-        except ValueError as err:
-            if "memory" not in str(err):
-                raise
-            mesh = None
-        self.cache[key] = mesh
-        return mesh
+
+        def search():
+            part, s = self._representative(num_layers, with_apply)[0]
+            try:
+                return tuple(self.plan_task(part, part.forward[s], sub, None,
+                                            overrides).mesh_shape)
+            except ValueError as err:
+                if "memory" not in str(err):
+                    raise
+                return None
+        return once(self.cache, key, search)
 
     def plan_stage_on(self, part, s, sub, overrides, shape=None) -> _StagePlans:
         """Times of stage ``s``'s F and B planned on ``sub`` (on the logical mesh ``shape``;

@@ -24,7 +24,13 @@ class SpanPricer(_Pricer):
       ``composition`` mode) the span of every layer, are never a stage of 2 or more: not
       planned (``inf``);
     * identical spans (the same F, B and apply jaxprs: repeated layers) are planned once:
-      ``plan_task``'s cache, keyed by the task's jaxpr, its inputs' roles and the sub-mesh;
+      ``plan_task``'s cache, keyed by the task's jaxpr, its inputs' roles and the sub-mesh
+      (``highs.once``: a span planned side by side with an identical one waits for its plans);
+    * every (span, sub-mesh) pair is planned side by side (``highs.concurrently``), and then
+      every apply task that is planned (below), repeated spans after the others. One span at a
+      time (its sub-meshes side by side, the apply tasks one by one), Table 1's 76.1B row ran
+      a single HiGHS solve for most of its stage search: 490 s of planning where this takes
+      356 s (the same choice; one run each, quiet machine);
     * a span's apply (optimizer) tasks are planned only where their memory can decide the
       DP's memory test (``cost``: the span's peak against the limit). Their peak is at most
       ``_apply_bytes_bound`` (every value of the task replicated, live at once, plus a
@@ -52,7 +58,7 @@ class SpanPricer(_Pricer):
         overrides = {"memory_budget_per_device": budget} if budget is not None else {}
         usable = [n <= self.cluster.num_devices - min(sizes) for n in sizes]
         measured: dict = {}
-        pending = []  # (i, j, c, part, s, sub, F/B peak, apply bound)
+        jobs = []  # ((i, j, c), part, s, sub, apply bound): the spans to plan
         for i, j in spans:
             if j - i == num_layers and num_layers > 1:
                 for c in range(len(shapes)):
@@ -62,35 +68,42 @@ class SpanPricer(_Pricer):
             part, s = self.cut.span(i, j, self.program.batch_invars,
                                     self.method.layer_option.remat)
             bound = sum(_apply_bytes_bound(t) for t in part.apply if t.stage == s)
-            without_apply = dataclasses.replace(part, apply=[])
-            subs = {c: shape_cluster(self.cluster, shape) for c, shape in enumerate(shapes)
-                    if usable[c]}
-            for c in range(len(shapes)):
-                if c not in subs:
+            for c, shape in enumerate(shapes):
+                if usable[c]:
+                    jobs.append(((i, j, c), part, s, shape_cluster(self.cluster, shape), bound))
+                else:
                     measured[(i, j, c)] = (math.inf, math.inf, None)
                     self.span_stats["pruned"] += 1
-            # the sub-meshes side by side (their plans share no cache entry; most of their
-            # time is HiGHS's, which releases the GIL)
-            found = concurrently([functools.partial(self._measure, without_apply, s, (i, j),
-                                                    sub, overrides, num_layers)
-                                  for sub in subs.values()])
-            for (c, sub), sp in zip(subs.items(), found, strict=True):
-                self.span_stats["planned"] += 1
-                measured[(i, j, c)] = sp
-                if sp is not None and limit is not None:
-                    pending.append((i, j, c, part, s, sub, sp[1], bound))
+        # Every span on every sub-mesh side by side (most of their time is HiGHS's, which
+        # releases the GIL), repeated spans last: their tasks are the first one's, which they
+        # wait for (``once``) rather than plan again.
+        jobs = _repeats_last(jobs, with_apply=False)
+        found = concurrently([functools.partial(
+            self._measure, dataclasses.replace(part, apply=[]), s, (i, j), sub, overrides,
+            num_layers) for (i, j, c), part, s, sub, _ in jobs])
+        pending = []  # the jobs whose apply tasks can decide a memory test, F/B peak each
+        for job, sp in zip(jobs, found, strict=True):
+            self.span_stats["planned"] += 1
+            measured[job[0]] = sp
+            if sp is not None and limit is not None:
+                pending.append((job, sp[1]))
         # the apply tasks where their memory could decide a memory test
         by_choice: dict = {}
-        for entry in pending:
-            by_choice.setdefault(entry[2] if individual else entry[:3], []).append(entry)
+        for job, peak in pending:
+            by_choice.setdefault(job[0][2] if individual else job[0], []).append((job, peak))
+        again = []
         for group in by_choice.values():
-            if sum(peak + bound for *_, peak, bound in group) <= limit:
+            if sum(peak + job[4] for job, peak in group) <= limit:
                 self.span_stats["apply_skipped"] += len(group)
-                continue
-            for i, j, c, part, s, sub, _, _ in group:
-                self.span_stats["apply_planned"] += 1
-                measured[(i, j, c)] = self._measure(part, s, (i, j), sub, overrides,
-                                                    num_layers)
+            else:
+                again += [job for job, _ in group]
+        again = _repeats_last(sorted(again, key=lambda job: job[0]), with_apply=True)
+        found = concurrently([functools.partial(self._measure, part, s, (i, j), sub,
+                                                overrides, num_layers)
+                              for (i, j, c), part, s, sub, _ in again])
+        for job, sp in zip(again, found, strict=True):
+            self.span_stats["apply_planned"] += 1
+            measured[job[0]] = sp
         for k, v in measured.items():
             if v is None:
                 measured[k] = (math.inf, math.inf, None)
@@ -108,6 +121,29 @@ class SpanPricer(_Pricer):
             return None
         return (sum(v for kd, v in sp.times.items() if kd != "apply"), sp.peak_bytes,
                 sp.mesh_shape)
+
+
+def _repeats_last(jobs: list, with_apply: bool) -> list:
+    """``jobs`` (``((i, j, c), part, stage, ...)``) with each span whose stage has the same
+    F and B (and, ``with_apply``, apply) equations as an earlier job's span on the same
+    sub-mesh (a repeated layer) moved after the others, in order. An ordering only: ``once``
+    shares their plans whatever the order."""
+    seen, first, repeats = set(), [], []
+    for job in jobs:
+        (_, _, c), part, s = job[:3]
+        kind = (c, _span_shape(part, s, with_apply))
+        (repeats if kind in seen else first).append(job)
+        seen.add(kind)
+    return first + repeats
+
+
+def _span_shape(part, s, with_apply: bool) -> tuple:
+    """Stage ``s``'s F and B (and apply) equations of ``part`` as (primitive, operand types,
+    result types): equal for repeated layers, whatever their variables are named."""
+    tasks = [part.forward[s]] + ([part.backward[s]] if part.has_backward else []) + (
+        [t for t in part.apply if t.stage == s] if with_apply else [])
+    return tuple((e.primitive.name, tuple(str(v.aval) for v in e.invars),
+                  tuple(str(v.aval) for v in e.outvars)) for t in tasks for e in t.eqns)
 
 
 def _apply_bytes_bound(task) -> int:

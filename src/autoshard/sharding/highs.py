@@ -240,6 +240,52 @@ def concurrently(calls: Sequence[Callable[[], object]]) -> list:
         return list(pool.map(lambda ctx, call: ctx.run(call), contexts, calls))
 
 
+class _Pending:
+    """A value ``once`` is computing: the threads that ask for it wait for ``done``."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.value = self.error = None
+
+
+_once_lock = threading.Lock()
+_MISSING = object()
+
+
+def once(cache: dict, key, compute: Callable[[], object]):
+    """``cache[key]``, computed by ``compute()`` where it is missing; a thread that asks for a
+    key another thread is computing waits for that value (or its exception) instead of
+    computing it again, so work run ``concurrently`` shares what identical calls plan. An
+    exception is not kept: a later call computes again. Every reader of a key ``once``
+    writes must read it through ``once`` (it holds a marker while computing)."""
+    with _once_lock:
+        hit = cache.get(key, _MISSING)
+        if hit is _MISSING:
+            mine = cache[key] = _Pending()
+        elif isinstance(hit, _Pending):
+            mine = None
+        else:
+            return hit
+    if mine is None:
+        hit.done.wait()
+        if hit.error is not None:
+            raise hit.error
+        return hit.value
+    try:
+        value = compute()
+    except BaseException as err:
+        with _once_lock:
+            del cache[key]
+        mine.error = err
+        mine.done.set()
+        raise
+    with _once_lock:
+        cache[key] = value
+    mine.value = value
+    mine.done.set()
+    return value
+
+
 _banner_shown = False
 _banner_lock = threading.Lock()
 
@@ -282,4 +328,4 @@ def _status(model_status) -> int:
 
 __all__ = ["INTEGRAL_TOLERANCE", "IPM_MAX_COLUMNS_PER_ROW", "IPM_MIN_ROWS",
            "NO_PRESOLVE_MIN_COLUMNS", "Result", "SIMPLEX_ITERATIONS_PER_ROW", "SOLVER_THREADS",
-           "concurrently", "csr_rows", "milp"]
+           "concurrently", "csr_rows", "milp", "once"]

@@ -208,6 +208,12 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                    disable={None: None, True: False, False: True}[option.show_progress],
                    leave=False)
         built = []  # (shape, problem, ILP or None for an empty program)
+        known = mesh_bounds if mesh_bounds is not None else {}  # filled for the caller
+
+        def bounded(shape, bound):
+            if bound is not None:
+                known[shape] = max(known.get(shape, bound), bound)
+            return bound
         for shape, shape_option in bar:
             if shape in pruned:
                 continue
@@ -227,25 +233,18 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             fold_partial_sums(prob)   # sums of partial sums reduced once (tied embeddings)
             prob.notes.append(
                 f"{tie_repeated(prob, batch_invars)} variables tied to identical ones")
-            built.append((shape, prob, build_ilp(
-                prob, time_limit_s=option.solver_time_limit_s,
-                memory_budget=shape_option.memory_budget_per_device,
-                node_limit=option.solver_node_limit,
-                mip_gap=option.solver_mip_gap) if graph.nodes else None))
-        known = mesh_bounds if mesh_bounds is not None else {}  # filled for the caller
-
-        def bounded(shape, bound):
-            if bound is not None:
-                known[shape] = max(known.get(shape, bound), bound)
-            return bound
-        if cutoff_s is not None:  # the cheap bound first: no LP for a mesh it rules out
-            for shape, prob, _ in list(built):
+            if cutoff_s is not None:  # the cheap bound first: no ILP for a mesh it rules out
                 bound = bounded(shape, lower_bound_s(prob))
                 if bound >= cutoff_s:
                     pruned[shape] = (f"cost lower bound {bound * 1e3:.4f} ms >= cutoff "
                                      f"{cutoff_s * 1e3:.4f} ms")
                     outpriced.append(shape)
-            built = [b for b in built if b[0] not in outpriced]
+                    continue
+            built.append((shape, prob, build_ilp(
+                prob, time_limit_s=option.solver_time_limit_s,
+                memory_budget=shape_option.memory_budget_per_device,
+                node_limit=option.solver_node_limit,
+                mip_gap=option.solver_mip_gap) if graph.nodes else None))
         if len(built) > 1 and all(ilp is not None and ilp.total >= solver.CUTOFF_MIN_COLUMNS
                                   for _, _, ilp in built):
             # Large ILPs are solved best-first (lowest LP bound first), so the cutoff skips

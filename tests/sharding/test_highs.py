@@ -185,55 +185,44 @@ def test_concurrently_runs_each_call_in_the_callers_context(monkeypatch):
     assert priced == [20.0, 15.0]
 
 
-def test_once_computes_a_key_one_time_while_other_threads_wait_for_it(monkeypatch):
+def _owner_and_waiter(cache, result):
+    """What two threads got asking ``once`` for one key, the second while the first computes
+    it (``result``: a value, or an exception to raise); a ValueError as its message. And the
+    number of times it was computed."""
     import threading
     import time
-    monkeypatch.setattr(highs, "SOLVER_THREADS", 2)
-    cache, calls = {}, []
-    started = threading.Event()
+    started, calls = threading.Event(), []
 
     def compute():
         calls.append(1)
         started.set()
         time.sleep(0.2)   # the second thread asks while this one computes
-        return "plan"
+        if isinstance(result, Exception):
+            raise result
+        return result
 
-    def first():
-        return highs.once(cache, "task", compute)
+    def ask(wait):
+        if wait:
+            started.wait(20)
+        try:
+            return highs.once(cache, "task", compute)
+        except ValueError as err:
+            return str(err)
+    return highs.concurrently([lambda: ask(False), lambda: ask(True)]), len(calls)
 
-    def second():
-        started.wait(20)
-        return highs.once(cache, "task", compute)
-    assert highs.concurrently([first, second]) == ["plan", "plan"]
-    assert len(calls) == 1 and cache == {"task": "plan"}
-    assert highs.once(cache, "task", compute) == "plan" and len(calls) == 1
+
+def test_once_computes_a_key_one_time_while_other_threads_wait_for_it(monkeypatch):
+    monkeypatch.setattr(highs, "SOLVER_THREADS", 2)
+    cache = {}
+    assert _owner_and_waiter(cache, "plan") == (["plan", "plan"], 1)
+    assert cache == {"task": "plan"}
+    assert highs.once(cache, "task", lambda: "again") == "plan"
 
 
 def test_once_hands_an_error_to_the_waiting_thread_and_keeps_nothing(monkeypatch):
-    import threading
-    import time
     monkeypatch.setattr(highs, "SOLVER_THREADS", 2)
-    cache, calls = {}, []
-    started = threading.Event()
-
-    def compute():
-        calls.append(1)
-        started.set()
-        time.sleep(0.2)
-        raise ValueError("no plan within the memory")
-
-    def waiter():
-        started.wait(20)
-        try:
-            highs.once(cache, "task", compute)
-        except ValueError as err:
-            return str(err)
-
-    def owner():
-        try:
-            highs.once(cache, "task", compute)
-        except ValueError as err:
-            return str(err)
-    assert highs.concurrently([owner, waiter]) == ["no plan within the memory"] * 2
-    assert len(calls) == 1 and cache == {}
+    cache = {}
+    got = _owner_and_waiter(cache, ValueError("no plan within the memory"))
+    assert got == (["no plan within the memory"] * 2, 1)
+    assert cache == {}
     assert highs.once(cache, "task", lambda: "planned") == "planned"   # computed again

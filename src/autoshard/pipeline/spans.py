@@ -29,8 +29,9 @@ class SpanPricer(_Pricer):
     * every (span, sub-mesh) pair is planned side by side (``highs.concurrently``), and then
       every apply task that is planned (below), repeated spans after the others. One span at a
       time (its sub-meshes side by side, the apply tasks one by one), Table 1's 76.1B row ran
-      a single HiGHS solve for most of its stage search: 490 s of planning where this takes
-      356 s (the same choice; one run each, quiet machine);
+      a single HiGHS solve for most of its stage search: its planning used 1.31-1.32 CPU
+      seconds per second over three runs, side by side 1.45-1.47 (wall 366-490 s before,
+      356-431 s after, the same choice: the machine's speed varied by a third that day);
     * a span's apply (optimizer) tasks are planned only where their memory can decide the
       DP's memory test (``cost``: the span's peak against the limit). Their peak is at most
       ``_apply_bytes_bound`` (every value of the task replicated, live at once, plus a

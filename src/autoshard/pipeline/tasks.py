@@ -38,6 +38,7 @@ from ..cluster import Cluster
 from ..ir._walk import all_eqns
 from ..sharding import plan_auto
 from ..sharding.cost import CostModel
+from ..sharding.highs import once
 from ..sharding.options import AutoShardingOption
 from ..sharding.plan import Collective, ShardingPlan, spec_axes
 from ..sharding.spec import axis_place
@@ -437,11 +438,7 @@ def _decide(kind, t: Task, part: Partition, target: Target, option, arriving, *,
 
 
 def _cached(cache: dict, key, planned):
-    def get():
-        if key not in cache:
-            cache[key] = planned()
-        return cache[key]
-    return get
+    return lambda: once(cache, key, planned)
 
 
 def _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving, plan, plan_in,

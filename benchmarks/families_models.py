@@ -394,8 +394,11 @@ class Case:
     def _new_state(self) -> TrainState:
         small = jax.tree.map(lambda x: x[:1], self.batch)
         params = jax.jit(self.module.init)(jax.random.key(0), *self.inputs(small))
+        if "tx" not in self._state:   # one optimizer per case: states of one case share
+            # their pytree metadata, so shardings built from one apply to the other
+            self._state["tx"] = optax.adamw(1e-3, weight_decay=0.01)
         return TrainState.create(apply_fn=self.module.apply, params=params,
-                                 tx=optax.adamw(1e-3, weight_decay=0.01))
+                                 tx=self._state["tx"])
 
     def loss(self, params, batch):
         out = self.module.apply(params, *self.inputs(batch))

@@ -99,3 +99,15 @@ def test_every_autoshard_row_has_its_memory_estimate_judged():
     assert not rows["autoshard_8: memory estimate within 1.10x"]["met"]       # 1.20x over
     assert not rows["autoshard_4x2: memory estimate within 1.10x"]["met"]     # 1.25x under
     assert families.parse_args(["--default-meshes", "8,4x2"]).default_meshes == "8,4x2"
+
+
+def test_the_sweeps_shapes_take_the_expert_plans_shardings(case):
+    """The layer sweep plans on ``state_shapes()`` and lowers the expert's step, whose shardings
+    are built from ``init_state()``: the two share their pytree (the optimizer among its
+    metadata), or ``jit(...).lower`` refuses the shardings (the sweep broke at 4da7e29)."""
+    mesh = families.make_mesh((2, 4), jax.devices())
+    jitted, _, _ = families.expert_step(case, mesh, fsdp=True)
+    shapes = case.state_shapes()
+    assert jax.tree.structure(shapes) == jax.tree.structure(case.init_state())
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), case.batch)
+    assert jitted.lower(shapes, batch) is not None

@@ -185,10 +185,70 @@ def test_a_mesh_whose_lp_relaxation_ran_out_of_time_is_not_solved_again(monkeypa
         return None
     monkeypatch.setattr(solver, "CUTOFF_MIN_COLUMNS", 0)
     monkeypatch.setattr(solver, "lp_bound_s", stopped)
-    monkeypatch.setattr(planner, "lp_bound_s", stopped)
     calls = []
     real = highs.milp
     monkeypatch.setattr(highs, "milp", lambda *a, **k: calls.append(1) or real(*a, **k))
     with pytest.warns(RuntimeWarning, match=r"no plan found yet: greedy fallback"):
         plan = _plan_under(1e9)
     assert calls == [] and plan.objective.solver_status.startswith("solver limit: no incumbent")
+
+
+def _built_ilps():
+    """The sharding ILPs the planner builds for this file's step, by mesh."""
+    built = {}
+    real = planner.build_ilp
+
+    def keep(prob, **kw):
+        ilp = built[tuple(prob.ctx.mesh_shape)] = real(prob, **kw)
+        return ilp
+    planner.build_ilp = keep
+    try:
+        _plan_under(None)
+    finally:
+        planner.build_ilp = real
+    return built
+
+
+@pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)])
+def test_the_blocks_bound_is_the_lp_relaxation_in_one_block_and_below_it_in_more(
+        mesh_shape, monkeypatch):
+    """``solver.block_bound_s`` drops the rows joining blocks of variables and solves each
+    block's LP: in one block that is the LP relaxation itself, in more a lower bound of it
+    (rows dropped only widen the LP)."""
+    from autoshard.sharding import solver
+    ilp = _built_ilps()[mesh_shape]
+    ilp.lp = ilp.lp_core = None
+    relaxation = solver.lp_bound_s(ilp, memory=False)
+    bounds = {}
+    for blocks in (1, 2, 4, 64):
+        monkeypatch.setattr(solver, "BLOCKS", blocks)
+        ilp.lp_blocks = None
+        bounds[blocks] = solver.block_bound_s(ilp)
+    assert bounds[1] == pytest.approx(relaxation, rel=1e-6)
+    assert all(0.0 <= bounds[b] <= relaxation * (1 + 1e-6) for b in (2, 4, 64)), bounds
+    assert bounds[64] < relaxation   # this step's cost is partly in the rows between blocks
+
+
+def test_a_mesh_its_blocks_bound_rules_out_gets_no_lp_relaxation(monkeypatch):
+    """Under a cutoff, a large ILP whose blocks' bound reaches the cutoff is ruled out without
+    its LP relaxation (Table 1's whole-mesh 3-D meshes: relaxations that did not finish in
+    their time share, blocks' bounds in under a second). Here the thresholds are lowered to
+    this small step and the cheap bound set to 0, so the blocks decide."""
+    from autoshard.sharding import solver
+    monkeypatch.setattr(solver, "CUTOFF_MIN_COLUMNS", 0)
+    monkeypatch.setattr(solver, "BLOCK_BOUND_MIN_COLUMNS", 0)
+    monkeypatch.setattr(planner, "lower_bound_s", lambda prob: 0.0)
+    relaxed = []
+    real = solver._relaxed
+    monkeypatch.setattr(solver, "_relaxed", lambda *a: relaxed.append(1) or real(*a))
+    blocks = min(solver.block_bound_s(ilp) for ilp in _built_ilps().values())
+    relaxed.clear()
+    with pytest.raises(planner.Outpriced) as caught:
+        _plan_under(blocks * 0.999)
+    assert relaxed == []
+    assert sorted(caught.value.reasons) == [(2, 4), (8,)]
+    assert all("split into blocks" in why for why in caught.value.reasons.values())
+    # Above the blocks' bound the relaxation is solved as before, and the same plan found.
+    assert _plan_under(None).objective.total_s == pytest.approx(
+        _plan_under(1e9).objective.total_s, rel=1e-9)
+    assert relaxed

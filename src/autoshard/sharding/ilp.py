@@ -97,6 +97,8 @@ class Ilp:
     solution), once computed."""
     lp_core: tuple | None = None
     """The same for the LP relaxation without the memory rows (``solver.lp_bound_s``)."""
+    lp_blocks: tuple | None = None
+    """(``solver.block_bound_s``'s bound in seconds or None,), once computed."""
     copies: tuple[CopyBounds, int] | None = None
     """Under a budget: the copy columns' bounds and their first column (memory.CopyBounds)."""
 

@@ -37,7 +37,7 @@ from .partial_sums import fold_partial_sums
 from .plan import ShardingPlan, later
 from .problem import Problem
 from .repeats import tie_repeated
-from .solver import Solution, build_and_solve, lp_bound_s, solve_ilp
+from .solver import Solution, build_and_solve, cutoff_bound_s, solve_ilp
 from .spec import candidate_specs, from_partition_spec, shards
 from .strategy import itemsize
 from .zero_update import zero_update
@@ -253,7 +253,9 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             # asks for the full relaxation only where this one does not reach it)
             # (the LPs run side by side: HiGHS releases the GIL; Table 1's 39.1B row spent a
             # quarter of its planning in these, one after the other)
-            lps = concurrently([functools.partial(lp_bound_s, ilp, memory=False)
+            # (under a cutoff, large ILPs first try the bound of their blocks, a second
+            # where Table 1's 3-D meshes' relaxations stalled for their whole time share)
+            lps = concurrently([functools.partial(cutoff_bound_s, ilp, cutoff_s)
                                 for _, _, ilp in built])
             bounds = [bounded(shape, b) for (shape, _, _), b in zip(built, lps, strict=True)]
             order = sorted(range(len(built)), key=lambda i: (

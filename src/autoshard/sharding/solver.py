@@ -179,16 +179,20 @@ def _block_bound(ilp: Ilp, num_blocks: int) -> float | None:
         return None
     total = float(c[free & (c < 0)] @ upper[free & (c < 0)]
                   + c[free & (c > 0)] @ lower[free & (c > 0)])
-    options = {k: v for k, v in ilp.options.items() if k in ("time_limit", "disp")}
+    options = {k: v for k, v in ilp.options.items() if k == "disp"}
+    limit, t0 = ilp.options.get("time_limit", np.inf), time.perf_counter()
     for b in range(num_blocks):
         bcols = np.flatnonzero(block == b)
         if not len(bcols):
             continue
         brows = np.flatnonzero(row_block == b)
+        left = limit - (time.perf_counter() - t0)   # the blocks share the ILP's time limit
+        if left <= 0:
+            return None
         res = milp(c[bcols], integrality=np.zeros(len(bcols)),
                    bounds=(lower[bcols], upper[bcols]),
                    constraints=[LinearConstraint(A[brows][:, bcols], lb[brows], ub[brows])],
-                   options=options)
+                   options=dict(options, **({"time_limit": left} if np.isfinite(left) else {})))
         if res.fun is None or res.status != OPTIMAL:
             return None
         total += float(res.fun)

@@ -152,11 +152,7 @@ def _block_bound(ilp: Ilp, num_blocks: int) -> float | None:
     strategy = block[cols] >= 0
     # A row whose strategy columns lie in one block belongs to it; its other (edge) columns
     # go to the block of the first such row that reads them.
-    lo = np.full(A.shape[0], num_blocks)
-    hi = np.full(A.shape[0], -1)
-    np.minimum.at(lo, rows[strategy], block[cols[strategy]])
-    np.maximum.at(hi, rows[strategy], block[cols[strategy]])
-    row_block = np.where(lo == hi, lo, -1)
+    row_block = _one_block(A.shape[0], rows[strategy], block[cols[strategy]])
     first = np.full(ilp.total, A.shape[0])
     edge = ~strategy & (row_block[rows] >= 0)
     np.minimum.at(first, cols[edge], rows[edge])
@@ -164,14 +160,9 @@ def _block_bound(ilp: Ilp, num_blocks: int) -> float | None:
     block[assigned & (block < 0)] = row_block[first[assigned & (block < 0)]]
     # Rows of edge columns only take the block their columns agree on; a row reading a
     # column of another block is dropped.
-    lo[:] = num_blocks
-    hi[:] = -1
     known = block[cols] >= 0
-    np.minimum.at(lo, rows[known], block[cols[known]])
-    np.maximum.at(hi, rows[known], block[cols[known]])
-    unknown = np.zeros(A.shape[0], dtype=bool)
-    np.logical_or.at(unknown, rows[~known], True)
-    row_block = np.where((lo == hi) & ~unknown, lo, -1)
+    row_block = _one_block(A.shape[0], rows[known], block[cols[known]])
+    row_block[rows[~known]] = -1
     free = block < 0
     c = ilp.c * OBJECTIVE_SCALE
     if np.any(free & (c < 0) & ~np.isfinite(upper)) or np.any(
@@ -197,6 +188,16 @@ def _block_bound(ilp: Ilp, num_blocks: int) -> float | None:
             return None
         total += float(res.fun)
     return total / OBJECTIVE_SCALE
+
+
+def _one_block(num_rows: int, rows: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """Per row, the one block of ``blocks`` its entries (``rows``) name, or -1 where they name
+    none or several."""
+    lo = np.full(num_rows, np.iinfo(np.int64).max)
+    hi = np.full(num_rows, -1)
+    np.minimum.at(lo, rows, blocks)
+    np.maximum.at(hi, rows, blocks)
+    return np.where(lo == hi, lo, -1)
 
 
 def _memory_heavy(ilp: Ilp) -> bool:

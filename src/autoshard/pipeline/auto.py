@@ -405,8 +405,9 @@ def _pipelines(method: AutoParallel, program, cluster: Cluster,
     pricer = SpanPricer(search, program, cut, cluster)
     k = program.num_micro_batches
     layouts, out = {}, {}
+    every = pricer.stage_layouts(option, cut.num_layers, k, range(2, top + 1))
     for s in range(2, top + 1):
-        found = pricer.stage_layout(option, cut.num_layers, k, num_stages=s)
+        found = every[s]
         if found is None:
             out[s] = Candidate(num_stages=s, num_micro_batches=k, step_s=math.inf, memory_bytes=None,
                                dropped="no layout: every cut into this many stages has a "

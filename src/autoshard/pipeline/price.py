@@ -70,7 +70,7 @@ from .placement import (
 from .reduce import reduce_seconds
 from .schedules import get_schedule, traits
 from .simulate import simulate
-from .stages import AutoStageOption, stage_dp
+from .stages import AutoStageOption, cost_table, stage_dp_counts
 from .taskfn import task_fn
 from .tasks import FIXES, Target, plan_task, plan_tasks, task_costs, task_signature
 from .zero import forward_backward_option
@@ -322,6 +322,12 @@ class _Pricer:
         """The stage DP on planned stage times (each candidate planned once per pricer):
         (stage of each layer, placement, logical mesh shape per stage, DP objective in
         seconds), or None when no layout (of ``num_stages`` stages, when given) fits."""
+        return self.stage_layouts(option, num_layers, k, (num_stages,))[num_stages]
+
+    def stage_layouts(self, option: AutoStageOption, num_layers: int, k: int,
+                      counts) -> dict:
+        """``stage_layout`` for each number of stages in ``counts`` (None: any number), from
+        one DP (``stages.stage_dp_counts``)."""
         shapes = submesh_shapes(option, self.cluster)
         sizes = [math.prod(s) for s in shapes]
         individual = option.layer_profile_mode == "individual"
@@ -343,18 +349,23 @@ class _Pricer:
         def placeable(n, first):  # inside one host, or whole hosts (sub_cluster_of)
             return (n <= dph and first // dph == (first + n - 1) // dph
                     or n % dph == 0 and first % dph == 0)
-        obj, stages = stage_dp(num_layers, self.cluster.num_devices, sizes, cost, k,
-                               num_stages=num_stages, placeable=placeable)
-        if not stages:
-            return None
-        stage_of_layer = [s for s, (i, j, _) in enumerate(stages) for _ in range(i, j)]
-        placement, first, mesh = [], 0, []
-        for i, j, c in stages:
-            _, phys = self.sub_cluster(first, sizes[c])
-            placement.append(((first, sizes[c]), phys))
-            mesh.append(parts(i, j, c)[0][2])
-            first += sizes[c]
-        return stage_of_layer, placement, mesh, obj
+        found = stage_dp_counts(cost_table(num_layers, len(sizes), cost), sizes,
+                                self.cluster.num_devices, k, counts=tuple(counts),
+                                placeable=placeable)
+        out = {}
+        for count, (obj, stages) in found.items():
+            if not stages:
+                out[count] = None
+                continue
+            stage_of_layer = [s for s, (i, j, _) in enumerate(stages) for _ in range(i, j)]
+            placement, first, mesh = [], 0, []
+            for i, j, c in stages:
+                _, phys = self.sub_cluster(first, sizes[c])
+                placement.append(((first, sizes[c]), phys))
+                mesh.append(parts(i, j, c)[0][2])
+                first += sizes[c]
+            out[count] = (stage_of_layer, placement, mesh, obj)
+        return out
 
     def measure_spans(self, option: AutoStageOption, num_layers: int) -> dict:
         """(i, j, sub-mesh choice) -> (F + B seconds, peak bytes, logical mesh shape) of

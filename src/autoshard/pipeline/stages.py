@@ -181,13 +181,20 @@ def stage_dp(num_layers: int, num_devices: int, sizes: Sequence[int],
         assert num_stages is None and placeable is None, "searched without cut costs only"
         return _stage_dp_cuts(num_layers, num_devices, sizes, cost, num_micro_batches,
                               boundary)
-    table = np.full((num_layers, num_layers + 1, len(sizes)), math.inf)
+    return stage_dp_table(cost_table(num_layers, len(sizes), cost), sizes, num_devices,
+                          num_micro_batches, num_stages=num_stages, placeable=placeable)
+
+
+def cost_table(num_layers: int, num_choices: int,
+               cost: Callable[[int, int, int], float]) -> np.ndarray:
+    """``cost(i, j, k)`` for every span ``[i, j)`` and sub-mesh choice: ``stage_dp_table``'s
+    array (``inf`` where ``j <= i``)."""
+    table = np.full((num_layers, num_layers + 1, num_choices), math.inf)
     for i in range(num_layers):
         for j in range(i + 1, num_layers + 1):
-            for k in range(len(sizes)):
+            for k in range(num_choices):
                 table[i, j, k] = cost(i, j, k)
-    return stage_dp_table(table, sizes, num_devices, num_micro_batches,
-                          num_stages=num_stages, placeable=placeable)
+    return table
 
 
 def stage_dp_table(cost: np.ndarray, sizes: Sequence[int], num_devices: int,
@@ -210,9 +217,33 @@ def stage_dp_table(cost: np.ndarray, sizes: Sequence[int], num_devices: int,
     (stages take consecutive devices in order; None: anywhere).
     Returns the objective and the stages ``(i, j, k)`` (``(inf, [])`` when none fits).
     """
+    return stage_dp_counts(cost, sizes, num_devices, num_micro_batches, max_following,
+                           counts=(num_stages,), placeable=placeable)[num_stages]
+
+
+def stage_dp_counts(cost: np.ndarray, sizes: Sequence[int], num_devices: int,
+                    num_micro_batches: int, max_following: np.ndarray | None = None,
+                    counts: Sequence[int | None] = (None,),
+                    placeable: Callable[[int, int], bool] | None = None) -> dict:
+    """``stage_dp_table`` for several stage counts at once: ``counts`` -> (objective, stages)
+    (None: any number of stages). One pass of the DP per candidate maximum stage time serves
+    every count (``AutoParallel`` asks for each count from 2 to the number of layers: one DP
+    each took minutes on Table 1's 529.6B row). A first pass at the largest candidate finds
+    the counts no cut reaches, which then sweep no candidates.
+    """
     cost = np.asarray(cost, dtype=np.float64)
     num_layers = cost.shape[0]
     assert cost.shape == (num_layers, num_layers + 1, len(sizes)), cost.shape
+    # Devices counted in units of the sizes' greatest common divisor (every count the DP
+    # reaches is a multiple of it: exact). Table 1's 529.6B row on 2,520 GPUs with 35 layers
+    # otherwise swept 2,521 device counts per layer and candidate time, for minutes.
+    unit = math.gcd(num_devices, *(int(n) for n in sizes if n <= num_devices))
+    if unit > 1:
+        outer = placeable
+        sizes = [n // unit if n <= num_devices else num_devices // unit + 1 for n in sizes]
+        num_devices //= unit
+        placeable = (None if outer is None else
+                     lambda n, first: outer(n * unit, first * unit))
     big_s = num_layers  # at most one stage per layer
     groups = sorted(set(int(n) for n in sizes if n <= num_devices))
     members = [np.array([k for k, n in enumerate(sizes) if n == g]) for g in groups]
@@ -221,10 +252,12 @@ def stage_dp_table(cost: np.ndarray, sizes: Sequence[int], num_devices: int,
     allowed = (np.full(cost.shape + (big_s,), True) if max_following is None else
                np.asarray(max_following)[..., None] >= following)
     candidates = np.unique(cost[np.isfinite(cost)])
-    best: tuple[float, list] = (math.inf, [])
-    for tmax in candidates:
-        if num_micro_batches * tmax >= best[0]:
-            break
+    # whether a stage of each group's size may start num_devices - d devices in
+    ok = {n: (None if placeable is None else
+              np.array([placeable(n, num_devices - d) for d in range(n, num_devices + 1)]))
+          for n in groups}
+
+    def one_pass(tmax):
         masked = np.where(cost <= tmax, cost, math.inf)[..., None]
         masked = np.where(allowed, masked, math.inf)  # (i, j, k, following)
         # per size group: the cheapest choice and which one it is
@@ -240,28 +273,44 @@ def stage_dp_table(cost: np.ndarray, sizes: Sequence[int], num_devices: int,
                 cand = f[i + 1:, :num_devices + 1 - n, :big_s] + t[i, i + 1:, None, :]
                 j = cand.argmin(axis=0)
                 val = np.take_along_axis(cand, j[None], axis=0)[0]
-                if placeable is not None:  # the stage starts at device num_devices - d
-                    ok = np.array([placeable(n, num_devices - d)
-                                   for d in range(n, num_devices + 1)])
-                    val = np.where(ok[:, None], val, math.inf)
+                if ok[n] is not None:  # the stage starts at device num_devices - d
+                    val = np.where(ok[n][:, None], val, math.inf)
                 cur = f[i, n:, 1:]
                 better = val < cur
                 f[i, n:, 1:] = np.where(better, val, cur)
                 k = which[i, i + 1:][j, np.arange(big_s)[None, :]]
                 arg[i, n:, 1:, 0] = np.where(better, j + i + 1, arg[i, n:, 1:, 0])
                 arg[i, n:, 1:, 1] = np.where(better, k, arg[i, n:, 1:, 1])
-        s = int(f[0, num_devices].argmin()) if num_stages is None else num_stages
+        return f, arg
+
+    def stages_of(f, arg, count):
+        s = int(f[0, num_devices].argmin()) if count is None else count
         if s > big_s or not np.isfinite(f[0, num_devices, s]):
-            continue
+            return None
         stages, i, d = [], 0, num_devices
         while i < num_layers:
             j, k = (int(x) for x in arg[i, d, s])
             stages.append((i, j, k))
             i, d, s = j, d - int(sizes[k]), s - 1
-        times = [float(cost[st]) for st in stages]
-        obj = sum(times) + (num_micro_batches - 1) * max(times)
-        if obj < best[0]:
-            best = (obj, stages)
+        return stages
+
+    best: dict = {c: (math.inf, []) for c in counts}
+    live = set(best)
+    if len(candidates):
+        f, arg = one_pass(candidates[-1])
+        live = {c for c in live if stages_of(f, arg, c) is not None}
+    for tmax in candidates:
+        if all(num_micro_batches * tmax >= best[c][0] for c in live):
+            break
+        f, arg = one_pass(tmax)
+        for c in live:
+            stages = stages_of(f, arg, c)
+            if stages is None:
+                continue
+            times = [float(cost[st]) for st in stages]
+            obj = sum(times) + (num_micro_batches - 1) * max(times)
+            if obj < best[c][0]:
+                best[c] = (obj, stages)
     return best
 
 
@@ -278,6 +327,9 @@ def _stage_times(stages, cost, boundary):
 
 def _stage_dp_cuts(num_layers, num_devices, sizes, cost, num_micro_batches, boundary):
     """``stage_dp`` where a stage's time depends on the next stage's sub-mesh (its cut)."""
+    unit = math.gcd(num_devices, *(int(n) for n in sizes if n <= num_devices))
+    sizes = [n // unit if n <= num_devices else num_devices // unit + 1 for n in sizes]
+    num_devices //= unit   # in units of the sizes' divisor, as stage_dp_table
     big_l, kk = num_layers, range(len(sizes))
     table = {(i, j, k): cost(i, j, k) for i in range(big_l)
              for j in range(i + 1, big_l + 1) for k in kk}
@@ -351,5 +403,5 @@ def stage_exhaustive(num_layers, num_devices, sizes, cost, num_micro_batches, bo
 
 
 __all__ = ["AutoStageOption", "ManualStageOption", "StageOption", "UniformStageOption",
-           "cut_seconds", "logical_choices", "stage_dp", "stage_dp_table", "stage_exhaustive",
+           "cost_table", "cut_seconds", "logical_choices", "stage_dp", "stage_dp_counts", "stage_dp_table", "stage_exhaustive",
            "divisors", "submesh_choices"]

@@ -598,13 +598,30 @@ def micro_batch_counts(batch: int, searched: int) -> list[int]:
     return sorted({at_least(first * 3**i) for i in range(searched)})
 
 
-def run_auto(name: str, pipeline_layers: int = PIPELINE_LAYERS, searched: int = 1,
-             host_parts: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
+AUTO_ROW_SEARCH = {
+    "529.6B": {"pipeline_layers": 35, "micro_batch_counts": (56, 280), "host_parts": (7, 21, 35)},
+}
+"""Rows whose search space is not the default one (8 pipeline layers, 16 micro-batches or the
+next count dividing the batch, sub-meshes of hosts / 1, 2, 4, 8). 529.6B's 315 hosts are
+3^2 x 5 x 7 and its hidden size 20480 = 2^12 x 5: a data axis of 3, 7 or 9 hosts shards no
+weight and, with 18 micro-batches (140 sequences), no batch either, and sub-meshes of
+315 / 1, 3, 5, 7 hosts make at most 7 stages of 15 layers; the planner's own error asks for
+10 or more stages (session 21: no plan in 515 s). So: 35 pipeline layers of 3 transformer
+layers, sub-meshes of 45, 15 and 9 hosts, and micro-batches of 45 and 9 sequences (56 and
+280), which divide over those hosts' data axes. AutoParallel chooses among them."""
+
+
+def run_auto(name: str, pipeline_layers: int | None = None, searched: int = 1,
+             host_parts: tuple[int, ...] | None = None) -> dict:
     """The row planned by ``AutoParallel``: the whole-mesh plan and pipelines of 2 or more
     stages (sub-meshes of all the hosts / ``host_parts``: whole hosts; layer times planned
-    per pipeline layer; ``searched`` micro-batch counts), the fastest that fits chosen."""
+    per pipeline layer; ``searched`` micro-batch counts), the fastest that fits chosen.
+    Unset arguments take the row's ``AUTO_ROW_SEARCH`` entry, else the defaults."""
     hidden, heads, layers, gpus, batch, split, paper_tflops = AUTO_ROWS[name]
-    counts = micro_batch_counts(batch, searched)
+    custom = AUTO_ROW_SEARCH.get(name, {})
+    pipeline_layers = pipeline_layers or custom.get("pipeline_layers", PIPELINE_LAYERS)
+    host_parts = host_parts or custom.get("host_parts", (1, 2, 4, 8))
+    counts = list(custom.get("micro_batch_counts", ())) or micro_batch_counts(batch, searched)
     k = counts[0]
     group = -(-layers // pipeline_layers)
     hosts = gpus // 8
@@ -615,7 +632,7 @@ def run_auto(name: str, pipeline_layers: int = PIPELINE_LAYERS, searched: int = 
     step = make_step(False, layers_per_boundary=group)
     args = abstract_args(hidden, heads, layers, batch, scan=False)
     parts = [d for d in host_parts if hosts % d == 0]
-    if len(parts) == 1:  # an odd host count (529.6B: 315): its divisors up to 8 (1, 3, 5, 7)
+    if len(parts) == 1:  # an odd host count: its divisors up to the largest part
         parts = [d for d in range(1, max(host_parts) + 1) if hosts % d == 0]
     shapes = sorted({(hosts // d, 8) for d in parts})
     method = autoshard.AutoParallel(
@@ -775,7 +792,12 @@ def write_auto(rows: list[dict], limit_s: float = AUTO_TIME_LIMIT_S):
              "the next count that divides the batch; a row run with "
              "--auto-micro-batch-counts 3 searched that count and the next from 3x and 9x it: "
              "AutoParallel(micro_batch_counts=...), the counts listed), "
-             f"sub-meshes of hosts / (1, 2, 4, 8) whole hosts; rows stopped after "
+             "sub-meshes of hosts / (1, 2, 4, 8) whole hosts (other search spaces: "
+             + "; ".join(f"{m}: {c['pipeline_layers']} pipeline layers, micro-batches "
+                         f"{', '.join(map(str, c['micro_batch_counts']))}, sub-meshes of hosts / "
+                         f"{', '.join(map(str, c['host_parts']))}"
+                         for m, c in AUTO_ROW_SEARCH.items())
+             + f", as `AUTO_ROW_SEARCH` says why); rows stopped after "
              f"{limit_s:.0f} s of planning (or the limit a stopped row names). plan s: wall "
              "seconds (CPU seconds of the planning "
              "process, and the load average at the end: the machine is shared).", "",

@@ -85,6 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--sweep-layers", default="4,8,16,32",
                    help="decoder layer counts of the timing sweep (empty: none)")
     p.add_argument("--no-sweep", action="store_true", help="same as --sweep-layers ''")
+    p.add_argument("--sweep-repeats", type=int, default=3,
+                   help="times each sweep figure is measured, in turn (the row: medians)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--append-sweep", action="store_true",
                    help="run only the sweep (--sweep-layers) and add its rows to --out's "
@@ -301,7 +303,15 @@ def run_model(name: str, args, devices) -> list[dict]:
 
 
 # Layer sweep -----------------------------------------------------------------------------------
-def sweep(layers: list[int], devices) -> list[dict]:
+def sweep(layers: list[int], devices, repeats: int = 3) -> list[dict]:
+    """Per layer count: the time to trace, plan, lower and compile the decoder's step with
+    autoshard on a 2x4 mesh beside ``jax.jit``'s lower + compile of the 2x4 FSDP x TP expert
+    plan and of the same plan's in/out shardings. Each is measured ``repeats`` times, one after
+    the other in turn (every cache cleared first), and the row holds each figure's median
+    (``*_runs``: every repetition's totals): one run's ratio moved by a third between runs of
+    the same code on this machine."""
+    import statistics
+
     import jax
 
     import autoshard
@@ -313,40 +323,50 @@ def sweep(layers: list[int], devices) -> list[dict]:
         case = fm.make_case("llama", "default", layers=num_layers)
         state = case.state_shapes()
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), case.batch)
-        times = []
-        for _ in range(2):
+        mesh = make_mesh((2, 4), devices)
+        runs = []
+        for _ in range(repeats):
+            jax.clear_caches()
             t0 = time.perf_counter()
             jax.make_jaxpr(case.step)(state, batch)
-            times.append(time.perf_counter() - t0)
-        make_jaxpr_s = min(times)
-        f = autoshard.parallelize(case.step, method=autoshard.ShardParallel(
-            devices=list(devices),
-            auto_sharding_option=AutoShardingOption(logical_mesh_shape=(2, 4))))
-        ex = f.get_executable(state, batch)
-        t = ex.timings
-        mesh = make_mesh((2, 4), devices)
-        jitted, _, _ = expert_step(case, mesh, fsdp=True)
-        t0 = time.perf_counter()
-        lowered = jitted.lower(state, batch)
-        t1 = time.perf_counter()
-        lowered.compile()
-        t2 = time.perf_counter()
-        same = same_plan_jit_s(case, ex, state, batch)
-        row = {"layers": num_layers, "num_params": None, "make_jaxpr_s": make_jaxpr_s,
-               "trace_s": t["trace_s"], "planning_s": t["planning_s"],
-               "lowering_s": t["lowering_s"], "compile_s": t["compile_s"],
-               "jit_lower_s": t1 - t0, "jit_compile_s": t2 - t1,
-               "jit_same_plan_lower_s": same[0], "jit_same_plan_compile_s": same[1]}
-        row["autoshard_total_s"] = sum(t[k] for k in ("trace_s", "planning_s", "lowering_s",
-                                                      "compile_s"))
-        row["jit_total_s"] = row["jit_lower_s"] + row["jit_compile_s"]
-        row["jit_same_plan_total_s"] = sum(same)
+            make_jaxpr_s = time.perf_counter() - t0
+            autoshard.clear_executable_cache()
+            jax.clear_caches()
+            f = autoshard.parallelize(case.step, method=autoshard.ShardParallel(
+                devices=list(devices),
+                auto_sharding_option=AutoShardingOption(logical_mesh_shape=(2, 4))))
+            ex = f.get_executable(state, batch)
+            t = ex.timings
+            jax.clear_caches()
+            jitted, _, _ = expert_step(case, mesh, fsdp=True)
+            t0 = time.perf_counter()
+            lowered = jitted.lower(state, batch)
+            t1 = time.perf_counter()
+            lowered.compile()
+            t2 = time.perf_counter()
+            jax.clear_caches()
+            same = same_plan_jit_s(case, ex, state, batch)
+            run = {"make_jaxpr_s": make_jaxpr_s, "trace_s": t["trace_s"],
+                   "planning_s": t["planning_s"], "lowering_s": t["lowering_s"],
+                   "compile_s": t["compile_s"], "jit_lower_s": t1 - t0,
+                   "jit_compile_s": t2 - t1, "jit_same_plan_lower_s": same[0],
+                   "jit_same_plan_compile_s": same[1]}
+            run["autoshard_total_s"] = sum(t[k] for k in ("trace_s", "planning_s",
+                                                          "lowering_s", "compile_s"))
+            run["jit_total_s"] = run["jit_lower_s"] + run["jit_compile_s"]
+            run["jit_same_plan_total_s"] = sum(same)
+            runs.append(run)
+            print(f"  sweep {num_layers:>3} layers: make_jaxpr {make_jaxpr_s:.2f}s trace "
+                  f"{t['trace_s']:.2f}s plan {t['planning_s']:.2f}s lower+compile "
+                  f"{t['lowering_s'] + t['compile_s']:.2f}s | jit lower+compile "
+                  f"{run['jit_total_s']:.2f}s (the same plan's in/out shardings: "
+                  f"{run['jit_same_plan_total_s']:.2f}s)", flush=True)
+            del ex, f
+        row = {"layers": num_layers, "num_params": None, "repeats": repeats}
+        row.update({k: statistics.median(r[k] for r in runs) for k in runs[0]})
+        for k in ("autoshard_total_s", "jit_total_s", "jit_same_plan_total_s"):
+            row[k.replace("_s", "_runs")] = [r[k] for r in runs]
         rows.append(row)
-        print(f"  sweep {num_layers:>3} layers: make_jaxpr {make_jaxpr_s:.2f}s trace "
-              f"{t['trace_s']:.2f}s plan {t['planning_s']:.2f}s lower+compile "
-              f"{t['lowering_s'] + t['compile_s']:.2f}s | jit lower+compile "
-              f"{row['jit_total_s']:.2f}s (the same plan's in/out shardings: "
-              f"{row['jit_same_plan_total_s']:.2f}s)", flush=True)
         autoshard.clear_executable_cache()
     return rows
 
@@ -480,8 +500,9 @@ def write_markdown(result: dict, path: str) -> None:
         lines += ["## Layer sweep (llama, autoshard on a 2x4 mesh; jit: the 2x4 FSDP x TP plan)",
                   "", "| layers | make_jaxpr (s) | trace (s) | plan (s) | lower (s) | compile (s) "
                   "| autoshard total (s) | jit lower (s) | jit compile (s) | total / jit "
-                  "| jit of the same plan's in/out shardings, lower + compile (s) | total / it |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| jit of the same plan's in/out shardings, lower + compile (s) | total / it "
+                  "| total / it, each repetition |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for s in result["sweep"]:
             same = s.get("jit_same_plan_total_s")
             lines.append(
@@ -490,7 +511,10 @@ def write_markdown(result: dict, path: str) -> None:
                 f"{s['autoshard_total_s']:.2f} | {s['jit_lower_s']:.2f} | "
                 f"{s['jit_compile_s']:.2f} | {s['autoshard_total_s'] / s['jit_total_s']:.2f} | "
                 + ("- | - |" if not same else
-                   f"{same:.2f} | {s['autoshard_total_s'] / same:.2f} |"))
+                   f"{same:.2f} | {s['autoshard_total_s'] / same:.2f} |")
+                + (" " + ", ".join(f"{a / b:.2f}" for a, b in zip(
+                    s["autoshard_total_runs"], s["jit_same_plan_total_runs"], strict=True))
+                   + " |" if "autoshard_total_runs" in s else " - |"))
         lines.append("")
     lines += ["## Targets", "", "| target | where | value | limit | met | detail |",
               "|---|---|---|---|---|---|"]
@@ -511,7 +535,7 @@ def append_sweep(args, devices, t_start) -> int:
         result = json.load(f)
     layers = [int(x) for x in args.sweep_layers.split(",") if x]
     rows = {s["layers"]: s for s in result["sweep"]}
-    rows.update({s["layers"]: s for s in sweep(layers, devices)})
+    rows.update({s["layers"]: s for s in sweep(layers, devices, args.sweep_repeats)})
     result["sweep"] = [rows[k] for k in sorted(rows)]
     result["targets"] = targets(result["records"], result["sweep"])
     result["total_s"] += time.perf_counter() - t_start
@@ -565,7 +589,7 @@ def main(argv=None) -> int:
         else:
             print(f"16-device run failed (exit {proc.returncode})", flush=True)
     layers = [int(x) for x in args.sweep_layers.split(",") if x]
-    sweep_rows = sweep(layers, devices) if layers else []
+    sweep_rows = sweep(layers, devices, args.sweep_repeats) if layers else []
     result = {"machine": f"{len(devices)} x {devices[0].platform}, jax {jax.__version__}, "
                          f"{os.cpu_count()} CPUs",
               "size": args.size, "steps": args.steps, "records": records, "sweep": sweep_rows,

@@ -365,7 +365,7 @@ def sweep(layers: list[int], devices, repeats: int = 3) -> list[dict]:
         row = {"layers": num_layers, "num_params": None, "repeats": repeats}
         row.update({k: statistics.median(r[k] for r in runs) for k in runs[0]})
         for k in ("autoshard_total_s", "jit_total_s", "jit_same_plan_total_s"):
-            row[k.replace("_s", "_runs")] = [r[k] for r in runs]
+            row[k[:-len("_s")] + "_runs"] = [r[k] for r in runs]
         rows.append(row)
         autoshard.clear_executable_cache()
     return rows

@@ -234,16 +234,12 @@ def stage_dp_counts(cost: np.ndarray, sizes: Sequence[int], num_devices: int,
     cost = np.asarray(cost, dtype=np.float64)
     num_layers = cost.shape[0]
     assert cost.shape == (num_layers, num_layers + 1, len(sizes)), cost.shape
-    # Devices counted in units of the sizes' greatest common divisor (every count the DP
-    # reaches is a multiple of it: exact). Table 1's 529.6B row on 2,520 GPUs with 35 layers
-    # otherwise swept 2,521 device counts per layer and candidate time, for minutes.
-    unit = math.gcd(num_devices, *(int(n) for n in sizes if n <= num_devices))
-    if unit > 1:
+    unit, sizes, num_devices = _in_units(sizes, num_devices)
+    if unit > 1 and placeable is not None:
         outer = placeable
-        sizes = [n // unit if n <= num_devices else num_devices // unit + 1 for n in sizes]
-        num_devices //= unit
-        placeable = (None if outer is None else
-                     lambda n, first: outer(n * unit, first * unit))
+
+        def placeable(n, first):
+            return outer(n * unit, first * unit)
     big_s = num_layers  # at most one stage per layer
     groups = sorted(set(int(n) for n in sizes if n <= num_devices))
     members = [np.array([k for k, n in enumerate(sizes) if n == g]) for g in groups]
@@ -314,6 +310,17 @@ def stage_dp_counts(cost: np.ndarray, sizes: Sequence[int], num_devices: int,
     return best
 
 
+def _in_units(sizes: Sequence[int], num_devices: int) -> tuple[int, list[int], int]:
+    """(unit, sizes, num_devices) with devices counted in units of the greatest common divisor
+    of the device count and the sizes that fit in it: every count the DP reaches is a multiple
+    of it, so the search is the same, over far fewer counts (Table 1's 529.6B row: 2,520 GPUs
+    in sub-meshes of whole hosts, 315 units of 8; swept GPU by GPU, a 35-layer DP took minutes
+    per stage count). A size over the device count stays over it."""
+    unit = math.gcd(num_devices, *(int(n) for n in sizes if n <= num_devices))
+    return (unit, [int(n) // unit if n <= num_devices else num_devices // unit + 1
+                   for n in sizes], num_devices // unit)
+
+
 def _stage_times(stages, cost, boundary):
     """Each stage's time: its layers' plus its outgoing cut's (``boundary``)."""
     times = []
@@ -327,9 +334,7 @@ def _stage_times(stages, cost, boundary):
 
 def _stage_dp_cuts(num_layers, num_devices, sizes, cost, num_micro_batches, boundary):
     """``stage_dp`` where a stage's time depends on the next stage's sub-mesh (its cut)."""
-    unit = math.gcd(num_devices, *(int(n) for n in sizes if n <= num_devices))
-    sizes = [n // unit if n <= num_devices else num_devices // unit + 1 for n in sizes]
-    num_devices //= unit   # in units of the sizes' divisor, as stage_dp_table
+    _, sizes, num_devices = _in_units(sizes, num_devices)
     big_l, kk = num_layers, range(len(sizes))
     table = {(i, j, k): cost(i, j, k) for i in range(big_l)
              for j in range(i + 1, big_l + 1) for k in kk}
@@ -403,5 +408,5 @@ def stage_exhaustive(num_layers, num_devices, sizes, cost, num_micro_batches, bo
 
 
 __all__ = ["AutoStageOption", "ManualStageOption", "StageOption", "UniformStageOption",
-           "cost_table", "cut_seconds", "logical_choices", "stage_dp", "stage_dp_counts", "stage_dp_table", "stage_exhaustive",
-           "divisors", "submesh_choices"]
+           "cost_table", "cut_seconds", "logical_choices", "stage_dp", "stage_dp_counts",
+           "stage_dp_table", "stage_exhaustive", "divisors", "submesh_choices"]

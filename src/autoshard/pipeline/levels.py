@@ -35,6 +35,12 @@ def assign_apply(post, free, home, first_use, sums=(), constant=frozenset()) -> 
     in_sum = {id(x) for s in sums for x in s.eqns}
     terms = {t for s in sums for t in s.terms if isinstance(t, Var)}
     dup: set = set()
+    order: dict = {}  # equation id -> its first position: waiting chains in program order
+    for i, e in enumerate(post):
+        order.setdefault(id(e), i)
+
+    def position(e) -> int:
+        return order[id(e)]
 
     def place(eqns, lv, stage):
         for e in eqns:
@@ -54,7 +60,7 @@ def assign_apply(post, free, home, first_use, sums=(), constant=frozenset()) -> 
                 late = [t for t in s.terms if isinstance(t, Var) and t in waiting]
                 if late:  # terms from step inputs alone: computed on stage 0
                     place(sorted({id(x): x for t in late for x in waiting[t]}.values(),
-                                 key=lambda x: _position(post, x)), 0, 0)
+                                 key=position), 0, 0)
                 s.level = max((level[t][0] for t in s.terms
                                if isinstance(t, Var) and t in level), default=-1)
                 spread[s.out] = s.level
@@ -90,15 +96,11 @@ def assign_apply(post, free, home, first_use, sums=(), constant=frozenset()) -> 
                 lv = max(lv, spread[v] + 1)
             elif v in level:
                 lv = max(lv, level[v][0] + (level[v][1] != stage))
-        place(sorted(pulled, key=lambda x: _position(post, x)) + [e], lv, stage)
+        place(sorted(pulled, key=position) + [e], lv, stage)
     rest = list(dict.fromkeys(x for chain in waiting.values() for x in chain))
     if rest:
-        place(sorted(rest, key=lambda x: _position(post, x)), 0, 0)
+        place(sorted(rest, key=position), 0, 0)
     return groups, dup
-
-
-def _position(eqns, e) -> int:
-    return next(i for i, x in enumerate(eqns) if x is e)
 
 
 def _nbytes(v) -> int:

@@ -620,7 +620,8 @@ def run_auto(name: str, pipeline_layers: int | None = None, searched: int = 1,
     """The row planned by ``AutoParallel``: the whole-mesh plan and pipelines of 2 or more
     stages (sub-meshes of all the hosts / ``host_parts``: whole hosts; layer times planned
     per pipeline layer; ``searched`` micro-batch counts), the fastest that fits chosen.
-    Unset arguments take the row's ``AUTO_ROW_SEARCH`` entry, else the defaults."""
+    Unset arguments take the row's ``AUTO_ROW_SEARCH`` entry, else the defaults; a row's
+    micro-batch counts there replace ``searched``'s."""
     hidden, heads, layers, gpus, batch, split, paper_tflops = AUTO_ROWS[name]
     custom = AUTO_ROW_SEARCH.get(name, {})
     pipeline_layers = pipeline_layers or custom.get("pipeline_layers", PIPELINE_LAYERS)

@@ -556,16 +556,16 @@ def _rows_dim(spec, axes, shape, groups: int) -> int | None:
 
 def row_axes(invars, rows, arriving) -> tuple[str, ...]:
     """The mesh axes splitting dim 0 of the micro-batch-row inputs as they arrive (empty when
-    they differ, some arrive unknown, or none is split; rows split on another dim do not
-    count: the task reshards them). A backward task runs per device over these axes and keeps
-    its gradients partial over them (reduced once per step)."""
+    they differ or none is split; rows split on another dim do not count: the task reshards
+    them). A row input arriving unknown (from a sub-mesh of another size: no layout carries
+    over device for device) does not count either: it is moved into the layout the task's
+    plan takes it in, whatever its source's. A backward task runs per device over these axes
+    and keeps its gradients partial over them (reduced once per step)."""
     if arriving is None:
         return ()
     found = set()
     for v, s in zip(invars, arriving, strict=True):
-        if v in rows:
-            if s is None:
-                return ()
+        if v in rows and s is not None:
             spec = P(*s)
             found.add(spec_axes(spec[0]) if len(spec) else ())
     found.discard(())

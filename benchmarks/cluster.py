@@ -601,6 +601,7 @@ def micro_batch_counts(batch: int, searched: int) -> list[int]:
 AUTO_ROW_SEARCH = {
     "529.6B": {"pipeline_layers": 35, "micro_batch_counts": (56, 280), "host_parts": (7, 21, 35)},
     "1T": {"pipeline_layers": 64, "micro_batch_counts": (128, 512), "host_parts": (16, 32, 64)},
+    "310.1B": {"pipeline_layers": 16, "micro_batch_counts": (48, 144), "host_parts": (4, 8, 16)},
 }
 """Rows whose search space is not the default one (8 pipeline layers, 16 micro-batches or the
 next count dividing the batch, sub-meshes of hosts / 1, 2, 4, 8). 529.6B's 315 hosts are
@@ -612,7 +613,11 @@ layers, sub-meshes of 45, 15 and 9 hosts, and micro-batches of 45 and 9 sequence
 280), which divide over those hosts' data axes. AutoParallel chooses among them. 1T
 (384 hosts, 128 layers): 64 pipeline layers of 2, sub-meshes of 24, 12 and 6 hosts, and
 micro-batches of 24 and 6 sequences (128, 512), which divide over all of them, as the paper's
-(8, 64, 6) needs (the row in the default space stopped after 600 s in session 12)."""
+(8, 64, 6) needs (the row in the default space stopped after 600 s in session 12). 310.1B
+(240 hosts, 96 layers): the default space's 8 pipeline layers cap a pipeline at 8 stages, and
+the paper's (8, 16, 15) has 16 of 15 hosts with 144 micro-batches of 15 sequences; so 16
+pipeline layers of 6, sub-meshes of 60, 30 and 15 hosts, micro-batches of 45 and 15
+sequences (48, 144)."""
 
 
 def run_auto(name: str, pipeline_layers: int | None = None, searched: int = 1,

@@ -523,7 +523,7 @@ def _per_device_backward(part, task, plan, costs) -> tuple[ShardingPlan, float]:
     stage's gradient all-reduce once per micro-batch, where the pipeline reduces it once per
     step: at 512 micro-batches a 1T layer on 48 GPUs was rated 2.8x slower than as priced in
     full, and the stage counts ranked from that (issue 24)."""
-    _, invars, outvars, acc, _ = _traced(part, task)
+    _, invars, outvars, acc, _ = task_signature(task, part, task.draws_random)
     rows = frozenset(v for v in invars if part.holds_rows(v))
     taken = rows_taken(invars, rows, plan.in_specs)
     if not acc or len(taken) != 1:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..after_grad import AfterGrad, row_dims, whole_batch_update
@@ -227,10 +227,19 @@ class Cut:
     """The dim holding the rows of each value (``after_grad.row_dims``), where a dim of
     another size equals the micro-batch's rows; None: dim 0 holds them wherever it has their
     size."""
+    spans: dict = field(default_factory=dict, repr=False)
+    """``span``'s partitions, made once each (the stage search asks for a layer's several
+    times: its measurement, the representative layer's choice)."""
 
     def span(self, i: int, j: int, batch_invars, remat: bool) -> tuple[Partition, int]:
         """The partition with layers ``[i, j)`` as one stage (the layers before and after
         it one stage each), and that stage's index: a candidate of the stage search."""
+        key = (i, j, tuple(batch_invars), remat)
+        if key not in self.spans:
+            self.spans[key] = self._span(i, j, batch_invars, remat)
+        return self.spans[key]
+
+    def _span(self, i: int, j: int, batch_invars, remat: bool) -> tuple[Partition, int]:
         stage_of_layer = [0] * i + [1] * (j - i) + [2] * (self.num_layers - j)
         ids = {s: k for k, s in enumerate(dict.fromkeys(stage_of_layer))}
         part = build_partition(self.closed, layer_of_fwd=self.layer_of, fwd_end=self.fwd_end,

@@ -30,6 +30,18 @@ def adam_step(loss_fn, eps=1e-8):
     return step, tx
 
 
+def _equal_to_jit(step, method, state, batch, num_steps=3):
+    """``step`` under ``method`` and under ``jax.jit``, ``num_steps`` times from ``state``:
+    the states agree; the pipeline's last executable."""
+    f = autoshard.parallelize(step, method=method)
+    ref = jax.jit(step)
+    got, want = state, state
+    for _ in range(num_steps):
+        got, want = f(got, batch), ref(want, batch)
+    assert_trees_close(got, want)
+    return f.get_last_executable()
+
+
 def _collectives(text, mesh):
     return hlo.collectives(text, tuple(mesh.axis_names), tuple(mesh.devices.shape))
 
@@ -47,14 +59,8 @@ def test_backward_tasks_keep_gradients_partial_and_reduce_once_per_step(shape):
         pipeline_schedule="1f1b",
         blocking=True,
     )
-    f = autoshard.parallelize(step, method=method)
-    ref = jax.jit(step)
-    got, want = state, state
-    for _ in range(3):
-        got, want = f(got, batch), ref(want, batch)
-    assert_trees_close(got, want)
+    ex = _equal_to_jit(step, method, state, batch)
 
-    ex = f.get_last_executable()
     grad_bytes = min(int(np.prod(w.shape)) * 4 for w in params.values())
     backward = [t for (kind, _), t in ex.tasks.items() if kind == "B"]
     assert len(backward) == 2
@@ -180,13 +186,7 @@ def test_sub_meshes_of_other_sizes_reduce_gradients_once_per_step():
         devices=jax.devices()[:6], num_micro_batches=4, layer_option="manual", blocking=True,
         stage_option=ManualStageOption([[0, 1], [2, 3]], [(1, 4), (1, 2)], [(4,), (2,)],
                                        [{}, {}]))
-    f = autoshard.parallelize(step, method=method)
-    ref = jax.jit(step)
-    got, want = state, state
-    for _ in range(3):
-        got, want = f(got, batch), ref(want, batch)
-    assert_trees_close(got, want)
-    ex = f.get_last_executable()
+    ex = _equal_to_jit(step, method, state, batch)
     assert [ex.tasks[("B", s)].batch_axes for s in (0, 1)] == [("x",), ("x",)], [
         ex.tasks[("B", s)].note for s in (0, 1)]
     _check_once_per_step(ex, min(int(np.prod(w.shape)) * 4 for w in params.values()),

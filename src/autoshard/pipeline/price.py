@@ -67,14 +67,15 @@ from .placement import (
     sub_cluster_of,
     submesh_shapes,
 )
-from .reduce import reduce_seconds, without_batch_reductions
+from .reduce import reduce_seconds
 from .schedules import get_schedule, traits
 from .simulate import simulate
 from .stages import AutoStageOption, cost_table, stage_dp_counts
-from .taskfn import reads, task_fn
+from .taskfn import task_fn
 from .tasks import (
     FIXES,
     Target,
+    per_device_plan,
     plan_task,
     plan_tasks,
     rows_taken,
@@ -529,10 +530,7 @@ def _per_device_backward(part, task, plan, costs) -> tuple[ShardingPlan, float]:
     if not acc or len(taken) != 1:
         return plan, 0.0
     axes = next(iter(taken))
-    read = reads(task.eqns, list(outvars) + list(acc))
-    per = without_batch_reductions(
-        plan, axes, costs, [i for i, v in enumerate(invars) if v in rows and v in read],
-        [i for i, v in enumerate(outvars) if v in rows])
+    per = per_device_plan(task, plan, axes, costs, invars, outvars, acc, rows)
     return per, _once_per_step(plan, axes, len(invars), len(acc), costs)[0]
 
 

@@ -441,6 +441,19 @@ def _cached(cache: dict, key, planned):
     return lambda: once(cache, key, planned)
 
 
+def per_device_plan(t, plan, axes, costs, invars, outvars, acc, rows, arriving=None,
+                    read=None):
+    """Backward task ``t``'s ``plan`` run per device over the batch ``axes``: its
+    reductions over them of the row inputs it reads (toward its outputs and accumulators
+    ``acc``; ``read``: those values, when known) and of its row outputs dropped
+    (``reduce.without_batch_reductions``)."""
+    if read is None:
+        read = reads(t.eqns, list(outvars) + list(acc))
+    return without_batch_reductions(
+        plan, axes, costs, [i for i, v in enumerate(invars) if v in rows and v in read],
+        [i for i, v in enumerate(outvars) if v in rows], arriving=arriving)
+
+
 def _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving, plan, plan_in,
                 option, target, batched=frozenset()):
     """(function, input specs, output specs, plan, reduced specs) of a backward task run per
@@ -460,9 +473,8 @@ def _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving, p
         ins = [spec_of(a) if a is not None else plan_in[i] for i, a in enumerate(arriving)]
         costs = task_costs(target.mesh_shape, option, target.cluster)
         read = reads(t.eqns, list(outvars) + list(acc))
-        plan = without_batch_reductions(
-            plan, axes, costs, [i for i, v in enumerate(invars) if v in rows and v in read],
-            [i for i, v in enumerate(outvars) if v in rows], arriving=ins)
+        plan = per_device_plan(t, plan, axes, costs, invars, outvars, acc, rows,
+                               arriving=ins, read=read)
         outs = list(plan.out_specs[:len(outvars)])
         accs = [stacked_spec(s, axes) for s in plan_in[n:n + n_acc]]
         reduced = list(plan_in[n:n + n_acc])

@@ -8,6 +8,7 @@ estimate a plan reports (``Executable.audit()`` compares it with XLA's allocatio
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -336,13 +337,20 @@ def copy_bounds(prob: Problem) -> CopyBounds:
                     and (node.id, p) not in layout):
                 readers.setdefault(u, []).append((g.loop_ends.get(node.id, node.id), node.id, p))
     spans, terms, chain = [], [], []
+    split: dict = {}  # spec -> devices it splits a value over (specs recur across values)
+
+    def shards_of(spec) -> int:
+        found = split.get(spec)
+        if found is None:
+            found = split[spec] = shards(spec, mesh)
+        return found
     for u, found in readers.items():
         v = g.values[u]
         size = itemsize(v.dtype) * int(np.prod(v.shape, dtype=np.int64))
         producer = v.producer
         out = g.nodes[producer].outputs.index(u)
         src = [st.out_specs[out] for st in prob.strategies[producer]]
-        src_bytes = np.array([size // shards(s, mesh) for s in src], dtype=float)
+        src_bytes = np.array([size // shards_of(s) for s in src], dtype=float)
         ru = prob.var(producer)
         by_end: dict[int, list] = {}
         for end, node_id, p in found:
@@ -350,12 +358,12 @@ def copy_bounds(prob: Problem) -> CopyBounds:
                     for st in prob.strategies[node_id]]
             rv = prob.var(node_id)
             if ru == rv:
-                coef = np.array([0.0 if d is None or d == a else size // shards(d, mesh)
+                coef = np.array([0.0 if d is None or d == a else size // shards_of(d)
                                  for a, d in zip(src, dsts, strict=True)])
                 bound = [(ru, coef)] if coef.max() > 0 else []
             else:
                 read = set(dsts)
-                dst_bytes = np.array([0.0 if d is None else size // shards(d, mesh)
+                dst_bytes = np.array([0.0 if d is None else size // shards_of(d)
                                       for d in dsts])
                 sub = np.where([s in read for s in src], -src_bytes, 0.0)
                 bound = ([(rv, dst_bytes), (ru, sub)]
@@ -426,7 +434,7 @@ def memory_rows(prob: Problem, col0, K, total, num_points: int = 48, points=None
     repl = np.zeros(n + 1)
     for vid, a, b in spans:
         v = prob.graph.values[vid]
-        size = float(itemsize(v.dtype) * np.prod(v.shape, dtype=np.int64))
+        size = float(itemsize(v.dtype) * math.prod(v.shape))
         repl[a] += size
         repl[b + 1] -= size
     transients = prob.derived_value("transients", _transients)
@@ -439,34 +447,36 @@ def memory_rows(prob: Problem, col0, K, total, num_points: int = 48, points=None
         even = np.linspace(0, n - 1, num_points // 2).astype(int)
         points = np.array(sorted(set(top.tolist()) | set(even.tolist())))
     points = np.asarray(points)
+    # Per block of entries, in the order the rows are read (HiGHS sees each row's entries in
+    # that order): every row of the points inside [a, b] gets one entry per strategy.
     rows, cols, vals = [], [], []
-    for vid, a, b in spans:
-        inside = np.arange(np.searchsorted(points, a), np.searchsorted(points, b, side="right"))
-        if not len(inside):
-            continue
-        r = prob.var(prob.graph.values[vid].producer)
-        sizes = [float(value_bytes(prob, vid, k)) for k in range(K[r])]
-        for row in inside.tolist():
-            rows.extend([row] * K[r])
-            cols.extend(range(col0[r], col0[r] + K[r]))
-            vals.extend(sizes)
-    for a, b, r, sizes in transients:
-        if len(sizes) != K[r]:
-            continue
-        inside = np.arange(np.searchsorted(points, a), np.searchsorted(points, b, side="right"))
-        for row in inside.tolist():
-            rows.extend([row] * K[r])
-            cols.extend(range(col0[r], col0[r] + K[r]))
-            vals.extend(float(s) for s in sizes)
+
+    def inside(ranges):  # the first and past-the-last point in each [a, b]
+        ab = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        return (np.searchsorted(points, ab[:, 0]).tolist(),
+                np.searchsorted(points, ab[:, 1], side="right").tolist())
+
+    def add(lo, hi, first_col, sizes):
+        if hi > lo:
+            rows.append(np.repeat(np.arange(lo, hi), len(sizes)))
+            cols.append(np.tile(np.arange(first_col, first_col + len(sizes)), hi - lo))
+            vals.append(np.tile(np.asarray(sizes, dtype=float), hi - lo))
+    for (vid, _, _), lo, hi in zip(spans, *inside([(a, b) for _, a, b in spans]), strict=True):
+        if hi > lo:
+            r = prob.var(prob.graph.values[vid].producer)
+            add(lo, hi, col0[r], [float(value_bytes(prob, vid, k)) for k in range(K[r])])
+    for (_, _, r, sizes), lo, hi in zip(transients, *inside([t[:2] for t in transients]),
+                                        strict=True):
+        if len(sizes) == K[r]:
+            add(lo, hi, col0[r], [float(s) for s in sizes])
     if copies is not None:
         bounds, aux0 = copies
-        for col, (a, b) in enumerate(bounds.spans):
-            inside = np.arange(np.searchsorted(points, a),
-                               np.searchsorted(points, b, side="right"))
-            rows.extend(inside.tolist())
-            cols.extend([aux0 + col] * len(inside))
-            vals.extend([1.0] * len(inside))
-    return sp.csr_array((vals, (rows, cols)), shape=(len(points), total))
+        for col, lo, hi in zip(range(len(bounds.spans)), *inside(bounds.spans), strict=True):
+            add(lo, hi, aux0 + col, [1.0])
+    if not rows:
+        return sp.csr_array((len(points), total))
+    return sp.csr_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                        shape=(len(points), total))
 
 
 def peak_bytes(prob: Problem, choice: dict[int, int]) -> int:

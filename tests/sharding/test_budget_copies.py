@@ -128,3 +128,32 @@ def _feeds(g, root):
                         found.add(v)
                         todo.append(v)
     return found
+
+
+def test_memory_rows_count_at_every_point_what_the_plan_holds_there():
+    """The ILP's memory rows (built with numpy, entry by entry in the rows' order) at every
+    program point, for several plans: the live set ``live_bytes`` computes for the plan
+    (without copies) plus the copy columns at the bounds the plan sets them to."""
+    from autoshard.sharding.memory import live_bytes, memory_rows
+    prob = _problem(_late_update, jnp.ones((64, 64)), jnp.ones((32, 16)))
+    ilp = build_ilp(prob, time_limit_s=60.0, memory_budget=10 ** 9)
+    bounds, aux0 = ilp.copies
+    n = len(prob.graph.nodes)
+    rows = memory_rows(prob, ilp.col0, ilp.K, ilp.total, points=np.arange(n),
+                       copies=ilp.copies)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        choice = {r: int(rng.integers(ilp.K[r])) for r in ilp.roots}
+        x = np.zeros(ilp.total)
+        for r, k in choice.items():
+            x[ilp.col0[r] + k] = 1.0
+        held = np.zeros(len(bounds.spans))   # each copy column at its bound under the plan
+        for col, bound in bounds.terms:
+            held[col] = max(held[col], sum(coef[choice[r]] for r, coef in bound))
+        for a, b in reversed(bounds.chain):
+            held[a] = max(held[a], held[b])
+        x[aux0:aux0 + len(held)] = held
+        want = (live_bytes(prob, choice, copies=False)[:n]
+                + copy_bound_bytes(prob, bounds, choice)[:n])
+        assert want.max() > 0
+        np.testing.assert_array_equal(rows @ x, want)

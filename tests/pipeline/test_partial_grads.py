@@ -252,3 +252,30 @@ def test_the_stage_search_prices_a_stage_backward_as_the_pipeline_runs_it(monkey
     once = reduce_seconds(costs, ("x",), [(leaf.bytes_per_device({"x": 1}), ("x",))
                                           for leaf in b.inputs[n:]])
     assert alone.times["apply"] == pytest.approx(once, rel=1e-9) and once > 0
+
+
+def test_identical_stages_check_their_per_device_backward_once(monkeypatch):
+    """Whether a backward run per device communicates is read off its trace; stages of
+    identical layers in the same layouts share that check (the walk's cache), as they share
+    their plans: Table 1's 1T row prices 33-stage pipelines, and tracing every stage's check
+    was a tenth of its planning. The priced pipeline is the same either way."""
+    from autoshard.pipeline import tasks
+    step, tx = adam_step(mlp_loss)
+    params = mlp_params(widths=(8, 16, 16, 16, 16, 16, 4))
+    state = (params, tx.init(params))
+    method = PipeshardParallel(
+        num_micro_batches=4, layer_option="manual", pipeline_schedule="1f1b",
+        stage_option=ManualStageOption([[0, 1], [2], [3], [4, 5]], [(1, 2)] * 4, [(2,)] * 4,
+                                       [{}] * 4))
+    cluster = autoshard.Cluster.a100_80gb(num_hosts=1, devices_per_host=8)
+    traced = []
+    real = tasks.all_eqns
+    monkeypatch.setattr(tasks, "all_eqns", lambda jaxpr: traced.append(1) or real(jaxpr))
+    est = autoshard.plan(step, state, mlp_batch(), method=method, cluster=cluster)
+    per_device = [n for n in est.notes if n.startswith("B") and "runs per device" in n]
+    assert len(per_device) == 4, est.notes     # every stage's backward runs per device
+    assert len(traced) == 3                    # stages 1 and 2: the same layer, layouts
+    monkeypatch.setattr(tasks, "once", lambda cache, key, compute: compute())
+    traced.clear()
+    again = autoshard.plan(step, state, mlp_batch(), method=method, cluster=cluster)
+    assert len(traced) == 4 and again.step_s == est.step_s

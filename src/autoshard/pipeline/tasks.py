@@ -407,7 +407,8 @@ def _decide(kind, t: Task, part: Partition, target: Target, option, arriving, *,
     local = reduced = predicted = None
     if axes:
         found = _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving,
-                            plan, in_specs, option, target, part.batch_dependent)
+                            plan, in_specs, option, target, part.batch_dependent,
+                            cache=cache if closed is not None else None, closed=closed)
         if isinstance(found, str):
             note, axes = found, ()
         else:
@@ -455,14 +456,15 @@ def per_device_plan(t, plan, axes, costs, invars, outvars, acc, rows, arriving=N
 
 
 def _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving, plan, plan_in,
-                option, target, batched=frozenset()):
+                option, target, batched=frozenset(), cache=None, closed=None):
     """(function, input specs, output specs, plan, reduced specs) of a backward task run per
     device over ``axes``, the other axes as its plan lays them out; a note why not when the
     plan takes the rows otherwise or the per-device run would communicate more than a scalar.
     A value computed from the rows (``batched``) that arrives (or leaves) with another dim
     split over ``axes`` (a scan's stacked residuals: time steps first, rows second) stays
     split there inside: made whole, it would be gathered on entry and every device would run
-    the whole batch."""
+    the whole batch. ``cache`` (with ``closed``, the task traced as planned): the check of
+    identical tasks run per device the same way is traced once."""
     n, n_acc = len(invars), len(acc)
     entry = P(axes if len(axes) > 1 else axes[0])
     if plan is not None:
@@ -503,9 +505,19 @@ def _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving, p
     # Communication per micro-batch inside the per-device run (rows gathered for an operation
     # without a per-row rule, statistics summed over the rows): the planned task does better.
     # A scalar summed (a loss, a count) costs nothing to speak of and is allowed.
-    talks = {e.primitive.name for e in all_eqns(jax.make_jaxpr(run)(*shapes).jaxpr)
-             if is_collective(e) and any(math.prod(getattr(v.aval, "shape", ())) > 1
-                                         for v in e.invars)}
+    def traced_talks():
+        return {e.primitive.name for e in all_eqns(jax.make_jaxpr(run)(*shapes).jaxpr)
+                if is_collective(e) and any(math.prod(getattr(v.aval, "shape", ())) > 1
+                                            for v in e.invars)}
+    if cache is None:
+        talks = traced_talks()
+    else:  # what the run's trace depends on (the task's equations, as ``closed`` prints)
+        where = {v: i for i, v in enumerate(list(invars) + list(outvars))}
+        key = ("per-device collectives", str(closed), random, axes, groups,
+               tuple(target.axis_names), tuple(target.mesh_shape),
+               tuple(sorted((where[v], d) for v, d in split_at.items())),
+               tuple(map(str, ins)), tuple(map(str, accs)), tuple(map(str, outs)))
+        talks = once(cache, key, traced_talks)
     if talks:
         return (f"{t.name}: accumulated values reduced per micro-batch (run per device over "
                 f"{axes} it would communicate: {', '.join(sorted(talks))})")

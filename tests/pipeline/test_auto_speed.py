@@ -66,9 +66,10 @@ def test_spans_are_planned_once_per_distinct_layer_and_usable_sub_mesh(counted):
 
 def test_every_span_and_sub_mesh_is_planned_side_by_side(monkeypatch):
     """The stage search hands every (span, sub-mesh) pair to one ``concurrently`` call
-    (5 layers x sub-meshes of 1, 2 and 4 devices), repeated blocks after the distinct
-    layers, then the apply tasks (none here) to a second: before, one call per span left a
-    single solve running for most of Table 1's 76.1B stage search."""
+    (5 layers x sub-meshes of 1, 2 and 4 devices), larger sub-meshes first, repeated blocks
+    after the distinct layers, then the apply tasks (none here) to a second: before, one call
+    per span left a single solve running for most of Table 1's 76.1B stage search, and in span
+    order GPT-3 175B's 64-host sub-mesh, started last, ran alone for its search's last 50 s."""
     batches = []
     real = spans.concurrently
 
@@ -81,9 +82,14 @@ def test_every_span_and_sub_mesh_is_planned_side_by_side(monkeypatch):
     assert len(first) == 15
     assert sorted(first) == sorted(((x, x + 1), n) for x in range(NUM_BLOCKS + 2)
                                    for n in (1, 2, 4))
-    # the first block's spans before the repeated blocks' (blocks are layers 1-3)
+    # the first span on each sub-mesh (it searches the sub-mesh's logical mesh, which the
+    # others there wait for), largest first; then the other distinct layers' spans, largest
+    # sub-mesh first; then the repeated blocks' (blocks are layers 1-3), which wait for the
+    # first block's plans
+    assert first[:3] == [((0, 1), 4), ((0, 1), 2), ((0, 1), 1)]
+    assert first[3:9] == [((1, 2), 4), ((4, 5), 4), ((1, 2), 2), ((4, 5), 2), ((1, 2), 1),
+                          ((4, 5), 1)]
     assert [span for span, _ in first[9:]] == [(2, 3)] * 3 + [(3, 4)] * 3
-    assert {span for span, _ in first[:9]} == {(0, 1), (1, 2), (4, 5)}
     assert apply == []
 
 

@@ -15,6 +15,7 @@ from pipeline_models import BlockLM
 
 import autoshard
 from autoshard import Cluster
+from autoshard.pipeline import method as method_mod
 from autoshard.pipeline import price, tasks
 
 NUM_BLOCKS = 4
@@ -152,3 +153,54 @@ def test_the_stage_search_chooses_one_logical_mesh_per_sub_mesh(monkeypatch):
     assert planned_on == {(n, tuple(chosen[n])) for n in chosen}  # every other plan on them
     for stage in est.stages:
         assert tuple(stage.mesh_shape) == tuple(chosen[stage.devices[1]])
+
+
+
+def _manual(stages, sizes):
+    """A pipeline of ``stages`` (layer ids per stage) on sub-meshes of ``sizes`` devices of
+    one host each (1-D meshes), in order over ``CLUSTER``'s 4 devices."""
+    from autoshard.pipeline import ManualStageOption
+    return autoshard.PipeshardParallel(
+        num_micro_batches=2, layer_option="manual", default_auto_sharding_option=QUIET,
+        stage_option=ManualStageOption(stages, [(1, n) for n in sizes], [(n,) for n in sizes],
+                                       [{}] * len(stages)))
+
+
+class _Traced(Exception):
+    pass
+
+
+def _program(monkeypatch):
+    """The traced step as ``autoshard.plan`` hands it to a method's pricing."""
+    got = {}
+
+    def capture(method, program, cluster, **kw):
+        got["program"] = program
+        raise _Traced
+    with monkeypatch.context() as patch:
+        patch.setattr(method_mod, "price_pipeline", capture)
+        with pytest.raises(_Traced):
+            plan(_manual([[0, 1, 2], [3, 4, 5]], [2, 2]))
+    return got["program"]
+
+
+def test_pipelines_priced_with_one_cache_share_their_identical_tasks(counted, monkeypatch):
+    """The candidates of a search are priced with one cache (``price_pipeline(cache=)``):
+    a task two of them plan alike (the same jaxpr, sub-mesh, options and input layouts) is
+    planned once, the walk's plans included. GPT-3 175B's 4-, 5- and 6-stage candidates
+    share their 2-layer stages' tasks, which each candidate's walk planned again. Here two
+    layouts share their first stage (the embedding and two blocks) and its apply tasks."""
+    program = _program(monkeypatch)
+    a = _manual([[0, 1, 2], [3, 4, 5]], [2, 2])
+    b = _manual([[0, 1, 2], [3], [4, 5]], [2, 1, 1])
+    counted.clear()
+    cache: dict = {}
+    shared = [price.price_pipeline(m, program, CLUSTER, cache=cache) for m in (a, b)]
+    keys = list(counted)
+    assert len(keys) == len(set(keys)), "a task planned twice with the same key"
+    counted.clear()
+    alone = [price.price_pipeline(m, program, CLUSTER) for m in (a, b)]
+    # each layout on a cache of its own plans the shared stage's tasks again
+    assert len(counted) > len(keys) and len(set(counted)) == len(set(keys))
+    for x, y in zip(shared, alone, strict=True):
+        assert x.step_s == y.step_s and x.explain() == y.explain()

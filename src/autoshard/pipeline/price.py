@@ -206,7 +206,10 @@ class _Pricer:
         self.cut = cut
         self.option(None, {})  # a bad default_auto_sharding_option fails here
         self.cache: dict = {} if cache is None else cache
-        self.walk_cache: dict = {}  # plans of identical tasks in the walk (plan_tasks)
+        # plans of identical tasks in the walk (plan_tasks), shared by the pricings of one
+        # cache (its keys hold everything a plan depends on): a search's candidate pipelines
+        # repeat stages (GPT-3 175B's 4, 5 and 6 stages share their 2-layer stages' tasks)
+        self.walk_cache: dict = self.cache.setdefault(("walk",), {})
         self.notes: list[str] = []
 
     def sub_cluster(self, first: int, n: int) -> tuple[Cluster, tuple[int, int]]:

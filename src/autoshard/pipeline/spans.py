@@ -76,9 +76,9 @@ class SpanPricer(_Pricer):
                     measured[(i, j, c)] = (math.inf, math.inf, None)
                     self.span_stats["pruned"] += 1
         # Every span on every sub-mesh side by side (most of their time is HiGHS's, which
-        # releases the GIL), repeated spans last: their tasks are the first one's, which they
-        # wait for (``once``) rather than plan again.
-        jobs = _repeats_last(jobs, with_apply=False)
+        # releases the GIL), in ``_job_order``: the largest sub-meshes first, repeated spans
+        # last (their tasks are the first one's, which they wait for rather than plan again).
+        jobs = _job_order(jobs, with_apply=False)
         found = concurrently([functools.partial(
             self._measure, dataclasses.replace(part, apply=[]), s, (i, j), sub, overrides,
             num_layers) for (i, j, c), part, s, sub, _ in jobs])
@@ -98,7 +98,7 @@ class SpanPricer(_Pricer):
                 self.span_stats["apply_skipped"] += len(group)
             else:
                 again += [job for job, _ in group]
-        again = _repeats_last(sorted(again, key=lambda job: job[0]), with_apply=True)
+        again = _job_order(sorted(again, key=lambda job: job[0]), with_apply=True)
         found = concurrently([functools.partial(self._measure, part, s, (i, j), sub,
                                                 overrides, num_layers)
                               for (i, j, c), part, s, sub, _ in again])
@@ -124,18 +124,34 @@ class SpanPricer(_Pricer):
                 sp.mesh_shape)
 
 
-def _repeats_last(jobs: list, with_apply: bool) -> list:
-    """``jobs`` (``((i, j, c), part, stage, ...)``) with each span whose stage has the same
-    F and B (and, ``with_apply``, apply) equations as an earlier job's span on the same
-    sub-mesh (a repeated layer) moved after the others, in order. An ordering only: ``once``
-    shares their plans whatever the order."""
-    seen, first, repeats = set(), [], []
+def _job_order(jobs: list, with_apply: bool) -> list:
+    """``jobs`` (``((i, j, c), part, stage, sub-mesh cluster, ...)``) in the order the threads
+    of ``concurrently`` take them; the same plans in any order.
+
+    Each span whose stage has the same F and B (and, ``with_apply``, apply) equations as an
+    earlier job's span on the same sub-mesh (a repeated layer) goes last, in order: it waits
+    for that job's plans (``once``). Before them, the first job on each sub-mesh (it searches
+    the sub-mesh's logical mesh, ``submesh_mesh``, which the sub-mesh's other jobs wait for),
+    largest sub-mesh first, then the other jobs, largest sub-mesh first: larger sub-meshes
+    have more candidate meshes and larger ILPs (a longest-first order; started in span order,
+    GPT-3 175B's 64-host sub-mesh ran alone for the last 50 s of its stage search)."""
+    kinds, meshes = set(), set()
+    searching, others, repeats = [], [], []
     for job in jobs:
         (_, _, c), part, s = job[:3]
         kind = (c, _span_shape(part, s, with_apply))
-        (repeats if kind in seen else first).append(job)
-        seen.add(kind)
-    return first + repeats
+        if kind in kinds:
+            repeats.append(job)
+        elif c in meshes:
+            others.append(job)
+        else:
+            searching.append(job)
+        kinds.add(kind)
+        meshes.add(c)
+
+    def larger(job):
+        return -job[3].num_devices
+    return sorted(searching, key=larger) + sorted(others, key=larger) + repeats
 
 
 def _span_shape(part, s, with_apply: bool) -> tuple:

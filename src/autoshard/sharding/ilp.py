@@ -10,6 +10,7 @@ The optional memory budget adds one row per sampled program point.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -278,11 +279,7 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
             ub_cols.extend([col0[r] + k for k in ks] + [z])
             nub += 1
     num_edge = len(c_extra)
-    # Under a budget, the resharded copies get columns bounded below by their readers'
-    # choices (memory.CopyBounds), so the memory rows see most of them.
-    copies = copy_bounds(prob) if memory_budget is not None else None
-    num_copy = len(copies.spans) if copies is not None else 0
-    total = ncols + num_edge + num_copy
+    total = ncols + num_edge
     rhs = [0.0] * nrows
     for r in roots:  # one-hot rows
         for k in range(K[r]):
@@ -290,7 +287,6 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
         rhs.append(1.0)
         nrows += 1
     upper = np.ones(total)
-    upper[ncols + num_edge:] = np.inf
     for col in edges.forbidden:
         upper[col] = 0.0
     for allowed in (prob.allowed, extra_allowed or {}):
@@ -299,38 +295,71 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
             for k in range(K[r]):
                 if k not in ks:
                     upper[col0[r] + k] = 0.0
-    c = np.concatenate([unary, np.array(c_extra), np.zeros(num_copy)])
+    c = np.concatenate([unary, np.array(c_extra)])
     A = sp.csr_array((vals, (rows, cols)), shape=(nrows, total))
     constraints = [LinearConstraint(A, np.array(rhs), np.array(rhs))]
     if nub:
         A_ub = sp.csr_array((ub_vals, (ub_rows, ub_cols)), shape=(nub, total))
         constraints.append(LinearConstraint(A_ub, -np.inf, np.zeros(nub)))
-    num_core = len(constraints)
-    if memory_budget is not None:
-        aux = (copies, ncols + num_edge)
-        M = _in_budgets(memory_rows(prob, col0, K, total, copies=aux), memory_budget,
-                        ncols + num_edge)
-        constraints.append(LinearConstraint(M, -np.inf, 1.0))
-        if num_copy:
-            B = copy_bound_rows(copies, col0, K, total, ncols + num_edge,
-                                scale=1.0 / memory_budget)
-            constraints.append(LinearConstraint(B, -np.inf, np.zeros(B.shape[0])))
-    integrality = np.concatenate([np.ones(ncols), np.zeros(num_edge + num_copy)])
+    integrality = np.concatenate([np.ones(ncols), np.zeros(num_edge)])
     # HiGHS works in microseconds: seconds put every cost below its tolerances.
     options = {"time_limit": float(time_limit_s), "mip_rel_gap": float(mip_gap),
                "disp": bool(os.environ.get("AUTOSHARD_SOLVER_LOG"))}
     if node_limit is not None:
         options["node_limit"] = int(node_limit)
-    info = {"rows": nrows + nub, "edge_vars": num_edge, "copy_vars": num_copy,
+    info = {"rows": nrows + nub, "edge_vars": num_edge, "copy_vars": 0,
             "approximate_pairs": len(reduced) - len(exact), "class_columns": num_class_columns,
             "merged_class_terms": num_merged}
-    return Ilp(prob=prob, c=c, integrality=integrality, bounds=(np.zeros(total), upper),
+    core = Ilp(prob=prob, c=c, integrality=integrality, bounds=(np.zeros(total), upper),
                constraints=constraints, options=options, col0=col0, K=K, roots=roots,
                unary=unary, edges=edges, approximate=len(exact) < len(reduced) or num_merged > 0,
-               info=info,
-               memory_budget=memory_budget, time_limit_s=time_limit_s,
-               build_s=time.perf_counter() - t0, num_core_constraints=num_core,
-               copies=None if copies is None else (copies, ncols + num_edge))
+               info=info, memory_budget=None, time_limit_s=time_limit_s,
+               build_s=time.perf_counter() - t0, num_core_constraints=len(constraints))
+    return core if memory_budget is None else with_memory(core, memory_budget)
+
+
+def with_memory(core: Ilp, memory_budget: int) -> Ilp:
+    """``core`` (an ILP built without a budget: its one-hot and resharding rows) with the
+    memory rows of ``memory_budget``: under a budget, the resharded copies get columns
+    bounded below by their readers' choices (``memory.CopyBounds``), so the memory rows see
+    most of them. The bounds found on ``core`` (its LP relaxation, as the relaxation without
+    the memory rows; its blocks' bound) carry over: neither reads a memory row.
+
+    Building the rows was most of ``build_ilp``'s time on Table 1's whole-mesh candidates
+    (``copy_bounds`` and ``memory_rows``), where a core bound rules most meshes out: the
+    planner builds them only for a mesh it solves (``plan_auto`` under a cutoff)."""
+    import scipy.sparse as sp
+    from scipy.optimize import LinearConstraint
+    if core.memory_budget is not None:
+        raise ValueError("with_memory takes an ILP built without a memory budget "
+                         f"(this one has memory_budget {core.memory_budget:,}).")
+    t0 = time.perf_counter()
+    prob, col0, K = core.prob, core.col0, core.K
+    first = core.total   # the copy columns come after the strategy and edge columns
+    copies = copy_bounds(prob)
+    num_copy = len(copies.spans)
+    total = first + num_copy
+    constraints = [LinearConstraint(sp.csr_array((con.A.data, con.A.indices, con.A.indptr),
+                                                 shape=(con.A.shape[0], total)),
+                                    con.lb, con.ub) for con in core.constraints]
+    aux = (copies, first)
+    M = _in_budgets(memory_rows(prob, col0, K, total, copies=aux), memory_budget, first)
+    constraints.append(LinearConstraint(M, -np.inf, 1.0))
+    if num_copy:
+        B = copy_bound_rows(copies, col0, K, total, first, scale=1.0 / memory_budget)
+        constraints.append(LinearConstraint(B, -np.inf, np.zeros(B.shape[0])))
+    pad = np.zeros(num_copy)
+    lower, upper = core.bounds
+    lp = core.lp   # the core's relaxation: this ILP's relaxation without the memory rows
+    if lp is not None and lp[2] is not None:
+        lp = (lp[0], lp[1], np.concatenate([lp[2], pad]))
+    return dataclasses.replace(
+        core, c=np.concatenate([core.c, pad]),
+        integrality=np.concatenate([core.integrality, pad]),
+        bounds=(np.concatenate([lower, pad]), np.concatenate([upper, np.full(num_copy, np.inf)])),
+        constraints=constraints, info=dict(core.info, copy_vars=num_copy),
+        memory_budget=memory_budget, build_s=core.build_s + time.perf_counter() - t0,
+        lp=None, lp_core=lp if lp is not None else core.lp_core, copies=aux)
 
 
 def _class_columns(src_dims, classes, dst_dims, gathers, moves) -> int:

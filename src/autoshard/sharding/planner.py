@@ -37,7 +37,14 @@ from .partial_sums import fold_partial_sums
 from .plan import ShardingPlan, later
 from .problem import Problem
 from .repeats import tie_repeated
-from .solver import Solution, build_and_solve, cutoff_bound_s, solve_ilp
+from .solver import (
+    Solution,
+    build_and_solve,
+    cutoff_bound_s,
+    ruled_out_without_rows,
+    solve_ilp,
+    with_rows,
+)
 from .spec import candidate_specs, from_partition_spec, shards
 from .strategy import itemsize
 from .zero_update import zero_update
@@ -240,13 +247,16 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                                      f"{cutoff_s * 1e3:.4f} ms")
                     outpriced.append(shape)
                     continue
+            # under a cutoff the memory rows come when a mesh is solved (with_rows):
+            # bounds without them rule most meshes out (Table 1's whole-mesh candidates)
+            budget = shape_option.memory_budget_per_device
             built.append((shape, prob, build_ilp(
                 prob, time_limit_s=option.solver_time_limit_s,
-                memory_budget=shape_option.memory_budget_per_device,
+                memory_budget=None if cutoff_s is not None else budget,
                 node_limit=option.solver_node_limit,
-                mip_gap=option.solver_mip_gap) if graph.nodes else None))
+                mip_gap=option.solver_mip_gap) if graph.nodes else None, budget))
         if len(built) > 1 and all(ilp is not None and ilp.total >= solver.CUTOFF_MIN_COLUMNS
-                                  for _, _, ilp in built):
+                                  for _, _, ilp, _ in built):
             # Large ILPs are solved best-first (lowest LP bound first), so the cutoff skips
             # the meshes that cannot win; small ones keep the candidate order.
             # (without the memory rows: ordering needs no tighter bound, and the cutoff
@@ -256,12 +266,12 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             # (under a cutoff, large ILPs first try the bound of their blocks, a second
             # where Table 1's 3-D meshes' relaxations stalled for their whole time share)
             lps = concurrently([functools.partial(cutoff_bound_s, ilp, cutoff_s)
-                                for _, _, ilp in built])
-            bounds = [bounded(shape, b) for (shape, _, _), b in zip(built, lps, strict=True)]
+                                for _, _, ilp, _ in built])
+            bounds = [bounded(shape, b) for (shape, *_), b in zip(built, lps, strict=True)]
             order = sorted(range(len(built)), key=lambda i: (
                 bounds[i] is None, bounds[i] or 0.0, i))
             built = [built[i] for i in order]
-        for shape, prob, ilp in built:
+        for shape, prob, ilp, budget in built:
             beat = cutoff_s if best is None else best[2].objective_s
             what = "cutoff" if best is None else "best"
             if beat is not None:
@@ -272,9 +282,12 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                     outpriced.append(shape)
                     continue
             try:
-                sol = (solve_ilp(ilp, cutoff_s=beat)
-                       if ilp is not None else Solution(choice={}, status="optimal",
-                                                        objective_s=0.0, solve_s=0.0))
+                sol = None if ilp is None else ruled_out_without_rows(ilp, budget, beat)
+                if sol is None and ilp is not None:
+                    ilp = with_rows(ilp, budget)
+                    sol = solve_ilp(ilp, cutoff_s=beat)
+                elif sol is None:
+                    sol = Solution(choice={}, status="optimal", objective_s=0.0, solve_s=0.0)
             except (ValueError, RuntimeError) as err:  # no plan on this mesh: the next one
                 errors.append((prob, err))
                 pruned[shape] = "no plan: " + str(err).split(";")[0]

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from .highs import INFEASIBLE, OPTIMAL, STOPPED
-from .ilp import OBJECTIVE_SCALE, Ilp, _in_budgets, build_ilp, evaluate
+from .ilp import OBJECTIVE_SCALE, Ilp, _in_budgets, build_ilp, evaluate, with_memory
 from .memory import (
     copy_bound_bytes,
     live_bytes,
@@ -260,6 +260,38 @@ def _bound_with_rows(ilp: Ilp, cutoff_s: float) -> float | None:
 
 LP_STOPPED = STOPPED
 """``highs.milp``'s status for a solve stopped by a limit (time, nodes)."""
+
+
+def ruled_out_without_rows(ilp: Ilp, memory_budget: int | None,
+                           cutoff_s: float | None) -> Solution | None:
+    """For ``ilp`` built without the memory rows of ``memory_budget`` (``build_ilp``'s
+    ``memory_budget=None``; ``ilp.with_memory`` adds them): the solution that stops at a
+    bound reading none of them (the blocks', the relaxation without them) where one reaches
+    ``cutoff_s``, else None (then ``solve_ilp(with_rows(ilp, memory_budget))``). These are the
+    bounds ``solve_ilp`` tries first, so the outcome is the one of an ILP built with its rows;
+    the rows are built only for a mesh that is solved."""
+    if (memory_budget is None or ilp.memory_budget is not None or cutoff_s is None
+            or ilp.total < CUTOFF_MIN_COLUMNS):
+        return None
+    t0 = time.perf_counter()
+    blocks = ilp.lp_blocks[0] if ilp.lp_blocks is not None else None
+    if blocks is not None and blocks >= cutoff_s:
+        return Solution({}, "LP bound of the ILP split into blocks", blocks,
+                        time.perf_counter() - t0, num_ilp_vars=ilp.total, info=dict(ilp.info),
+                        bound_s=blocks)
+    bound = lp_bound_s(ilp)   # without memory rows: the relaxation without them
+    if bound is not None and bound >= cutoff_s:
+        return Solution({}, "LP relaxation bound", bound, time.perf_counter() - t0,
+                        num_ilp_vars=ilp.total, info=dict(ilp.info), bound_s=bound)
+    return None
+
+
+def with_rows(ilp: Ilp, memory_budget: int | None) -> Ilp:
+    """``ilp`` with the memory rows of ``memory_budget`` (itself where it has them, or where
+    there is no budget)."""
+    if memory_budget is None or ilp.memory_budget is not None:
+        return ilp
+    return with_memory(ilp, memory_budget)
 
 
 def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:

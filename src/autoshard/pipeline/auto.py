@@ -484,7 +484,7 @@ def _no_fit(method: AutoParallel, program, cluster: Cluster, candidates) -> Valu
     the smallest of them, and what would fit (the planner's rule on the whole mesh)."""
     from ..grad_accum import loop_costs
     from ..sharding.graph import build_graph
-    from ..sharding.planner import _largest_inputs, _what_would_fit
+    from ..sharding.no_plan import largest_inputs, what_would_fit
 
     free = dataclasses.replace(cluster, memory_bytes=None)
     again = _unlimited(method, program, free, [c.num_stages for c in candidates])
@@ -502,13 +502,13 @@ def _no_fit(method: AutoParallel, program, cluster: Cluster, candidates) -> Valu
         return ValueError(
             f"AutoParallel found no plan within the memory of {cluster.describe()} "
             f"({budget:,} B per device) for any candidate ({tried}), nor without the limit. "
-            f"The largest arrays: {_largest_inputs(graph)}. Use more devices, more "
+            f"The largest arrays: {largest_inputs(graph)}. Use more devices, more "
             "num_micro_batches, or remat.")
     smallest, stages, split = min(found)
     whole = next((m for m, s, _ in found if s == 1), None)
     mesh = again[0].estimate.mesh_shape if again[0].estimate is not None else (
         cluster.num_devices,)
-    advice = _what_would_fit(graph, mesh, whole or smallest, budget)
+    advice = what_would_fit(graph, mesh, whole or smallest, budget)
     each = "; ".join(f"{s} stage{'s' if s > 1 else ''}: {m:,} B" for m, s, _ in sorted(
         found, key=lambda x: x[1]))
     return ValueError(
@@ -516,7 +516,7 @@ def _no_fit(method: AutoParallel, program, cluster: Cluster, candidates) -> Valu
         f"per device): the smallest estimate found is {smallest:,} B per device "
         f"({stages} stage{'s' if stages > 1 else ''}{f', {split}' if split else ''}; planned "
         f"without the limit; each candidate: {each}). Within the limit: "
-        f"{_why_dropped(candidates)}. The largest arrays: {_largest_inputs(graph)}. " + advice)
+        f"{_why_dropped(candidates)}. The largest arrays: {largest_inputs(graph)}. " + advice)
 
 
 def _why_dropped(candidates) -> str:

@@ -261,6 +261,17 @@ def _bound_with_rows(ilp: Ilp, cutoff_s: float) -> float | None:
 LP_STOPPED = STOPPED
 """``highs.milp``'s status for a solve stopped by a limit (time, nodes)."""
 
+BLOCKS_BOUND = "LP bound of the ILP split into blocks"
+LP_BOUND = "LP relaxation bound"
+"""``Solution.status`` of an ILP not solved because a bound reached the cutoff."""
+
+
+def _stopped_at_bound(ilp: Ilp, status: str, bound: float, t0: float, info: dict) -> Solution:
+    """The solution of ``ilp`` not solved: ``bound`` (seconds, found since ``t0``) reached the
+    cutoff; no choice, ``bound_s`` set."""
+    return Solution({}, status, bound, time.perf_counter() - t0, num_ilp_vars=ilp.total,
+                    info=info, bound_s=bound)
+
 
 def ruled_out_without_rows(ilp: Ilp, memory_budget: int | None,
                            cutoff_s: float | None) -> Solution | None:
@@ -276,13 +287,10 @@ def ruled_out_without_rows(ilp: Ilp, memory_budget: int | None,
     t0 = time.perf_counter()
     blocks = ilp.lp_blocks[0] if ilp.lp_blocks is not None else None
     if blocks is not None and blocks >= cutoff_s:
-        return Solution({}, "LP bound of the ILP split into blocks", blocks,
-                        time.perf_counter() - t0, num_ilp_vars=ilp.total, info=dict(ilp.info),
-                        bound_s=blocks)
+        return _stopped_at_bound(ilp, BLOCKS_BOUND, blocks, t0, dict(ilp.info))
     bound = lp_bound_s(ilp)   # without memory rows: the relaxation without them
     if bound is not None and bound >= cutoff_s:
-        return Solution({}, "LP relaxation bound", bound, time.perf_counter() - t0,
-                        num_ilp_vars=ilp.total, info=dict(ilp.info), bound_s=bound)
+        return _stopped_at_bound(ilp, LP_BOUND, bound, t0, dict(ilp.info))
     return None
 
 
@@ -321,17 +329,14 @@ def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:
         # the full one only where none reaches the cutoff.
         blocks = ilp.lp_blocks[0] if ilp.lp_blocks is not None else None
         if blocks is not None and blocks >= cutoff_s:
-            return Solution({}, "LP bound of the ILP split into blocks", blocks,
-                            time.perf_counter() - t0, num_ilp_vars=total, info=info,
-                            bound_s=blocks)
+            return _stopped_at_bound(ilp, BLOCKS_BOUND, blocks, t0, info)
         bound = lp_bound_s(ilp, memory=False)
         if bound is not None and bound < cutoff_s and ilp.lp is None:
             bound = max(bound, _bound_with_rows(ilp, cutoff_s) or bound)
         if bound is not None and bound < cutoff_s:
             bound = lp_bound_s(ilp)
         if bound is not None and bound >= cutoff_s:
-            return Solution({}, "LP relaxation bound", bound, time.perf_counter() - t0,
-                            num_ilp_vars=total, info=info, bound_s=bound)
+            return _stopped_at_bound(ilp, LP_BOUND, bound, t0, info)
         if bound is not None:
             info["lp_bound_s"] = bound
     t_solve = time.perf_counter()

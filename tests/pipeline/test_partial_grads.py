@@ -259,7 +259,7 @@ def test_identical_stages_check_their_per_device_backward_once(monkeypatch):
     identical layers in the same layouts share that check (the walk's cache), as they share
     their plans: Table 1's 1T row prices 33-stage pipelines, and tracing every stage's check
     was a tenth of its planning. The priced pipeline is the same either way."""
-    from autoshard.pipeline import tasks
+    from autoshard.pipeline import per_device as module
     step, tx = adam_step(mlp_loss)
     params = mlp_params(widths=(8, 16, 16, 16, 16, 16, 4))
     state = (params, tx.init(params))
@@ -269,13 +269,13 @@ def test_identical_stages_check_their_per_device_backward_once(monkeypatch):
                                        [{}] * 4))
     cluster = autoshard.Cluster.a100_80gb(num_hosts=1, devices_per_host=8)
     traced = []
-    real = tasks.all_eqns
-    monkeypatch.setattr(tasks, "all_eqns", lambda jaxpr: traced.append(1) or real(jaxpr))
+    real = module.all_eqns
+    monkeypatch.setattr(module, "all_eqns", lambda jaxpr: traced.append(1) or real(jaxpr))
     est = autoshard.plan(step, state, mlp_batch(), method=method, cluster=cluster)
     per_device = [n for n in est.notes if n.startswith("B") and "runs per device" in n]
     assert len(per_device) == 4, est.notes     # every stage's backward runs per device
     assert len(traced) == 3                    # stages 1 and 2: the same layer, layouts
-    monkeypatch.setattr(tasks, "once", lambda cache, key, compute: compute())
+    monkeypatch.setattr(module, "once", lambda cache, key, compute: compute())
     traced.clear()
     again = autoshard.plan(step, state, mlp_batch(), method=method, cluster=cluster)
     assert len(traced) == 4 and again.step_s == est.step_s

@@ -26,8 +26,8 @@ from pipeline_models import fan_in_normal, marked_train_step, run_beside_jit
 
 import autoshard
 from autoshard import AutoShardingOption, PipeshardParallel, UniformStageOption
+from autoshard.pipeline.per_device import rows_dim
 from autoshard.pipeline.taskfn import reads
-from autoshard.pipeline.tasks import _rows_dim
 
 BATCH, TIME, DIM, HIDDEN = 64, 8, 16, 16
 STEPS = 3
@@ -153,12 +153,12 @@ def test_losses_and_parameters_equal_jax_jit(case, request):
 
 
 def test_the_dim_a_value_keeps_its_rows_on():
-    assert _rows_dim(P(None, "x", None), ("x",), (8, 64, 16), 4) == 1
-    assert _rows_dim(P("x"), ("x",), (64, 16), 4) == 0
-    assert _rows_dim(P(), ("x",), (8, 64, 16), 4) is None
-    assert _rows_dim(P(None, ("x", "y")), ("x",), (8, 64), 4) is None   # more than the axes
-    assert _rows_dim(P("x", "x"), ("x",), (8, 64), 4) is None
-    assert _rows_dim(P(None, "x"), ("x",), (8, 6), 4) is None           # does not divide
+    assert rows_dim(P(None, "x", None), ("x",), (8, 64, 16), 4) == 1
+    assert rows_dim(P("x"), ("x",), (64, 16), 4) == 0
+    assert rows_dim(P(), ("x",), (8, 64, 16), 4) is None
+    assert rows_dim(P(None, ("x", "y")), ("x",), (8, 64), 4) is None   # more than the axes
+    assert rows_dim(P("x", "x"), ("x",), (8, 64), 4) is None
+    assert rows_dim(P(None, "x"), ("x",), (8, 6), 4) is None           # does not divide
 
 
 def test_an_operand_a_call_never_reads_is_not_read():

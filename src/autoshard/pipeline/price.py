@@ -58,6 +58,7 @@ from .estimate import PipelineEstimate, StageEstimate
 from .layers import AutoLayerOption
 from .layouts import step_aliases
 from .partition import build_partition
+from .per_device import per_device_plan, rows_taken
 from .placement import (
     axis_names,
     given_stages,
@@ -72,16 +73,7 @@ from .schedules import get_schedule, traits
 from .simulate import simulate
 from .stages import AutoStageOption, cost_table, stage_dp_counts
 from .taskfn import task_fn
-from .tasks import (
-    FIXES,
-    Target,
-    per_device_plan,
-    plan_task,
-    plan_tasks,
-    rows_taken,
-    task_costs,
-    task_signature,
-)
+from .tasks import FIXES, Target, plan_task, plan_tasks, task_costs, task_signature
 from .zero import forward_backward_option
 
 

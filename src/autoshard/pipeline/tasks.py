@@ -6,7 +6,7 @@ apply tasks) and decides how each runs (a ``TaskPlan``): the layouts its inputs 
 (``Layouts.arriving``: the layout a value already has on the task's sub-mesh, else its
 producer's, or first reader's, carried over where the sub-mesh holds the same shards device
 for device), its plan (``plan_task``, on its target's costs), whether a backward task runs
-per device over the batch axes its rows arrive split over (``row_axes``/``rows_taken``, and
+per device over the batch axes its rows arrive split over (``per_device``, and
 not where the per-device run would communicate more than a scalar), ZeRO-2 apply tasks, a manual option's pins.
 The caller's ``realize`` gets each ``TaskPlan``: the runtime compiles it on its sub-mesh
 (``compile.CompiledTask``), the pricing of a described cluster prices it (``price``), the
@@ -22,7 +22,6 @@ reach the caller (for the memory budget: "Stage s does not fit in memory").
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -30,22 +29,20 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 from ..cluster import Cluster
-from ..ir._walk import all_eqns
 from ..sharding import plan_auto
 from ..sharding.cost import CostModel
 from ..sharding.highs import once
 from ..sharding.options import AutoShardingOption
-from ..sharding.plan import Collective, ShardingPlan, spec_axes
-from ..sharding.spec import axis_place
+from ..sharding.plan import ShardingPlan
 from .layouts import carried, step_aliases
 from .partition import Partition, Task
-from .reduce import acc_dtype, stacked_spec, without_batch_reductions
-from .taskfn import is_collective, local_task, pinned, reads, spec_of, task_fn
+from .per_device import per_device_run, row_axes
+from .reduce import acc_dtype
+from .taskfn import pinned, spec_of, task_fn
 from .zero import forward_backward_option, gather_once, zero_apply
 
 
@@ -263,7 +260,7 @@ def plan_tasks(part: Partition, targets: Sequence[Target], split: bool, options:
     call, e.g. planning on one process; ``cache`` keeps the plans of identical tasks;
     ``select(kind, task)`` False: the task is left out, e.g. a candidate stage's neighbours
     when profiling it), and a backward task whose micro-batch rows arrive split over some
-    axes runs per device over them (``row_axes``/``rows_taken``; not where that would
+    axes runs per device over them (``per_device.row_axes``; not where that would
     communicate more than a scalar). Apply tasks run ZeRO-2 where their option asks
     (``zero``). Between the backward and apply tasks come the finalised gradients, the sums
     spanning stages (replicated on every sub-mesh), the whole-batch inputs (as the batch
@@ -406,9 +403,10 @@ def _decide(kind, t: Task, part: Partition, target: Target, option, arriving, *,
     acc_shapes = [tuple(v.aval.shape) for v in acc]
     local = reduced = predicted = None
     if axes:
-        found = _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving,
-                            plan, in_specs, option, target, part.batch_dependent,
-                            cache=cache if closed is not None else None, closed=closed)
+        costs = None if plan is None else task_costs(target.mesh_shape, option, target.cluster)
+        found = per_device_run(t, invars, outvars, acc, consts, random, rows, axes, arriving,
+                               plan, in_specs, costs, target, part.batch_dependent,
+                               cache=cache if closed is not None else None, closed=closed)
         if isinstance(found, str):
             note, axes = found, ()
         else:
@@ -442,168 +440,5 @@ def _cached(cache: dict, key, planned):
     return lambda: once(cache, key, planned)
 
 
-def per_device_plan(t, plan, axes, costs, invars, outvars, acc, rows, arriving=None,
-                    read=None):
-    """Backward task ``t``'s ``plan`` run per device over the batch ``axes``: its
-    reductions over them of the row inputs it reads (toward its outputs and accumulators
-    ``acc``; ``read``: those values, when known) and of its row outputs dropped
-    (``reduce.without_batch_reductions``)."""
-    if read is None:
-        read = reads(t.eqns, list(outvars) + list(acc))
-    return without_batch_reductions(
-        plan, axes, costs, [i for i, v in enumerate(invars) if v in rows and v in read],
-        [i for i, v in enumerate(outvars) if v in rows], arriving=arriving)
-
-
-def _per_device(t, invars, outvars, acc, consts, random, rows, axes, arriving, plan, plan_in,
-                option, target, batched=frozenset(), cache=None, closed=None):
-    """(function, input specs, output specs, plan, reduced specs) of a backward task run per
-    device over ``axes``, the other axes as its plan lays them out; a note why not when the
-    plan takes the rows otherwise or the per-device run would communicate more than a scalar.
-    A value computed from the rows (``batched``) that arrives (or leaves) with another dim
-    split over ``axes`` (a scan's stacked residuals: time steps first, rows second) stays
-    split there inside: made whole, it would be gathered on entry and every device would run
-    the whole batch. ``cache`` (with ``closed``, the task traced as planned): the check of
-    identical tasks run per device the same way is traced once."""
-    n, n_acc = len(invars), len(acc)
-    entry = P(axes if len(axes) > 1 else axes[0])
-    if plan is not None:
-        takes = rows_taken(invars, rows, plan_in)
-        if takes != {axes}:
-            return (f"{t.name}: accumulated values reduced per micro-batch (its plan takes the "
-                    f"rows over {sorted(takes)}, not {axes})")
-        ins = [spec_of(a) if a is not None else plan_in[i] for i, a in enumerate(arriving)]
-        costs = task_costs(target.mesh_shape, option, target.cluster)
-        read = reads(t.eqns, list(outvars) + list(acc))
-        plan = per_device_plan(t, plan, axes, costs, invars, outvars, acc, rows,
-                               arriving=ins, read=read)
-        outs = list(plan.out_specs[:len(outvars)])
-        accs = [stacked_spec(s, axes) for s in plan_in[n:n + n_acc]]
-        reduced = list(plan_in[n:n + n_acc])
-    else:
-        ins = [spec_of(a) if a is not None else entry if v in rows else P()
-               for v, a in zip(invars, arriving, strict=True)]
-        outs = [entry if v in rows else P() for v in outvars]
-        accs, reduced = [entry] * n_acc, None
-    sizes = dict(zip(target.axis_names, target.mesh_shape, strict=True))
-    groups = math.prod(sizes[a] for a in axes)
-    split_at = {v: 0 for v in list(invars) + list(outvars) if v in rows}
-    for v, spec in [*zip(invars, ins, strict=True), *zip(outvars, outs, strict=True)]:
-        if v not in split_at and v in batched:
-            d = _rows_dim(spec, axes, getattr(v.aval, "shape", ()), groups)
-            if d is not None:
-                split_at[v] = d
-    if plan is not None:
-        plan = _gathered_on_entry(plan, invars, ins, split_at, axes, costs, read)
-    run, in_specs, out_specs = local_task(t.eqns, invars, outvars, acc, consts, random,
-                                          split_at, axes, groups, target.any_mesh, ins, accs,
-                                          outs)
-    shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
-    shapes += [jax.ShapeDtypeStruct((groups,) + tuple(v.aval.shape), acc_dtype(v.aval.dtype))
-               for v in acc]
-    shapes += [jax.ShapeDtypeStruct((), jnp.int32)] if random else []
-    # Communication per micro-batch inside the per-device run (rows gathered for an operation
-    # without a per-row rule, statistics summed over the rows): the planned task does better.
-    # A scalar summed (a loss, a count) costs nothing to speak of and is allowed.
-    def traced_talks():
-        return {e.primitive.name for e in all_eqns(jax.make_jaxpr(run)(*shapes).jaxpr)
-                if is_collective(e) and any(math.prod(getattr(v.aval, "shape", ())) > 1
-                                            for v in e.invars)}
-    if cache is None:
-        talks = traced_talks()
-    else:  # what the run's trace depends on (the task's equations, as ``closed`` prints)
-        where = {v: i for i, v in enumerate(list(invars) + list(outvars))}
-        key = ("per-device collectives", str(closed), random, axes, groups,
-               tuple(target.axis_names), tuple(target.mesh_shape),
-               tuple(sorted((where[v], d) for v, d in split_at.items())),
-               tuple(map(str, ins)), tuple(map(str, accs)), tuple(map(str, outs)))
-        talks = once(cache, key, traced_talks)
-    if talks:
-        return (f"{t.name}: accumulated values reduced per micro-batch (run per device over "
-                f"{axes} it would communicate: {', '.join(sorted(talks))})")
-    return run, in_specs, out_specs, plan, reduced
-
-
-def _gathered_on_entry(plan, invars, ins, split_at, axes, costs, read):
-    """``plan``'s collectives as the task runs per device over ``axes``: nothing moves over
-    them inside (``_per_device`` checks its trace), so the plan's gathers over them alone (a
-    weight gathered for a dot inside a scan, once per iteration) are replaced by one gather
-    on entry of each input that arrives split over them and is whole inside (every input but
-    the rows, ``split_at``) and is ``read``."""
-    batch = set(axes)
-    inside = [c for c in plan.collectives if c.kind == "all-gather" and c.axes
-              and set(c.axes) <= batch and not c.where.startswith("rows of ")]
-    index = {a: i for i, a in enumerate(plan.axis_names)}
-    entry = []
-    for v, spec, leaf in zip(invars, ins, plan.inputs, strict=False):
-        shape = tuple(getattr(v.aval, "shape", ()))
-        if v in split_at or v not in read or not shape:
-            continue
-        entries = list(P(*spec)) + [None] * (len(shape) - len(spec))
-        src = tuple(tuple(index[a] for a in spec_axes(e)) for e in entries)
-        dst = tuple(tuple(index[a] for a in spec_axes(e) if a not in batch) for e in entries)
-        try:
-            itemsize = np.dtype(v.aval.dtype).itemsize
-        except TypeError:  # a PRNG key array
-            itemsize = 8
-        for a in axes:
-            i = index[a]
-            step = costs.axis_step(i, axis_place(src, i), axis_place(dst, i),
-                                   math.prod(shape) * itemsize)
-            if step is not None:
-                kind, num_bytes, cost = step
-                entry.append(Collective(kind=kind, axes=(a,), num_bytes=int(num_bytes),
-                                        cost_s=cost, where=f"{leaf.path} whole in the per-device task",
-                                        dtype=str(v.aval.dtype)))
-    if not inside and not entry:
-        return plan
-    saved, added = sum(c.cost_s for c in inside), sum(c.cost_s for c in entry)
-    objective = dataclasses.replace(
-        plan.objective, resharding_s=max(0.0, plan.objective.resharding_s - saved) + added)
-    note = (f"inside the per-device run {len(inside)} gather(s) over {tuple(axes)} "
-            f"({saved:.3g} s) become {len(entry)} gather(s) of inputs on entry ({added:.3g} s)")
-    kept = tuple(c for c in plan.collectives if c not in inside) + tuple(entry)
-    return dataclasses.replace(plan, collectives=kept, objective=objective,
-                               notes=plan.notes + (note,))
-
-
-def _rows_dim(spec, axes, shape, groups: int) -> int | None:
-    """The one dim ``spec`` splits over exactly the mesh axes ``axes`` (no other dim naming
-    any of them), when it divides into ``groups`` blocks; else None."""
-    spec = P(*spec)
-    dims = [d for d, e in enumerate(spec) if set(spec_axes(e)) & set(axes)]
-    if len(dims) != 1 or tuple(spec_axes(spec[dims[0]])) != tuple(axes):
-        return None
-    d = dims[0]
-    return d if d < len(shape) and shape[d] % groups == 0 else None
-
-
-def row_axes(invars, rows, arriving) -> tuple[str, ...]:
-    """The mesh axes splitting dim 0 of the micro-batch-row inputs as they arrive (empty when
-    they differ or none is split; rows split on another dim do not count: the task reshards
-    them). A row input arriving unknown (from a sub-mesh of another size: no layout carries
-    over device for device) does not count either: it is moved into the layout the task's
-    plan takes it in, whatever its source's. A backward task runs per device over these axes
-    and keeps its gradients partial over them (reduced once per step)."""
-    if arriving is None:
-        return ()
-    found = set()
-    for v, s in zip(invars, arriving, strict=True):
-        if v in rows and s is not None:
-            spec = P(*s)
-            found.add(spec_axes(spec[0]) if len(spec) else ())
-    found.discard(())
-    return found.pop() if len(found) == 1 else ()
-
-
-def rows_taken(invars, rows, plan_in_specs) -> set:
-    """The mesh axes (tuples) a plan splits dim 0 of the micro-batch-row inputs over. A
-    backward task runs per device over ``row_axes`` only when this is exactly
-    ``{row_axes}``: its plan takes the rows as they arrive."""
-    return {spec_axes(s[0]) if len(s) else () for v, s in zip(
-        invars, plan_in_specs, strict=False) if v in rows} - {()}
-
-
 __all__ = ["FIXES", "Layouts", "Specs", "Target", "TaskPlan", "mesh_cluster", "plan_task",
-           "plan_tasks",
-           "row_axes", "rows_taken", "task_costs", "task_order", "task_signature"]
+           "plan_tasks", "task_costs", "task_order", "task_signature"]

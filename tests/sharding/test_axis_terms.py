@@ -223,3 +223,39 @@ def test_one_class_ilp_keeps_the_pinned_weight_split(monkeypatch):
     assert [(c.kind, c.axes) for c in plans[1].collectives] in (
         [("all-reduce", ("y",))], [("reduce-scatter", ("y",))])
     assert plans[1].objective.total_s == pytest.approx(plans[0].objective.total_s, rel=1e-12)
+
+
+def test_a_users_memory_budget_keeps_the_producer_classes(monkeypatch):
+    """Under a memory budget the user gave, the ILP keeps its producer classes up to
+    ``ilp.BUDGET_CLASS_COLUMNS`` (one class charges the gathers of a split over both axes at
+    the size of the array whole over the other: what a budget asks for, priced from above);
+    without a budget, or under a budget filled in from a cluster's memory, ``CLASS_COLUMNS``
+    applies as before."""
+    from autoshard import Cluster
+    w = jnp.ones((256, 1024), jnp.float32)
+    x = jnp.ones((256, 256), jnp.bfloat16)
+    closed = jax.make_jaxpr(weight_step)(w, x)
+    built = []
+    real = planner.build_ilp
+
+    def keep(prob, **kw):
+        built.append(real(prob, **kw))
+        return built[-1]
+    monkeypatch.setattr(planner, "build_ilp", keep)
+    monkeypatch.setattr(ilp, "CLASS_COLUMNS", 0)
+
+    def plan(cluster=None, **kw):
+        option = AutoShardingOption(show_progress=False, logical_mesh_shape=(4, 2),
+                                    exact_resharding_columns=0, **kw)
+        built.clear()
+        plan_auto(closed, num_devices=8, option=option, in_paths=["w", "x"], out_paths=["y"],
+                  batch_invars=[False, True], aliases=(), fixed_in_specs=[P("y", None), None],
+                  cluster=cluster)
+        return built[-1]
+    budget = plan(memory_budget_per_device=1 << 40)
+    assert budget.info["merged_class_terms"] == 0 and budget.info["class_columns"] > 0
+    assert plan().info["merged_class_terms"] > 0
+    cluster = plan(cluster=Cluster.a100_80gb(num_hosts=1, devices_per_host=8))
+    assert cluster.memory_budget is not None and cluster.info["merged_class_terms"] > 0
+    monkeypatch.setattr(ilp, "BUDGET_CLASS_COLUMNS", 0)
+    assert plan(memory_budget_per_device=1 << 40).info["merged_class_terms"] > 0

@@ -286,9 +286,19 @@ def test_memory_rows_are_added_where_the_plan_goes_over_the_budget(monkeypatch):
     blind = _plan(args, logical_mesh_shape=(8,), memory_tradeoff=0.0)
     assert blind.objective.peak_bytes_per_device > budget
     monkeypatch.setattr(solver, "MEMORY_ROUNDS", 4)
+    from autoshard.sharding import highs
+    gaps, real_milp = [], highs.milp
+
+    def milp(c, **kw):
+        gaps.append(kw["options"].get("mip_rel_gap"))
+        return real_milp(c, **kw)
+    monkeypatch.setattr(highs, "milp", milp)
     plan = _plan(args, logical_mesh_shape=(8,), memory_budget_per_device=budget)
     assert plan.objective.peak_bytes_per_device <= budget
     assert plan.objective.total_s > blind.objective.total_s  # fitting costs something here
+    # the first solve stops at solver_mip_gap, the rounds' at solver.ROUNDS_GAP
+    assert len(gaps) >= 2 and gaps[0] == 1e-4, gaps
+    assert gaps[1:] == [solver.ROUNDS_GAP] * (len(gaps) - 1), gaps
 
 
 def test_cutoff_asks_the_relaxation_without_memory_rows_first(monkeypatch):

@@ -297,7 +297,11 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
             if sol.status == "optimal" and ilp is not None and not ilp.approximate:
                 # the ILP's own optimum within its gap (an approximate ILP's objective is
                 # its plan's exact cost, not a bound)
-                bounded(shape, sol.objective_s / (1 + option.solver_mip_gap))
+                # (a memory round's solve stops at solver.ROUNDS_GAP where that is wider)
+                gap = option.solver_mip_gap
+                if sol.info.get("memory_rounds"):
+                    gap = max(gap, solver.ROUNDS_GAP)
+                bounded(shape, sol.objective_s / (1 + gap))
             if sol.bound_s is not None:  # the ILP showed no plan of this mesh can win
                 pruned[shape] = (f"ILP bound {sol.bound_s * 1e3:.4f} ms >= {what} "
                                  f"{beat * 1e3:.4f} ms ({sol.status})")

@@ -193,14 +193,11 @@ def test_terms_over_the_class_budget_take_one_class_priced_from_above(mesh):
                 assert one[k, j] == pytest.approx(per_axis[k, j], rel=1e-12, abs=0)
 
 
-def test_one_class_ilp_keeps_the_pinned_weight_split(monkeypatch):
-    """``test_per_axis_ilp_keeps_the_pinned_weight_split`` with every term at one class
-    (``CLASS_COLUMNS = 0``): pricing from above keeps the tensor-parallel weight split (the
-    old terms, priced from below, gathered it), the ILP is marked approximate, and the plan
-    and its exact objective are those of the ILP with classes."""
+def weight_step_ilps(monkeypatch):
+    """``weight_step`` traced on a [256, 1024] weight and a [256, 256] batch, and the list
+    every ILP the planner builds is appended to."""
     w = jnp.ones((256, 1024), jnp.float32)
     x = jnp.ones((256, 256), jnp.bfloat16)
-    closed = jax.make_jaxpr(weight_step)(w, x)
     built = []
     real = planner.build_ilp
 
@@ -208,6 +205,15 @@ def test_one_class_ilp_keeps_the_pinned_weight_split(monkeypatch):
         built.append(real(prob, **kw))
         return built[-1]
     monkeypatch.setattr(planner, "build_ilp", keep)
+    return jax.make_jaxpr(weight_step)(w, x), built
+
+
+def test_one_class_ilp_keeps_the_pinned_weight_split(monkeypatch):
+    """``test_per_axis_ilp_keeps_the_pinned_weight_split`` with every term at one class
+    (``CLASS_COLUMNS = 0``): pricing from above keeps the tensor-parallel weight split (the
+    old terms, priced from below, gathered it), the ILP is marked approximate, and the plan
+    and its exact objective are those of the ILP with classes."""
+    closed, built = weight_step_ilps(monkeypatch)
     option = AutoShardingOption(show_progress=False, logical_mesh_shape=(4, 2),
                                 exact_resharding_columns=0)
     plans = []
@@ -232,16 +238,7 @@ def test_a_users_memory_budget_keeps_the_producer_classes(monkeypatch):
     without a budget, or under a budget filled in from a cluster's memory, ``CLASS_COLUMNS``
     applies as before."""
     from autoshard import Cluster
-    w = jnp.ones((256, 1024), jnp.float32)
-    x = jnp.ones((256, 256), jnp.bfloat16)
-    closed = jax.make_jaxpr(weight_step)(w, x)
-    built = []
-    real = planner.build_ilp
-
-    def keep(prob, **kw):
-        built.append(real(prob, **kw))
-        return built[-1]
-    monkeypatch.setattr(planner, "build_ilp", keep)
+    closed, built = weight_step_ilps(monkeypatch)
     monkeypatch.setattr(ilp, "CLASS_COLUMNS", 0)
 
     def plan(cluster=None, **kw):

@@ -37,7 +37,7 @@ parameter split over both axes of a 2-D mesh (FSDP x TP, what a budget asks for)
 its data-axis gathers at the size of the model-axis-whole array: the families decoder on a
 4x4 mesh (5,660 class columns needed) priced the 2-D expert's plan at 5.64 ms where its exact
 cost is 3.60 ms, and under the expert's memory its ILP chose plans sending 1.075x the
-expert's bytes. The class columns cost less there than the memory rounds they spare."""
+expert's bytes; with the classes 0.915x (benchmarks/results/families.md, session 25)."""
 
 
 class _Edges:

@@ -119,6 +119,37 @@ def test_an_integral_lp_optimum_is_the_ilps(monkeypatch):
     assert sum(1 for name, _ in chosen if name == "output_flag") == 1  # one HiGHS run
 
 
+def test_a_start_basis_solves_another_objective_from_there(monkeypatch):
+    """The LP optimum's basis comes back (``Result.basis``) and starts a solve of the same rows
+    under another objective (``start``: the planner's least_memory and least_peak re-solves):
+    the same optimum as from scratch, in fewer simplex iterations."""
+    iterations = []
+    real = highspy.Highs.run
+
+    def run(self):
+        status = real(self)
+        iterations.append(self.getInfo().simplex_iteration_count)
+        return status
+    monkeypatch.setattr(highspy.Highs, "run", run)
+    problem = _large_knapsack(integer=False)
+    first = highs.milp(**problem)
+    assert first.status == highs.OPTIMAL and first.basis is not None
+    other = dict(problem, c=problem["c"] * np.random.default_rng(2).uniform(0.95, 1.05,
+                                                                        len(problem["c"])))
+    cold = highs.milp(**other)
+    warm = highs.milp(**other, start=first.basis)
+    assert warm.status == cold.status == highs.OPTIMAL
+    assert warm.fun == pytest.approx(cold.fun, rel=1e-9)
+    assert iterations[2] < iterations[1] / 2, iterations
+    # A small problem goes to scipy.optimize.milp: no basis, and a start is ignored.
+    c, cons = _knapsack(30)
+    small = dict(c=c, integrality=np.zeros(len(c)), bounds=(np.zeros(len(c)), np.ones(len(c))),
+                 constraints=cons)
+    assert highs.milp(**small).basis is None
+    assert highs.milp(**small, start=first.basis).fun == pytest.approx(
+        highs.milp(**small).fun, rel=1e-12)
+
+
 @pytest.mark.parametrize("integer,option", [(False, "solver"), (True, "mip_lp_solver")])
 def test_a_stalled_simplex_hands_over_to_interior_point(monkeypatch, integer, option):
     """A dual simplex that reaches its iteration limit (degenerate LPs: the per-axis ILPs of

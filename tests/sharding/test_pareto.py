@@ -203,3 +203,29 @@ def test_each_plan_found_is_made_once(case, monkeypatch):
         fresh.intermediates, fresh.operand_specs, fresh.collectives, fresh.inputs)
     assert plan.objective.data_parallel_s == fresh.objective.data_parallel_s
     assert plan.objective.solver_status == fresh.objective.solver_status
+
+
+def test_the_re_solves_start_from_the_first_solves_basis(case, monkeypatch):
+    """least_memory's and least_peak's LPs (the same rows, other objectives) start from the
+    basis of the first solve's LP optimum (``Ilp.lp_basis``); the plans are the ones solved
+    from scratch. IPM_MIN_ROWS at 0 sends this small ILP the way the large ones go."""
+    from autoshard.sharding import highs
+    monkeypatch.setattr(highs, "IPM_MIN_ROWS", 0)
+    real = highs.milp
+    calls = []
+
+    def spy(c, *, start=None, **kw):
+        res = real(c, start=start, **kw)
+        calls.append((start, res.basis))
+        return res
+    monkeypatch.setattr(highs, "milp", spy)
+    warm = _plan(case)
+    first_basis = calls[0][1]
+    assert calls[0][0] is None and first_basis is not None
+    assert len(calls) >= 3 and calls[1][0] is first_basis and calls[2][0] is first_basis
+
+    def cold(c, *, start=None, **kw):
+        return real(c, **kw)
+    monkeypatch.setattr(highs, "milp", cold)
+    assert warm.objective.trade_off == _plan(case).objective.trade_off
+    assert warm.operand_specs == _plan(case).operand_specs

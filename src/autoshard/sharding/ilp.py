@@ -110,6 +110,9 @@ class Ilp:
     """(``solver.block_bound_s``'s bound in seconds or None,), once computed."""
     copies: tuple[CopyBounds, int] | None = None
     """Under a budget: the copy columns' bounds and their first column (memory.CopyBounds)."""
+    lp_basis: object | None = None
+    """The basis of the LP optimum ``solve_ilp``'s first solve found (``highs.Result.basis``),
+    once solved: the start of the re-solves of these rows under other objectives."""
 
     @property
     def total(self) -> int:

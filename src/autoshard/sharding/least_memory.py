@@ -61,7 +61,7 @@ def least_memory(ilp: Ilp, first: Solution, tradeoff: float) -> Solution:
     options = dict(ilp.options, mip_rel_gap=max(GAP, ilp.options.get("mip_rel_gap", 0.0)),
                    presolve=False)
     res = milp(c, integrality=ilp.integrality, bounds=ilp.bounds,
-               constraints=ilp.constraints, options=options)
+               constraints=ilp.constraints, options=options, start=ilp.lp_basis)
     if res.x is None:
         return fastest
     choice = {r: int(np.argmax(res.x[ilp.col0[r]:ilp.col0[r] + ilp.K[r]])) for r in ilp.roots}

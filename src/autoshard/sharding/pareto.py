@@ -184,7 +184,7 @@ def least_peak(ilp, first):
     peak = float(live.max()) if len(live) else 0.0
     if peak <= 0:
         return None
-    points, best = _near_peak(live), None
+    points, best, start = _near_peak(live), None, ilp.lp_basis
     options = dict(ilp.options, mip_rel_gap=GAP, presolve=False,
                    node_limit=min(NODE_LIMIT, ilp.options.get("node_limit", NODE_LIMIT)))
     for _ in range(ROUNDS):
@@ -192,9 +192,10 @@ def least_peak(ilp, first):
         c = (ilp.c * (TIME_WEIGHT / first.objective_s)
              + np.asarray(at).ravel() / (peak * len(points))) * SCALE
         res = milp(c, integrality=ilp.integrality, bounds=ilp.bounds,
-                   constraints=ilp.constraints, options=options)
+                   constraints=ilp.constraints, options=options, start=start)
         if res.x is None:
             break
+        start = res.basis if res.basis is not None else start   # the next round's objective differs by one point
         choice = {r: int(np.argmax(res.x[ilp.col0[r]:ilp.col0[r] + ilp.K[r]]))
                   for r in ilp.roots}
         live = live_bytes(prob, choice, copies=False)

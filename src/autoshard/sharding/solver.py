@@ -355,6 +355,7 @@ def solve_ilp(ilp: Ilp, *, cutoff_s: float | None = None) -> Solution:
     else:
         res = milp(c * OBJECTIVE_SCALE, integrality=integrality, bounds=bounds,
                    constraints=constraints, options=options)
+        ilp.lp_basis = res.basis
     last_over = None   # (peak, where) of the last plan that went over the budget
     for _ in range(MEMORY_ROUNDS if memory_budget is not None else 0):
         # The budget rows sample the program; where the plan found goes over at a point

@@ -314,9 +314,11 @@ class CopyBounds:
     bounds, one column ``max(0, Y_d - X_d)`` per spec, made the families decoder's budgeted
     ILP 2-8x slower: the solver's rounds, ``solver.solve_ilp``, take the rest.) A copy lives
     from where ``u`` is ready (from its first reader where every copy a choice could make is a
-    local slice) until its last reader, so the points between two readers of ``u`` count one column
-    ``m >= 0`` bounded below by every later reader's bound (the largest: readers that need
-    one spec share one copy)."""
+    local slice; where a collective is possible too, a slice is counted from where ``u`` is
+    ready as well, more than ``reshard_bytes`` holds: the rows err on the safe side) until its
+    last reader, so the points between two readers of ``u`` count one column ``m >= 0``
+    bounded below by every later reader's bound (the largest: readers that need one spec share
+    one copy)."""
 
     spans: list[tuple[int, int]]
     """Per column: the first and last program point it counts at."""

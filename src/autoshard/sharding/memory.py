@@ -280,24 +280,36 @@ def _partials(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
     step_merged = {n for n in prob.combined if g.nodes[n].merge_group[0] < 0}
     merged_at = max(step_merged, default=0)
     found = []
+    priced: dict[tuple, list[int] | None] = {}   # repeated layers share strategy lists
     for node in g.nodes:
-        strategies = prob.strategies[node.id]
-        if not node.outputs or not any(kind in REDUCING_KINDS for s in strategies
-                                       for kind, _, _ in s.collectives):
+        if not node.outputs:
             continue
+        strategies = prob.strategies[node.id]
         v = g.values[node.outputs[0]]
-        size = itemsize(v.dtype) * int(np.prod(v.shape, dtype=np.int64))
-        sizes = []
-        for s in strategies:
-            group = max((int(np.prod([mesh[a] for a in axes])) if kind == "reduce-scatter"
-                         else 1 for kind, axes, _ in s.collectives if kind in REDUCING_KINDS),
-                        default=0)
-            sizes.append(group * size // shards(s.out_specs[0], mesh))
-        if not any(sizes):
+        key = (id(strategies), v.shape, v.dtype)
+        sizes = priced.get(key, False)
+        if sizes is False:
+            sizes = priced[key] = _partial_sizes(strategies, v, mesh)
+        if sizes is None:
             continue
         at = max(node.id, merged_at) if node.id in step_merged else node.id
         found.append((at, at, prob.var(node.id), sizes))
     return found
+
+
+def _partial_sizes(strategies, v, mesh) -> list[int] | None:
+    """Bytes of the partial sums each of ``strategies`` reduces into value ``v`` (None when
+    none reduces)."""
+    if not any(kind in REDUCING_KINDS for s in strategies for kind, _, _ in s.collectives):
+        return None
+    size = itemsize(v.dtype) * int(np.prod(v.shape, dtype=np.int64))
+    sizes = []
+    for s in strategies:
+        group = max((math.prod(mesh[a] for a in axes) if kind == "reduce-scatter"
+                     else 1 for kind, axes, _ in s.collectives if kind in REDUCING_KINDS),
+                    default=0)
+        sizes.append(group * size // shards(s.out_specs[0], mesh))
+    return sizes if any(sizes) else None
 
 
 @dataclass(frozen=True)

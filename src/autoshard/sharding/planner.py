@@ -30,6 +30,7 @@ from .graph import Graph, build_graph
 from .highs import concurrently
 from .ilp import build_ilp
 from .least_memory import least_memory
+from .memory import live_bytes
 from .no_plan import no_plan_error, state_bytes_lower_bound, state_too_large
 from .options import DEFAULT_MEMORY_TRADEOFF, AutoShardingOption
 from .pareto import expert_choice, least_peak, plan_trade_off
@@ -348,6 +349,9 @@ def _memory_choice(ilp, fastest: Solution, tradeoff: float, weigh_memory: bool,
     ``least_memory`` took another plan (the same plans as one after the other)."""
     if not weigh_memory:
         return least_memory(ilp, fastest, tradeoff)
+    # The memory model's choice-free parts (liveness, transients) are computed here once,
+    # not by both threads at the same time.
+    live_bytes(ilp.prob, fastest.choice, copies=False)
     kept, peak = concurrently([functools.partial(least_memory, ilp, fastest, tradeoff),
                                functools.partial(least_peak, ilp, fastest)])
     same = kept.choice == fastest.choice and kept.objective_s == fastest.objective_s

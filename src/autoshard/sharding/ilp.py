@@ -137,12 +137,16 @@ def build_ilp(prob: Problem, *, time_limit_s: float, memory_budget: int | None,
         ncols += K[r]
     unary = np.zeros(ncols)
     edges = _Edges(prob)
+    costs: dict[int, tuple] = {}   # per strategy list (repeated layers share one)
     for node in g.nodes:
         r = prob.var(node.id)
         base = col0[r]
         strats = prob.strategies[node.id]
-        for k, s in enumerate(strats):
-            unary[base + k] += s.comm_s * node.comm_times + s.compute_s * node.mult
+        cost = costs.get(id(strats))
+        if cost is None:
+            cost = costs[id(strats)] = (np.array([s.comm_s for s in strats], dtype=float),
+                                        np.array([s.compute_s for s in strats], dtype=float))
+        unary[base:base + len(strats)] += cost[0] * node.comm_times + cost[1] * node.mult
         for p, u in enumerate(node.operands):
             if u is None:
                 continue

@@ -497,6 +497,13 @@ def peak_bytes(prob: Problem, choice: dict[int, int]) -> int:
     return int(live.max()) if len(live) else 0
 
 
+def warm(prob: Problem) -> None:
+    """Compute the memory model's parts that depend on no choice (liveness, transients), which
+    ``live_bytes`` and ``memory_rows`` read: while a solve runs on another core."""
+    prob.derived_value("liveness", liveness)
+    prob.derived_value("transients", _transients)
+
+
 def live_bytes(prob: Problem, choice: dict[int, int], *, copies: bool = True) -> np.ndarray:
     """Estimated live bytes per device at every program point under ``choice``; without the
     resharded copies (``reshard_bytes``) when ``copies`` is False (what the ILP's rows see)."""

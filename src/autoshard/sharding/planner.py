@@ -30,7 +30,7 @@ from .graph import Graph, build_graph
 from .highs import concurrently
 from .ilp import build_ilp
 from .least_memory import least_memory
-from .memory import live_bytes
+from .memory import warm as warm_memory
 from .no_plan import no_plan_error, state_bytes_lower_bound, state_too_large
 from .options import DEFAULT_MEMORY_TRADEOFF, AutoShardingOption
 from .pareto import expert_choice, least_peak, plan_trade_off
@@ -285,7 +285,11 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                 sol = None if ilp is None else ruled_out_without_rows(ilp, budget, beat)
                 if sol is None and ilp is not None:
                     ilp = with_rows(ilp, budget)
-                    sol = solve_ilp(ilp, cutoff_s=beat)
+                    if weigh_memory:   # the memory model the re-solves read, on the idle core
+                        sol, _ = concurrently([functools.partial(solve_ilp, ilp, cutoff_s=beat),
+                                               functools.partial(warm_memory, prob)])
+                    else:
+                        sol = solve_ilp(ilp, cutoff_s=beat)
                 elif sol is None:
                     sol = Solution(choice={}, status="optimal", objective_s=0.0, solve_s=0.0)
             except (ValueError, RuntimeError) as err:  # no plan on this mesh: the next one
@@ -349,9 +353,9 @@ def _memory_choice(ilp, fastest: Solution, tradeoff: float, weigh_memory: bool,
     ``least_memory`` took another plan (the same plans as one after the other)."""
     if not weigh_memory:
         return least_memory(ilp, fastest, tradeoff)
-    # The memory model's choice-free parts (liveness, transients) are computed here once,
-    # not by both threads at the same time.
-    live_bytes(ilp.prob, fastest.choice, copies=False)
+    # The memory model's choice-free parts (liveness, transients) once, not by both threads
+    # (computed beside the first solve already where the mesh's problem has not changed).
+    warm_memory(ilp.prob)
     kept, peak = concurrently([functools.partial(least_memory, ilp, fastest, tradeoff),
                                functools.partial(least_peak, ilp, fastest)])
     same = kept.choice == fastest.choice and kept.objective_s == fastest.objective_s

@@ -90,7 +90,6 @@ def test_large_problems_try_the_dual_simplex_first(monkeypatch, integer):
     ``SIMPLEX_ITERATIONS_PER_ROW`` iterations per row: an LP is done there; the knapsack's
     binding weight row leaves its LP fractional, so the ILP then goes the interior-point
     path (its root LP by the interior-point method, the branch and bound HiGHS's)."""
-    monkeypatch.setattr(highs, "PDLP_ITERATIONS", 0)   # the dual simplex's first try
     chosen = _recorded_options(monkeypatch)
     problem = _large_knapsack(integer)
     ours = highs.milp(**problem)
@@ -111,7 +110,6 @@ def test_large_problems_try_the_dual_simplex_first(monkeypatch, integer):
 def test_an_integral_lp_optimum_is_the_ilps(monkeypatch):
     """Without the weight row the LP's vertex optimum is integral: it is returned as the ILP's
     optimum with no branch and bound run."""
-    monkeypatch.setattr(highs, "PDLP_ITERATIONS", 0)   # the dual simplex's first try
     chosen = _recorded_options(monkeypatch)
     problem = _large_knapsack(integer=True, weight=False)
     ours = highs.milp(**problem)
@@ -125,7 +123,6 @@ def test_a_start_basis_solves_another_objective_from_there(monkeypatch):
     """The LP optimum's basis comes back (``Result.basis``) and starts a solve of the same rows
     under another objective (``start``: the planner's least_memory and least_peak re-solves):
     the same optimum as from scratch, in fewer simplex iterations."""
-    monkeypatch.setattr(highs, "PDLP_ITERATIONS", 0)   # the dual simplex's first try
     iterations = []
     real = highspy.Highs.run
 
@@ -157,7 +154,6 @@ def test_a_start_basis_solves_another_objective_from_there(monkeypatch):
 def test_a_stalled_simplex_hands_over_to_interior_point(monkeypatch, integer, option):
     """A dual simplex that reaches its iteration limit (degenerate LPs: the per-axis ILPs of
     Table 1's pipeline tasks) leaves the problem to the interior-point method."""
-    monkeypatch.setattr(highs, "PDLP_ITERATIONS", 0)   # the dual simplex's first try
     monkeypatch.setattr(highs, "SIMPLEX_ITERATIONS_PER_ROW", 0.01)
     chosen = _recorded_options(monkeypatch)
     problem = _large_knapsack(integer)
@@ -166,36 +162,6 @@ def test_a_stalled_simplex_hands_over_to_interior_point(monkeypatch, integer, op
     assert (option, "ipm") in chosen
     assert ours.status == highs.OPTIMAL
     assert ours.fun == pytest.approx(_scipy_fun(problem), rel=1e-5)
-
-
-@pytest.mark.parametrize("integer", [False, True])
-def test_large_lps_are_solved_by_pdlp_and_a_crossover(monkeypatch, integer):
-    """An LP of ``IPM_MIN_ROWS`` rows is solved by PDLP, a crossover from its point and the
-    dual simplex from that basis: an optimal vertex (the ILP's optimum where it is integral:
-    without the weight row), with its basis, and no dual simplex from scratch."""
-    chosen = _recorded_options(monkeypatch)
-    problem = _large_knapsack(integer, weight=not integer)
-    ours = highs.milp(**problem)
-    assert ("solver", "pdlp") in chosen
-    assert ("pdlp_iteration_limit", highs.PDLP_ITERATIONS) in chosen
-    assert not any(name == "simplex_iteration_limit" for name, _ in chosen)
-    assert ours.status == highs.OPTIMAL and ours.basis is not None
-    assert ours.fun == pytest.approx(_scipy_fun(problem), rel=1e-9)
-    if integer:
-        assert ours.mip_node_count == 0 and set(np.round(ours.x, 9)) <= {0.0, 1.0}
-
-
-def test_a_pdlp_stopped_short_leaves_the_lp_to_the_dual_simplex(monkeypatch):
-    """PDLP stopped by its iteration limit before an optimum: the dual simplex's first try
-    solves the LP, to the same optimum."""
-    monkeypatch.setattr(highs, "PDLP_ITERATIONS", 2)
-    chosen = _recorded_options(monkeypatch)
-    problem = _large_knapsack(integer=False)
-    ours = highs.milp(**problem)
-    assert ("pdlp_iteration_limit", 2) in chosen
-    assert any(name == "simplex_iteration_limit" for name, _ in chosen)
-    assert ours.status == highs.OPTIMAL
-    assert ours.fun == pytest.approx(_scipy_fun(problem), rel=1e-9)
 
 
 def test_wide_and_small_problems_stay_on_the_simplex(monkeypatch):

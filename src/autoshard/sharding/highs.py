@@ -71,8 +71,7 @@ of Table 1's 76.1B pipeline tasks run 2,100 iterations per second, so 3 per row 
 before the interior-point method took over (24 s)."""
 PDLP_ITERATIONS = 10_000
 """Iterations of PDLP's try at an interior-point-sized LP (deterministic, unlike a time
-limit). The families' LPs (16,000-27,000 rows) took 1,360-1,840 iterations, 0.5-1 s. 0: no
-PDLP try (the dual simplex first, as before it)."""
+limit). The families' LPs (16,000-27,000 rows) took 1,360-1,840 iterations, 0.5-1 s."""
 INTEGRAL_TOLERANCE = 1e-6
 """An LP solution whose integer columns are this close to integers is an ILP solution."""
 SOLVER_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -264,11 +263,8 @@ class _Model:
         within ``PDLP_ITERATIONS``, a crossover from its point to a basis, then the dual
         simplex from that basis (none to a few iterations: the vertex is optimal to the
         simplex's own tolerances). None where PDLP or the simplex after it stops short of an
-        optimum (the caller solves the LP by the dual simplex alone), or when
-        ``PDLP_ITERATIONS`` is 0 (no PDLP try)."""
+        optimum (the caller solves the LP by the dual simplex alone)."""
         import highspy
-        if PDLP_ITERATIONS <= 0:
-            return None
         self.lp.integrality_ = []
         h = _new_highs()
         h.setOptionValue("output_flag", bool(options.get("disp", False)))

@@ -34,15 +34,6 @@ ILPs above), and a fractional optimum (ILPs with memory rows: on the test decode
 budget, 9,271 columns, HiGHS's branch and bound from the simplex root restarted without end
 where from the interior-point root it finished in 19 s).
 
-The first try at such an LP is PDLP (HiGHS's first-order primal-dual method) then a crossover
-from its point to a basis and the dual simplex from that basis, which ends at an optimal vertex
-in a few iterations; where PDLP stops within ``PDLP_ITERATIONS`` short of an optimum, the dual
-simplex's first try above solves the LP instead. On the families benchmark's LPs (16,000-27,000
-rows, the default's three solves per mesh) that is 0.7-2.1 s against 1.1-8.3 s for the dual
-simplex (the 32-layer decoder's first LP 1.1 s against 2.3 s; the T5's re-solves 1.4-1.7 s
-against 3.8-8.3 s), at the same objective. Where the LP has several optimal vertices (plans
-of equal estimated cost) the two ways may end at different ones.
-
 ``milp`` takes ``scipy.optimize.milp``'s arguments and returns what the planner reads of its
 result, with scipy's status codes.
 """
@@ -69,9 +60,6 @@ SIMPLEX_ITERATIONS_PER_ROW = 1.25
 iterations per row. The families decoder's LPs take 0.89-0.95 per row; the degenerate ones
 of Table 1's 76.1B pipeline tasks run 2,100 iterations per second, so 3 per row cost 21.5 s
 before the interior-point method took over (24 s)."""
-PDLP_ITERATIONS = 10_000
-"""Iterations of PDLP's try at an interior-point-sized LP (deterministic, unlike a time
-limit). The families' LPs (16,000-27,000 rows) took 1,360-1,840 iterations, 0.5-1 s."""
 INTEGRAL_TOLERANCE = 1e-6
 """An LP solution whose integer columns are this close to integers is an ILP solution."""
 SOLVER_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -129,17 +117,14 @@ def milp(c, *, integrality, bounds, constraints, options: dict | None = None,
 
 
 def _simplex_first(model: _Model, options: dict, *, presolve: bool, start=None) -> Result:
-    """``model`` solved as the module's docstring says: the LP by PDLP and a crossover to a
-    vertex, or where that does not end at an optimal vertex by the dual simplex within
-    ``SIMPLEX_ITERATIONS_PER_ROW`` iterations per row (from ``start``); then, unless that
-    optimum is integral (or the LP infeasible), the interior-point path."""
+    """``model`` solved as the module's docstring says: the LP by the dual simplex within
+    ``SIMPLEX_ITERATIONS_PER_ROW`` iterations per row; then, unless that optimum is integral
+    (or the LP infeasible), the interior-point path."""
     import time
     t0 = time.perf_counter()
-    lp = model.run_pdlp(options)
-    if lp is None:
-        lp = model.run(options, ipm=False, presolve=presolve, relax=True,
-                       iteration_limit=int(SIMPLEX_ITERATIONS_PER_ROW * model.num_rows),
-                       start=start)
+    lp = model.run(options, ipm=False, presolve=presolve, relax=True,
+                   iteration_limit=int(SIMPLEX_ITERATIONS_PER_ROW * model.num_rows),
+                   start=start)
     if lp.status == OPTIMAL:
         if not model.mip:
             return lp
@@ -258,38 +243,6 @@ class _Model:
                       basis=basis if basis is not None and basis.valid else None)
 
 
-    def run_pdlp(self, options: dict) -> Result | None:
-        """The LP relaxation's optimal vertex by way of PDLP: HiGHS's first-order method
-        within ``PDLP_ITERATIONS``, a crossover from its point to a basis, then the dual
-        simplex from that basis (none to a few iterations: the vertex is optimal to the
-        simplex's own tolerances). None where PDLP or the simplex after it stops short of an
-        optimum (the caller solves the LP by the dual simplex alone)."""
-        import highspy
-        self.lp.integrality_ = []
-        h = _new_highs()
-        h.setOptionValue("output_flag", bool(options.get("disp", False)))
-        if "time_limit" in options:
-            h.setOptionValue("time_limit", float(options["time_limit"]))
-        h.setOptionValue("solver", "pdlp")
-        h.setOptionValue("pdlp_iteration_limit", PDLP_ITERATIONS)
-        h.passModel(self.lp)
-        h.run()
-        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-            return None
-        point = h.getSolution()
-        h.clearSolver()
-        h.setOptionValue("solver", "simplex")
-        h.crossover(point)
-        h.run()
-        if _status(h.getModelStatus()) != OPTIMAL:
-            return None
-        basis = h.getBasis()
-        info = h.getInfo()
-        return Result(x=np.asarray(h.getSolution().col_value, dtype=float),
-                      fun=float(info.objective_function_value), status=OPTIMAL,
-                      basis=basis if basis.valid else None)
-
-
 def concurrently(calls: Sequence[Callable[[], object]]) -> list:
     """The results of ``calls`` (functions of no argument whose time is mostly HiGHS's), in
     their order, run up to ``SOLVER_THREADS`` at once, each in a copy of the caller's context
@@ -390,5 +343,5 @@ def _status(model_status) -> int:
 
 
 __all__ = ["INTEGRAL_TOLERANCE", "IPM_MAX_COLUMNS_PER_ROW", "IPM_MIN_ROWS",
-           "NO_PRESOLVE_MIN_COLUMNS", "PDLP_ITERATIONS", "Result", "SIMPLEX_ITERATIONS_PER_ROW", "SOLVER_THREADS",
+           "NO_PRESOLVE_MIN_COLUMNS", "Result", "SIMPLEX_ITERATIONS_PER_ROW", "SOLVER_THREADS",
            "concurrently", "csr_rows", "milp", "once"]

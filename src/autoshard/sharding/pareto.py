@@ -131,8 +131,7 @@ def expert_choice(ilp, chosen, make_plan, least_peak_found: tuple | None = None)
     fastest's estimated time. A byte of memory saved is worth a byte more sent each step: an
     expert shards parameters and optimizer state over the data axis (FSDP x TP) when that
     saves more memory than the gathers add traffic, and keeps them whole when it does not.
-    ``least_peak_found``: ``(least_peak's plan,)`` where the caller has one (the planner
-    searches from the fastest plan, beside ``least_memory``), else searched from ``chosen``."""
+    ``least_peak_found``: ``(least_peak(ilp, chosen),)`` where the caller has it."""
     found = [chosen, *chosen.info.get("found", ())]
     extra = (least_peak_found[0] if least_peak_found is not None
              else least_peak(ilp, chosen))

@@ -348,10 +348,9 @@ def _memory_choice(ilp, fastest: Solution, tradeoff: float, weigh_memory: bool,
     or, where the default weighs memory, ``pareto.expert_choice`` among the fastest,
     least_memory's and ``least_peak``'s plans (``make``: a solution's plan).
 
-    ``least_memory`` and ``least_peak`` solve side by side, both from the fastest plan (where
-    it peaks, its time). ``least_peak`` used to search again from ``least_memory``'s plan
-    where that was another one: on the 32-layer decoder, whose LPs have several optimal
-    vertices, that was a third solve one after the others (1.7 s) for the same plan taken."""
+    ``least_peak`` searches from the plan ``least_memory`` returns, most often the fastest:
+    the two solve side by side, from the fastest, and ``least_peak`` again only where
+    ``least_memory`` took another plan (the same plans as one after the other)."""
     if not weigh_memory:
         return least_memory(ilp, fastest, tradeoff)
     # The memory model's choice-free parts (liveness, transients) once, not by both threads
@@ -359,7 +358,8 @@ def _memory_choice(ilp, fastest: Solution, tradeoff: float, weigh_memory: bool,
     warm_memory(ilp.prob)
     kept, peak = concurrently([functools.partial(least_memory, ilp, fastest, tradeoff),
                                functools.partial(least_peak, ilp, fastest)])
-    return expert_choice(ilp, kept, make, least_peak_found=(peak,))
+    same = kept.choice == fastest.choice and kept.objective_s == fastest.objective_s
+    return expert_choice(ilp, kept, make, least_peak_found=(peak,) if same else None)
 
 
 def _fixed_specs(fixed_in_specs, closed_jaxpr, names):

@@ -15,7 +15,8 @@ loss (every step), each metric and the parameters after the steps, the step time
 its ratio to ``jax.jit``'s and to the method's k = 1 step, and compiled against predicted
 collective bytes from ``audit()``.
 
-Writes ``programs.json`` and ``programs.md`` into ``--out`` (default ``benchmarks/results``).
+Writes ``programs.json`` and ``programs.md`` into ``--out`` (default ``benchmarks/results``);
+``programs_<size>.json`` and ``.md`` for ``--size large`` or ``xlarge``.
 """
 
 from __future__ import annotations
@@ -732,7 +733,8 @@ def parse_args(argv=None):
     p.add_argument("--cell-timeout", type=float, default=600.0, help="seconds per cell")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--report-only", action="store_true",
-                   help="rewrite --out/programs.md from --out/programs.json; run nothing")
+                   help="rewrite --out/programs.md from --out/programs.json (programs_<size>.* "
+                        "with --size large or xlarge); run nothing")
     args = p.parse_args(argv)
     if args.size is None:
         args.size = "quick" if args.quick else "default"
@@ -752,6 +754,12 @@ def parse_args(argv=None):
     return args
 
 
+def results_stem(size: str) -> str:
+    """The results' file name without its suffix: ``programs`` for the default and quick
+    sizes, ``programs_<size>`` for the others (a large run does not overwrite the default's)."""
+    return "programs" if size in ("default", "quick") else f"programs_{size}"
+
+
 def cells_for(program: str, args) -> list[str]:
     if args.cells is not None:
         return args.cells
@@ -763,8 +771,9 @@ def cells_for(program: str, args) -> list[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.report_only:
-        result = _from_json(json.loads((args.out / "programs.json").read_text()))
-        (args.out / "programs.md").write_text(markdown(result) + "\n")
+        stem = results_stem(args.size)
+        result = _from_json(json.loads((args.out / f"{stem}.json").read_text()))
+        (args.out / f"{stem}.md").write_text(markdown(result) + "\n")
         return 0
     t0 = time.perf_counter()
     rng = np.asarray(jax.random.PRNGKey(42))
@@ -805,8 +814,9 @@ def main(argv=None) -> int:
         result["measured_cluster"] = _MEASURED["cluster"].to_dict()
     result["wall_s"] = time.perf_counter() - t0
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "programs.json").write_text(json.dumps(_finite(result), indent=1) + "\n")
-    (args.out / "programs.md").write_text(markdown(result) + "\n")
+    stem = results_stem(args.size)
+    (args.out / f"{stem}.json").write_text(json.dumps(_finite(result), indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(result) + "\n")
     print(markdown(result))
     return 0
 

@@ -84,6 +84,13 @@ def test_make_method(cell, method):
         assert m.num_micro_batches == 4
 
 
+def test_each_size_writes_its_own_results():
+    """A large or xlarge run writes programs_<size>.*, not over the default's programs.*."""
+    assert programs.results_stem("default") == programs.results_stem("quick") == "programs"
+    assert programs.results_stem("large") == "programs_large"
+    assert programs.results_stem("xlarge") == "programs_xlarge"
+
+
 def test_one_cell_end_to_end(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")

@@ -243,7 +243,7 @@ def _transients(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
             if u is None:
                 continue
             v = g.values[u]
-            size = itemsize(v.dtype) * int(np.prod(v.shape, dtype=np.int64))
+            size = nbytes(v)
             first = v.producer
             if g.nodes[first].kind == "input":   # an input's copy is made at its first use
                 first = min((n.id for n in g.nodes if u in n.operands), default=node.id)
@@ -302,7 +302,7 @@ def _partial_sizes(strategies, v, mesh) -> list[int] | None:
     none reduces)."""
     if not any(kind in REDUCING_KINDS for s in strategies for kind, _, _ in s.collectives):
         return None
-    size = itemsize(v.dtype) * int(np.prod(v.shape, dtype=np.int64))
+    size = nbytes(v)
     sizes = []
     for s in strategies:
         group = max((math.prod(mesh[a] for a in axes) if kind == "reduce-scatter"
@@ -358,7 +358,7 @@ def copy_bounds(prob: Problem) -> CopyBounds:
         return found
     for u, found in readers.items():
         v = g.values[u]
-        size = itemsize(v.dtype) * int(np.prod(v.shape, dtype=np.int64))
+        size = nbytes(v)
         producer = v.producer
         out = g.nodes[producer].outputs.index(u)
         src = [st.out_specs[out] for st in prob.strategies[producer]]
@@ -555,7 +555,7 @@ def reshard_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
     delta = np.zeros(n + 1)
     for (u, dst), (a, b) in spans.items():
         v = g.values[u]
-        size = itemsize(v.dtype) * int(np.prod(v.shape, dtype=np.int64)) // shards(dst, mesh)
+        size = nbytes(v) // shards(dst, mesh)
         delta[a] += size
         delta[b + 1] -= size
     return np.cumsum(delta)[:n]

@@ -94,7 +94,10 @@ def case():
     budget = memory_of(expert)
     option = autoshard.AutoShardingOption(logical_mesh_shape=(4, 2), show_progress=False,
                                           memory_budget_per_device=budget, memory_tradeoff=0.0)
-    f = autoshard.parallelize(step, method=autoshard.ShardParallel(
+    # The state donated as the expert's is ("auto" donates train state classes, not a tuple):
+    # without it the step allocates its outputs beside its inputs, which the budget (the
+    # donating expert's memory) does not hold.
+    f = autoshard.parallelize(step, donate_argnums=0, method=autoshard.ShardParallel(
         devices=mesh, auto_sharding_option=option))
     ex = f.get_executable(new_state(), batch)
     ours, want, losses = new_state(), new_state(), []

@@ -216,6 +216,36 @@ def test_concurrently_runs_each_call_in_the_callers_context(monkeypatch):
     assert priced == [20.0, 15.0]
 
 
+def test_an_lp_solved_alone_takes_the_parallel_dual_simplex_to_the_serial_ones_vertex(
+        monkeypatch):
+    """An LP of the simplex-first path that has the cores to itself runs HiGHS's parallel
+    dual simplex (``PARALLEL_SIMPLEX``); two ``concurrently`` runs side by side stay serial,
+    as does a call ``concurrently`` runs beside work that does not solve (``solvers=1``: it
+    gets the parallel one). The vertex is the serial simplex's, to the last digit."""
+    monkeypatch.setattr(highs, "SOLVER_THREADS", 2)
+    chosen = _recorded_options(monkeypatch)
+    problem = _large_knapsack(integer=False, weight=False)
+    alone = highs.milp(**problem)
+    parallel = ("simplex_strategy", highs.PARALLEL_SIMPLEX)
+    assert parallel in chosen
+    chosen.clear()
+    side_by_side = highs.concurrently([lambda: highs.milp(**problem),
+                                       lambda: highs.milp(**problem)])
+    assert parallel not in chosen
+    for res in side_by_side:
+        assert np.array_equal(res.x, alone.x) and res.fun == alone.fun
+    chosen.clear()
+    beside, nothing = highs.concurrently([lambda: highs.milp(**problem), lambda: None],
+                                         solvers=1)
+    assert parallel in chosen and nothing is None
+    assert np.array_equal(beside.x, alone.x)
+    chosen.clear()
+    nested = highs.concurrently([lambda: highs.concurrently(
+        [lambda: highs.milp(**problem), lambda: None], solvers=1), lambda: None])
+    assert parallel not in chosen   # inside a call that shares the cores already
+    assert np.array_equal(nested[0][0].x, alone.x)
+
+
 def _owner_and_waiter(cache, result):
     """What two threads got asking ``once`` for one key, the second while the first computes
     it (``result``: a value, or an exception to raise); a ValueError as its message. And the

@@ -34,12 +34,19 @@ ILPs above), and a fractional optimum (ILPs with memory rows: on the test decode
 budget, 9,271 columns, HiGHS's branch and bound from the simplex root restarted without end
 where from the interior-point root it finished in 19 s).
 
+A solve that has the cores to itself (not one of several HiGHS solves ``concurrently`` runs)
+takes that LP by HiGHS's parallel dual simplex (``PARALLEL_SIMPLEX``), which on every LP of
+the families benchmark's default plans ran the same iterations to the same vertex as the
+serial one, 1.2-1.3x sooner on two cores; solves that share the cores stay serial (two
+parallel ones side by side took 3x as long as two serial ones).
+
 ``milp`` takes ``scipy.optimize.milp``'s arguments and returns what the planner reads of its
 result, with scipy's status codes.
 """
 
 from __future__ import annotations
 
+import contextvars
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -66,6 +73,15 @@ SOLVER_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sche
                             else os.cpu_count() or 1))
 """Solves ``concurrently`` runs at once: HiGHS releases the GIL while it solves (two of the
 16-layer decoder's ILPs: 1.76 s in two threads against 3.22 s one after the other)."""
+
+PARALLEL_SIMPLEX = 2
+"""HiGHS's ``simplex_strategy`` for an LP solved alone (2: the dual simplex with parallel
+minor iterations, PAMI). Measured on the families benchmark's LPs (the 32-layer decoder's
+first solve 1.77 -> 1.35 s; the T5's 3.86 -> 2.92 s, its re-solves from the first basis
+3.57-7.68 -> 2.74-6.32 s), every one with the serial dual simplex's iteration count and
+vertex. The SIP variant (3) was faster still alone but ended on another path."""
+_SHARED = contextvars.ContextVar("autoshard_highs_shared", default=False)
+"""True inside a call ``concurrently`` runs beside other HiGHS solves."""
 
 OPTIMAL, STOPPED, INFEASIBLE, UNBOUNDED, OTHER = range(5)
 """``scipy.optimize.milp``'s status codes (the planner's messages read them)."""
@@ -124,7 +140,7 @@ def _simplex_first(model: _Model, options: dict, *, presolve: bool, start=None) 
     t0 = time.perf_counter()
     lp = model.run(options, ipm=False, presolve=presolve, relax=True,
                    iteration_limit=int(SIMPLEX_ITERATIONS_PER_ROW * model.num_rows),
-                   start=start)
+                   start=start, parallel=SOLVER_THREADS > 1 and not _SHARED.get())
     if lp.status == OPTIMAL:
         if not model.mip:
             return lp
@@ -204,11 +220,12 @@ class _Model:
         self.lp = lp
 
     def run(self, options: dict, *, ipm: bool, presolve: bool, relax: bool = False,
-            iteration_limit: int | None = None, start=None) -> Result:
+            iteration_limit: int | None = None, start=None, parallel: bool = False) -> Result:
         """Solve with HiGHS: by the interior-point method (``ipm``: the LP, or the ILP's root
         LP) or the dual simplex, with or without ``presolve``; ``relax``: the LP relaxation
         (its optimum's basis comes back, ``Result.basis``), from the basis ``start`` where
-        HiGHS takes it; ``iteration_limit``: simplex iterations (a stop is ``STOPPED``)."""
+        HiGHS takes it; ``iteration_limit``: simplex iterations (a stop is ``STOPPED``);
+        ``parallel``: the LP relaxation by ``PARALLEL_SIMPLEX``."""
         import highspy
         mip = self.mip and not relax
         self.lp.integrality_ = ([highspy.HighsVarType.kInteger if i else
@@ -228,6 +245,8 @@ class _Model:
             h.setOptionValue("mip_lp_solver" if mip else "solver", "ipm")
         if iteration_limit is not None:
             h.setOptionValue("simplex_iteration_limit", int(iteration_limit))
+        if parallel and relax and not ipm:
+            h.setOptionValue("simplex_strategy", PARALLEL_SIMPLEX)
         h.passModel(self.lp)
         if start is not None and not mip and not ipm:
             h.setBasis(start)   # one HiGHS rejects (other rows) leaves the solve cold
@@ -243,15 +262,19 @@ class _Model:
                       basis=basis if basis is not None and basis.valid else None)
 
 
-def concurrently(calls: Sequence[Callable[[], object]]) -> list:
+def concurrently(calls: Sequence[Callable[[], object]], solvers: int | None = None) -> list:
     """The results of ``calls`` (functions of no argument whose time is mostly HiGHS's), in
     their order, run up to ``SOLVER_THREADS`` at once, each in a copy of the caller's context
-    (``cost.device_speed`` is a context variable); the first exception is raised."""
+    (``cost.device_speed`` is a context variable); the first exception is raised.
+    ``solvers``: how many of them run HiGHS (default all); where more than one does, their
+    solves share the cores (serial simplex, ``PARALLEL_SIMPLEX``)."""
     if len(calls) <= 1 or SOLVER_THREADS <= 1:
         return [call() for call in calls]
-    import contextvars
     from concurrent.futures import ThreadPoolExecutor
     contexts = [contextvars.copy_context() for _ in calls]
+    if (len(calls) if solvers is None else solvers) > 1:
+        for ctx in contexts:
+            ctx.run(_SHARED.set, True)
     with ThreadPoolExecutor(min(SOLVER_THREADS, len(calls))) as pool:
         return list(pool.map(lambda ctx, call: ctx.run(call), contexts, calls))
 
@@ -343,5 +366,6 @@ def _status(model_status) -> int:
 
 
 __all__ = ["INTEGRAL_TOLERANCE", "IPM_MAX_COLUMNS_PER_ROW", "IPM_MIN_ROWS",
-           "NO_PRESOLVE_MIN_COLUMNS", "Result", "SIMPLEX_ITERATIONS_PER_ROW", "SOLVER_THREADS",
+           "NO_PRESOLVE_MIN_COLUMNS", "PARALLEL_SIMPLEX", "Result", "SIMPLEX_ITERATIONS_PER_ROW",
+           "SOLVER_THREADS",
            "concurrently", "csr_rows", "milp", "once"]

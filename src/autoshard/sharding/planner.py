@@ -287,7 +287,8 @@ def plan_auto(closed_jaxpr: core.ClosedJaxpr, *, num_devices: int, option: AutoS
                     ilp = with_rows(ilp, budget)
                     if weigh_memory:   # the memory model the re-solves read, on the idle core
                         sol, _ = concurrently([functools.partial(solve_ilp, ilp, cutoff_s=beat),
-                                               functools.partial(warm_memory, prob)])
+                                               functools.partial(warm_memory, prob)],
+                                              solvers=1)
                     else:
                         sol = solve_ilp(ilp, cutoff_s=beat)
                 elif sol is None:

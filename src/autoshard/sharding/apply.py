@@ -25,7 +25,7 @@ from jax import lax
 from jax.extend import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..ir._compat import bind_eqn
+from ..ir._compat import bind_eqn, sharding_pinner
 from ..ir._walk import REMATS, Walker, eqn_site, site
 from .partial_run import PartialSums
 from .plan import ShardingPlan
@@ -46,6 +46,8 @@ class _Pins:
         """id of a pinned value -> (the value, its spec): which outputs leave the step split."""
         self.partial = PartialSums(plan.partial_sums + plan.reduce_scattered, mesh)
         """The plan's sums of partial sums (they spend their own pins)."""
+        self._constrain = sharding_pinner()   # made inside the trace: its context mesh
+        self._named: dict[tuple, NamedSharding] = {}
 
     def _pin(self, key, x, sharding, spec=None):
         if sharding is None:
@@ -61,7 +63,10 @@ class _Pins:
                 f"{jax.numpy.shape(x)} there: the plan was made for another program. Plan "
                 "this step again (or check the plan's "
                 "fingerprint before applying it).")
-        y = lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
+        named = self._named.get(spec)
+        if named is None:
+            named = self._named[spec] = NamedSharding(self.mesh, PartitionSpec(*spec))
+        y = self._constrain(x, named)
         self.pinned[id(y)] = (y, spec)
         return y
 

@@ -37,7 +37,7 @@ where from the interior-point root it finished in 19 s).
 A solve that has the cores to itself (not one of several HiGHS solves ``concurrently`` runs)
 takes that LP by HiGHS's parallel dual simplex (``PARALLEL_SIMPLEX``), which on every LP of
 the families benchmark's default plans ran the same iterations to the same vertex as the
-serial one, 1.2-1.3x sooner on two cores; solves that share the cores stay serial (two
+serial one, 1.0-1.35x sooner on two cores; solves that share the cores stay serial (two
 parallel ones side by side took 3x as long as two serial ones).
 
 ``milp`` takes ``scipy.optimize.milp``'s arguments and returns what the planner reads of its
@@ -367,5 +367,4 @@ def _status(model_status) -> int:
 
 __all__ = ["INTEGRAL_TOLERANCE", "IPM_MAX_COLUMNS_PER_ROW", "IPM_MIN_ROWS",
            "NO_PRESOLVE_MIN_COLUMNS", "PARALLEL_SIMPLEX", "Result", "SIMPLEX_ITERATIONS_PER_ROW",
-           "SOLVER_THREADS",
-           "concurrently", "csr_rows", "milp", "once"]
+           "SOLVER_THREADS", "concurrently", "csr_rows", "milp", "once"]

@@ -219,9 +219,10 @@ def test_concurrently_runs_each_call_in_the_callers_context(monkeypatch):
 def test_an_lp_solved_alone_takes_the_parallel_dual_simplex_to_the_serial_ones_vertex(
         monkeypatch):
     """An LP of the simplex-first path that has the cores to itself runs HiGHS's parallel
-    dual simplex (``PARALLEL_SIMPLEX``); two ``concurrently`` runs side by side stay serial,
-    as does a call ``concurrently`` runs beside work that does not solve (``solvers=1``: it
-    gets the parallel one). The vertex is the serial simplex's, to the last digit."""
+    dual simplex (``PARALLEL_SIMPLEX``), as does one ``concurrently`` runs beside work that
+    does not solve (``solvers=1``); two run side by side stay serial, and so does a solve
+    nested inside a call that shares the cores. The vertex is the serial simplex's, to the
+    last digit."""
     monkeypatch.setattr(highs, "SOLVER_THREADS", 2)
     chosen = _recorded_options(monkeypatch)
     problem = _large_knapsack(integer=False, weight=False)

@@ -24,7 +24,7 @@ from .fusion import (
 )
 from .problem import Problem, value_bytes
 from .rules import ELEMENTWISE
-from .spec import shards
+from .spec import axis_place, shards
 from .strategy import itemsize, nbytes
 from .xla_buffers import (
     WORKSPACE_KINDS,
@@ -32,6 +32,7 @@ from .xla_buffers import (
     broadcast_dims,
     copied_operands,
     dot_layout_copies,
+    early_scatter_targets,
     ready_points,
     unbitcast,
 )
@@ -257,7 +258,7 @@ def _transients(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
         size = nbytes(node.in_avals[p])
         found.append((ready.get(u, node_id), node_id, prob.var(node_id),
                       [size // shards(st.in_specs[p], mesh) for st in prob.strategies[node_id]]))
-    return found + _partials(prob) + broadcast_buffers(prob)
+    return found + _partials(prob) + broadcast_buffers(prob) + early_scatter_targets(prob)
 
 
 REDUCING_KINDS = ("all-reduce", "reduce-scatter")
@@ -325,7 +326,8 @@ class CopyBounds:
     all-to-all of equal sizes counts 0), exact when one variable chooses both ends. (Exact
     bounds, one column ``max(0, Y_d - X_d)`` per spec, made the families decoder's budgeted
     ILP 2-8x slower: the solver's rounds, ``solver.solve_ilp``, take the rest.) A copy lives
-    until its last reader, so the points between two readers of ``u`` count one column
+    from where ``u`` is ready (from its first reader where every copy a choice could make is a
+    local slice) until its last reader, so the points between two readers of ``u`` count one column
     ``m >= 0`` bounded below by every later reader's bound (the largest: readers that need
     one spec share one copy)."""
 
@@ -356,6 +358,18 @@ def copy_bounds(prob: Problem) -> CopyBounds:
         if found is None:
             found = split[spec] = shards(spec, mesh)
         return found
+    sliced: dict = {}  # (src, dst) -> is_local_slice
+
+    def moves(srcs, dsts) -> bool:  # some copy of a src into a dst is made by a collective
+        for a in srcs:
+            for d in dsts:
+                if d is not None and d != a:
+                    key = (a, d)
+                    if key not in sliced:
+                        sliced[key] = is_local_slice(a, d, mesh)
+                    if not sliced[key]:
+                        return True
+        return False
     for u, found in readers.items():
         v = g.values[u]
         size = nbytes(v)
@@ -365,10 +379,12 @@ def copy_bounds(prob: Problem) -> CopyBounds:
         src_bytes = np.array([size // shards_of(s) for s in src], dtype=float)
         ru = prob.var(producer)
         by_end: dict[int, list] = {}
+        gathers = False
         for end, node_id, p in found:
             dsts = [st.in_specs[p] if p < len(st.in_specs) else None
                     for st in prob.strategies[node_id]]
             rv = prob.var(node_id)
+            gathers = gathers or moves(set(src), set(dsts))
             if ru == rv:
                 coef = np.array([0.0 if d is None or d == a else size // shards_of(d)
                                  for a, d in zip(src, dsts, strict=True)])
@@ -382,7 +398,8 @@ def copy_bounds(prob: Problem) -> CopyBounds:
                          if dst_bytes.max() + sub.max() > 0 else [])
             if bound:
                 by_end.setdefault(end, []).append(bound)
-        first = ready.get(u, producer)
+        # As ``reshard_bytes``: only a copy made by a collective lives from where u is ready.
+        first = ready.get(u, producer) if gathers else min(node_id for _, node_id, _ in found)
         previous = None
         for end in sorted(by_end):
             col = len(spans)
@@ -491,6 +508,13 @@ def memory_rows(prob: Problem, col0, K, total, num_points: int = 48, points=None
                         shape=(len(points), total))
 
 
+def is_local_slice(src, dst, mesh_shape) -> bool:
+    """Whether ``dst`` only adds splits to ``src`` (each mesh axis of ``src`` keeps its place):
+    a device takes its piece of what it holds, no collective."""
+    return all(axis_place(src, a) in (None, axis_place(dst, a))
+               for a, n in enumerate(mesh_shape) if n > 1)
+
+
 def peak_bytes(prob: Problem, choice: dict[int, int]) -> int:
     """Largest estimated live set per device under ``choice`` (variable -> strategy index)."""
     live = live_bytes(prob, choice)
@@ -528,9 +552,12 @@ def reshard_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
 
     A consumer that needs a value in another spec than its producer's reads a copy (the
     result of an all-gather, all-to-all or local slice). XLA makes one copy per (value, spec)
-    for all the consumers that need it, so it lives from the first of them to the last: a
-    parameter gathered for the forward pass is held for the backward one (XLA does not gather
-    it twice). The ILP's memory rows cannot see these (they depend on two choices at once);
+    for all the consumers that need it, so it lives to the last of them: a parameter gathered
+    for the forward pass is held for the backward one (XLA does not gather it twice). A copy
+    that moves data is made where its source is ready (``ready_points``); a local slice
+    (``is_local_slice``) where its first reader runs (XLA fuses it into that reader: the ViT
+    budget plan's Adam update, run split over the data axis on state held whole over it,
+    slices 2.6 MB per device that the compiled program never holds before the update). The ILP's memory rows cannot see these (they depend on two choices at once);
     ``solver.solve_ilp`` lowers a row's bound by the copies its plan holds there.
     """
     g, mesh = prob.graph, prob.ctx.mesh_shape
@@ -546,10 +573,11 @@ def reshard_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
             v = g.values[u]
             if v.producer in prob.free:
                 continue
-            dst = s.in_specs[p]
-            if prob.value_spec(u, choice[prob.var(v.producer)]) == dst:
+            dst, src = s.in_specs[p], prob.value_spec(u, choice[prob.var(v.producer)])
+            if src == dst:
                 continue
-            span = spans.setdefault((u, dst), [ready[u], node.id])
+            start = node.id if is_local_slice(src, dst, mesh) else ready[u]
+            span = spans.setdefault((u, dst), [start, node.id])
             span[1] = max(span[1], g.loop_ends.get(node.id, node.id))  # xs: the whole scan
     n = len(g.nodes) + 1
     delta = np.zeros(n + 1)

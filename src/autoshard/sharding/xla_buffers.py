@@ -64,6 +64,43 @@ def broadcast_buffers(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
     return found
 
 
+SCATTER_KINDS = frozenset({"scatter-add", "scatter_add", "scatter"})
+
+
+def early_scatter_targets(prob: Problem) -> list[tuple[int, int, int, list[int]]]:
+    """The buffers XLA makes for a gather's gradient before the backward pass: (first node,
+    last node, variable, bytes per strategy).
+
+    A gather's transpose scatters the cotangent into zeros at the gather's indices (a
+    cross-entropy's integer labels, an embedding's tokens). XLA does not wait for the
+    cotangent: what depends only on the indices (the mask of where they point, the zero
+    target) is computed where the indices are ready, in the forward pass, and held at the
+    scatter's size until the scatter (read from XLA's live ranges of the families decoder at
+    its test size: the labels' 256 KB mask and the embedding gradient's 64 KB target per
+    device, made in the forward pass). From the indices' ready point to the point before the
+    zero target, which the estimate holds from there as a value."""
+    g, mesh = prob.graph, prob.ctx.mesh_shape
+    ready = ready_points(g)
+    found = []
+    for node in g.nodes:
+        if node.kind not in SCATTER_KINDS or len(node.operands) < 2:
+            continue
+        target, indices = node.operands[0], node.operands[1]
+        if target is None or indices is None:
+            continue
+        made = g.nodes[g.values[target].producer]
+        if made.kind != "broadcast_in_dim" or any(u is not None for u in made.operands):
+            continue   # a target computed by the program (not a constant) is a value
+        first = ready.get(indices, g.values[indices].producer)
+        if first >= made.id:
+            continue
+        out = g.values[node.outputs[0]]
+        size = itemsize(out.dtype) * int(np.prod(out.shape, dtype=np.int64))
+        found.append((first, made.id - 1, prob.var(node.id),
+                      [size // shards(st.out_specs[0], mesh) for st in prob.strategies[node.id]]))
+    return found
+
+
 WORKSPACE_KINDS = {"conv_general_dilated"}
 """Ops whose backends copy operands into their own layout (see ``copied_operands``)."""
 
@@ -167,5 +204,6 @@ LOOP_NODE_KINDS = frozenset({"carry", "carry_back", "xs", "ys", "cond_out"})
 """The graph's loop nodes: a value they make is the loop's, not one XLA computes up front."""
 
 
-__all__ = ["LOOP_NODE_KINDS", "WORKSPACE_KINDS", "broadcast_buffers", "broadcast_dims",
-           "copied_operands", "dot_layout_copies", "ready_points", "unbitcast"]
+__all__ = ["LOOP_NODE_KINDS", "SCATTER_KINDS", "WORKSPACE_KINDS", "broadcast_buffers",
+           "broadcast_dims", "copied_operands", "dot_layout_copies", "early_scatter_targets",
+           "ready_points", "unbitcast"]

@@ -105,3 +105,61 @@ def test_near_peak_points_are_the_plateau():
     assert pareto._near_peak(live) == [1, 2, 3, 5]   # within 5% of the peak
     many = np.full(40, 7.0)
     assert len(pareto._near_peak(many)) == pareto.MAX_POINTS
+
+
+def test_tied_layers_add_no_merged_reduction_columns_and_price_their_edges_once(monkeypatch):
+    # Repeated layers tie their variables (repeats.tie_repeated): their merged reductions'
+    # latency columns (one per layer before: 1,232 at 32 decoder layers for 136 distinct
+    # member sets) and their edges' costs (18,153 edges priced one by one at 32 layers) are
+    # the same per layer, so a deeper stack adds neither. Priced at their summed runs, the
+    # edges' terms are the ones each edge priced alone adds up to.
+    import numpy as np
+
+    sys.path.insert(0, str(BENCH))
+    import families_models as fm
+    from autoshard.sharding import ilp as ilp_module
+    from autoshard.sharding import planner
+    built = []
+    real = planner.build_ilp
+
+    def spy(prob, **kwargs):
+        built.append(real(prob, **kwargs))
+        return built[-1]
+    monkeypatch.setattr(planner, "build_ilp", spy)
+    infos = []
+    for layers in (8, 12):   # every layer tied from 8 on (407 variables at 8 and 12)
+        built.clear()
+        _plan(fm.make_case("llama", "tiny", layers=layers))
+        core = built[0]
+        infos.append(core.info)
+        prob, g = core.prob, core.prob.graph
+        one_by_one = ilp_module._Edges(prob)
+        unary = np.zeros(len(core.unary))
+        num_edges = 0
+        for node in g.nodes:
+            for p, u in enumerate(node.operands):
+                if u is not None:
+                    num_edges += 1
+                    ilp_module._add_edge(prob, one_by_one, node, p, u, unary, core.col0,
+                                         node.mult)
+        infos[-1] = dict(core.info, edges=num_edges)
+        def summed(edges):   # the pairs' per-axis terms, per (pair, term)
+            out: dict = {}
+            for terms in edges.fallback.values():
+                for key, gathers, moves in terms:
+                    acc = out.setdefault(key, [0.0, 0.0])
+                    acc[0] = acc[0] + gathers
+                    acc[1] = acc[1] + moves
+            return out
+        mine, theirs = summed(one_by_one), summed(core.edges)
+        assert mine.keys() == theirs.keys() and mine
+        for key, (gathers, moves) in mine.items():
+            np.testing.assert_allclose(theirs[key][0], gathers, rtol=1e-12)
+            np.testing.assert_allclose(theirs[key][1], moves, rtol=1e-12)
+        assert one_by_one.pairs.keys() == core.edges.pairs.keys()
+        for key, mat in one_by_one.pairs.items():
+            np.testing.assert_allclose(core.edges.pairs[key], mat, rtol=1e-12)
+        assert sorted(one_by_one.forbidden) == sorted(set(core.edges.forbidden))
+    assert infos[0]["merged_columns"] == infos[1]["merged_columns"] > 0, infos
+    added = infos[1]["priced_edges"] - infos[0]["priced_edges"]
+    assert 0 <= added <= 0.1 * (infos[1]["edges"] - infos[0]["edges"]), infos

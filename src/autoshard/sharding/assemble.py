@@ -26,8 +26,13 @@ def make_plan(prob: Problem, sol: Solution, names: tuple[str, ...], *,
               dp_objective: float | None) -> ShardingPlan:
     g, ctx = prob.graph, prob.ctx
 
+    made: dict = {}   # a plan's values share a few hundred specs
+
     def pspec(spec):
-        return to_partition_spec(spec, names)
+        hit = made.get(spec)
+        if hit is None:
+            hit = made[spec] = to_partition_spec(spec, names)
+        return hit
 
     inputs, outputs = [], []
     for node_id in g.inputs:

@@ -326,10 +326,10 @@ class CopyBounds:
     all-to-all of equal sizes counts 0), exact when one variable chooses both ends. (Exact
     bounds, one column ``max(0, Y_d - X_d)`` per spec, made the families decoder's budgeted
     ILP 2-8x slower: the solver's rounds, ``solver.solve_ilp``, take the rest.) A copy lives
-    from where ``u`` is ready (from its first reader where every copy a choice could make is a
-    local slice) until its last reader, so the points between two readers of ``u`` count one column
-    ``m >= 0`` bounded below by every later reader's bound (the largest: readers that need
-    one spec share one copy)."""
+    from where ``u`` is ready (from its first reader where every copy a choice could make is
+    a local slice) until its last reader, so the points between two readers of ``u`` count
+    one column ``m >= 0`` bounded below by every later reader's bound (the largest: readers
+    that need one spec share one copy)."""
 
     spans: list[tuple[int, int]]
     """Per column: the first and last program point it counts at."""
@@ -557,7 +557,8 @@ def reshard_bytes(prob: Problem, choice: dict[int, int]) -> np.ndarray:
     that moves data is made where its source is ready (``ready_points``); a local slice
     (``is_local_slice``) where its first reader runs (XLA fuses it into that reader: the ViT
     budget plan's Adam update, run split over the data axis on state held whole over it,
-    slices 2.6 MB per device that the compiled program never holds before the update). The ILP's memory rows cannot see these (they depend on two choices at once);
+    slices 2.6 MB per device that the compiled program never holds before the update). The
+    ILP's memory rows cannot see these (they depend on two choices at once);
     ``solver.solve_ilp`` lowers a row's bound by the copies its plan holds there.
     """
     g, mesh = prob.graph, prob.ctx.mesh_shape

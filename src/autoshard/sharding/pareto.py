@@ -1,11 +1,11 @@
 """The trade-off on the chosen mesh: bytes and memory of the chosen, least-memory and
 least-bytes plans found, so ``explain()`` shows what a memory budget would cost.
 
-The planner finds several plans on the chosen mesh: the fastest (its first ILP), under the
-time rule (``memory_tradeoff``) the one ``least_memory`` trades some time for, and here one
-more, a plan of much less memory (``least_peak``: the same ILP weighing the bytes live where
-the chosen plan peaks 4x as much as its time; usually one solve, a few seconds on the families
-benchmark; the default chooses between it and the fastest, ``expert_choice``). Each is
+The planner finds several plans on the chosen mesh: the fastest (its first ILP), the one
+``least_memory`` trades some time for, and here one more, a plan of much less memory
+(``least_peak``: the same ILP weighing the bytes live where the fastest plan peaks 4x as much
+as its time; usually one solve, a few seconds on the families benchmark). The default
+chooses among the three (``expert_choice``). Each is
 costed as the plan it is: collective bytes one device receives per step (``received_bytes``)
 and the estimated peak bytes per device (``memory.peak_bytes``). Of the plans found, the row
 of fewest bytes and the row of least memory are shown next to the chosen one

@@ -352,7 +352,7 @@ def _memory_choice(ilp, fastest: Solution, tradeoff: float, weigh_memory: bool,
     ``least_memory`` and ``least_peak`` solve side by side, both from the fastest plan. Until
     session 29 ``least_peak`` searched again from least_memory's plan where that one saved
     memory (the plans of the two solves one after the other): a third solve, which the
-    32-layer decoder ran (planning 9.0 s against 7.0 s) for the plan the first search had
+    32-layer decoder ran (planning 9.0 s against 6.0 s) for the plan the first search had
     found. least_memory's plan stays a candidate: on a scanned GPT (tests/sharding/
     test_loops.py) and a one-layer one it is the one taken, at a few percent more time."""
     if not weigh_memory:

@@ -12,7 +12,7 @@ import numpy as np
 from .fusion import BITCASTS, taken_products
 from .problem import Problem
 from .spec import shards
-from .strategy import itemsize
+from .strategy import itemsize, nbytes
 
 
 def unbitcast(g, u):
@@ -94,8 +94,7 @@ def early_scatter_targets(prob: Problem) -> list[tuple[int, int, int, list[int]]
         first = ready.get(indices, g.values[indices].producer)
         if first >= made.id:
             continue
-        out = g.values[node.outputs[0]]
-        size = itemsize(out.dtype) * int(np.prod(out.shape, dtype=np.int64))
+        size = nbytes(g.values[node.outputs[0]])
         found.append((first, made.id - 1, prob.var(node.id),
                       [size // shards(st.out_specs[0], mesh) for st in prob.strategies[node.id]]))
     return found

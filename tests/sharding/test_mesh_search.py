@@ -252,3 +252,42 @@ def test_a_mesh_its_blocks_bound_rules_out_gets_no_lp_relaxation(monkeypatch):
     assert _plan_under(None).objective.total_s == pytest.approx(
         _plan_under(1e9).objective.total_s, rel=1e-9)
     assert relaxed
+
+
+def test_a_mesh_whose_relaxation_the_search_solved_is_not_solved_again(monkeypatch):
+    """The mesh search solves each large ILP's LP relaxation to order the meshes
+    (``solver.cutoff_bound_s``); the ILP's own solve starts with the same LP by the dual
+    simplex, so where that relaxation is integral ``solve_ilp`` takes it (and its basis, the
+    re-solves' start) without solving it again: the same plan as a solve from nothing, one
+    HiGHS call instead of two. A relaxation solved another way (no basis) is solved again."""
+    import dataclasses
+
+    from autoshard.sharding import highs, solver
+    ilp = _built_ilps()[(2, 4)]
+    monkeypatch.setattr(highs, "IPM_MIN_ROWS", 0)   # this small ILP takes the simplex path
+    monkeypatch.setattr(highs, "IPM_MAX_COLUMNS_PER_ROW", 1_000)
+    calls = []
+    real = highs.milp
+    monkeypatch.setattr(highs, "milp", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def fresh():
+        return dataclasses.replace(ilp, lp=None, lp_core=None, lp_blocks=None, lp_basis=None)
+    alone = fresh()
+    direct = solver.solve_ilp(alone)
+    assert len(calls) == 1 and alone.lp_basis is not None
+    calls.clear()
+    searched = fresh()
+    bound = solver.lp_bound_s(searched, memory=False)
+    assert len(calls) == 1
+    again = solver.solve_ilp(searched)
+    assert len(calls) == 1   # the relaxation was the ILP's solution
+    assert again.choice == direct.choice and again.status == direct.status == "optimal"
+    assert again.objective_s == pytest.approx(direct.objective_s, rel=1e-12)
+    assert bound == pytest.approx(direct.objective_s, rel=1e-9)
+    assert searched.lp_basis is not None
+    calls.clear()
+    monkeypatch.setattr(highs, "IPM_MIN_ROWS", 10**9)   # scipy's path: no basis comes back
+    other = fresh()
+    solver.lp_bound_s(other, memory=False)
+    assert (other.lp or other.lp_core)[3] is None
+    assert solver.solve_ilp(other).choice == direct.choice and len(calls) == 2

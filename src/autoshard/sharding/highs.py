@@ -36,9 +36,9 @@ where from the interior-point root it finished in 19 s).
 
 A solve that has the cores to itself (not one of several HiGHS solves ``concurrently`` runs)
 takes that LP by HiGHS's parallel dual simplex (``PARALLEL_SIMPLEX``), which on every LP of
-the families benchmark's default plans ran the same iterations to the same vertex as the
-serial one, 1.0-1.35x sooner on two cores; solves that share the cores stay serial (two
-parallel ones side by side took 3x as long as two serial ones).
+the families benchmark's default plans ends on the serial one's vertex, up to 1.7x sooner on
+two cores; solves that share the cores stay serial (two parallel ones side by side took 3x as
+long as two serial ones).
 
 ``milp`` takes ``scipy.optimize.milp``'s arguments and returns what the planner reads of its
 result, with scipy's status codes.
@@ -74,12 +74,17 @@ SOLVER_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sche
 """Solves ``concurrently`` runs at once: HiGHS releases the GIL while it solves (two of the
 16-layer decoder's ILPs: 1.76 s in two threads against 3.22 s one after the other)."""
 
-PARALLEL_SIMPLEX = 2
-"""HiGHS's ``simplex_strategy`` for an LP solved alone (2: the dual simplex with parallel
-minor iterations, PAMI). Measured on the families benchmark's LPs (the 32-layer decoder's
-first solve 1.77 -> 1.35 s; the T5's 3.86 -> 2.92 s, its re-solves from the first basis
-3.57-7.68 -> 2.74-6.32 s), every one with the serial dual simplex's iteration count and
-vertex. The SIP variant (3) was faster still alone but ended on another path."""
+PARALLEL_SIMPLEX = 3
+"""HiGHS's ``simplex_strategy`` for an LP solved alone: 3, the dual simplex with parallel
+minor iterations (PAMI). Until session 30 it was 2, which HiGHS 1.16 runs as SIP (its log
+says so), not PAMI. Measured on every simplex LP of the families benchmark's default plans
+(the decoder at 8, 16 and 32 layers, ViT, T5, U-Net; first solves and the re-solves from their
+basis): PAMI ends on SIP's and the serial simplex's vertex on each, up to 1.7x sooner than
+SIP alone on two cores (the 16-layer decoder's first solve 1.07 -> 0.68 s, the T5's 2.9 ->
+1.7 s, the ViT's 1.02 -> 0.88 s);
+its iterations are its own (12,808 against 13,610) and the same on every run, under load
+too. Alone, not beside another solve: two parallel ones side by side took 3x as long as two
+serial ones."""
 _SHARED = contextvars.ContextVar("autoshard_highs_shared", default=False)
 """True inside a call ``concurrently`` runs beside other HiGHS solves."""
 

@@ -84,7 +84,9 @@ SIP alone on two cores (the 16-layer decoder's first solve 1.07 -> 0.68 s, the T
 1.7 s, the ViT's 1.02 -> 0.88 s);
 its iterations are its own (12,808 against 13,610) and the same on every run, under load
 too. Alone, not beside another solve: two parallel ones side by side took 3x as long as two
-serial ones."""
+serial ones. A core busy with other work slows any parallel simplex more than the serial one
+(the T5's first solve with one core busy elsewhere: serial 3.96 s, SIP 9.32 s, PAMI 5.48 s;
+with both cores free 3.86, 3.29, 2.06 s)."""
 _SHARED = contextvars.ContextVar("autoshard_highs_shared", default=False)
 """True inside a call ``concurrently`` runs beside other HiGHS solves."""
 

@@ -81,9 +81,8 @@ says so), not PAMI. Measured on every simplex LP of the families benchmark's def
 (the decoder at 8, 16 and 32 layers, ViT, T5, U-Net; first solves and the re-solves from their
 basis): PAMI ends on SIP's and the serial simplex's vertex on each, up to 1.7x sooner than
 SIP alone on two cores (the 16-layer decoder's first solve 1.07 -> 0.68 s, the T5's 2.9 ->
-1.7 s, the ViT's 1.02 -> 0.88 s);
-its iterations are its own (12,808 against 13,610) and the same on every run, under load
-too. Alone, not beside another solve: two parallel ones side by side took 3x as long as two
+1.7 s, the ViT's 1.02 -> 0.88 s); its iterations are its own (12,808 against 13,610) and the
+same on every run, under load too. Alone, not beside another solve: two parallel ones side by side took 3x as long as two
 serial ones. A core busy with other work slows any parallel simplex more than the serial one
 (the T5's first solve with one core busy elsewhere: serial 3.96 s, SIP 9.32 s, PAMI 5.48 s;
 with both cores free 3.86, 3.29, 2.06 s)."""

@@ -123,7 +123,7 @@ def _unique_rows(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(mat, axis=0, return_inverse=True)`` for a small float matrix: its distinct
     rows in lexicographic order and each row's index among them. ``np.unique`` with an axis
     sorts a structured view of the rows, 5x slower on the 24x24 cost matrices of an edge
-    (0.45 of the 16-layer decoder's 4.4 s of planning, 1,608 calls)."""
+    (1,608 calls planning the 16-layer decoder: 0.45 s of its 5.5 s under cProfile)."""
     order = np.lexsort(mat.T[::-1])
     rows = mat[order]
     new = np.empty(len(rows), dtype=bool)

@@ -150,13 +150,22 @@ def _simplex_first(model: _Model, options: dict, *, presolve: bool, start=None) 
     if lp.status == OPTIMAL:
         if not model.mip:
             return lp
-        x = lp.x[model.integer]
-        if np.all(np.abs(x - np.round(x)) <= INTEGRAL_TOLERANCE):
-            return Result(x=lp.x, fun=lp.fun, status=OPTIMAL, mip_gap=0.0, mip_node_count=0,
-                          basis=lp.basis)
+        found = integral_solution(lp.x, lp.fun, lp.basis, model.integer)
+        if found is not None:
+            return found
     if lp.status == INFEASIBLE:  # no ILP solution where the LP has none
         return lp
     return model.run(_time_left(options, t0), ipm=True, presolve=presolve)
+
+
+def integral_solution(x: np.ndarray, fun: float, basis, integer: np.ndarray) -> Result | None:
+    """An LP optimum ``x`` (objective ``fun``, its ``basis``) as the ILP's solution where its
+    ``integer`` columns are integral (within ``INTEGRAL_TOLERANCE``: the LP bounds every plan),
+    else None."""
+    part = x[integer]
+    if not np.all(np.abs(part - np.round(part)) <= INTEGRAL_TOLERANCE):
+        return None
+    return Result(x=x, fun=fun, status=OPTIMAL, mip_gap=0.0, mip_node_count=0, basis=basis)
 
 
 def _time_left(options: dict, t0: float) -> dict:
@@ -373,4 +382,4 @@ def _status(model_status) -> int:
 
 __all__ = ["INTEGRAL_TOLERANCE", "IPM_MAX_COLUMNS_PER_ROW", "IPM_MIN_ROWS",
            "NO_PRESOLVE_MIN_COLUMNS", "PARALLEL_SIMPLEX", "Result", "SIMPLEX_ITERATIONS_PER_ROW",
-           "SOLVER_THREADS", "concurrently", "csr_rows", "milp", "once"]
+           "SOLVER_THREADS", "concurrently", "csr_rows", "integral_solution", "milp", "once"]

@@ -233,17 +233,14 @@ def _integral_relaxation(ilp: Ilp):
     the same way (``highs._simplex_first``), without a second solve (the families' mesh
     searches solved each chosen mesh's LP twice: 1.0 s on the decoder, 3.0 s on the T5).
     None otherwise (a relaxation by another path carries no basis)."""
-    from .highs import INTEGRAL_TOLERANCE, Result
+    from .highs import integral_solution
     found = ilp.lp
     if found is None and ilp.num_core_constraints == len(ilp.constraints):
         found = ilp.lp_core
     if found is None or found[1] != OPTIMAL or found[2] is None or found[3] is None:
         return None
-    x = found[2][ilp.integrality > 0]
-    if not np.all(np.abs(x - np.round(x)) <= INTEGRAL_TOLERANCE):
-        return None
-    return Result(x=found[2], fun=found[0] * OBJECTIVE_SCALE, status=OPTIMAL, mip_gap=0.0,
-                  mip_node_count=0, basis=found[3])
+    return integral_solution(found[2], found[0] * OBJECTIVE_SCALE, found[3],
+                             ilp.integrality > 0)
 
 
 BOUND_ROUNDS = 3

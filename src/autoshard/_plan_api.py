@@ -28,6 +28,7 @@ from ._api import (
     _argnums,
     batch_argnums_of,
     batch_positions,
+    collector_paused,
     static_positions,
     trace_call,
 )
@@ -93,15 +94,17 @@ def plan(fun: Callable, *args, method: ParallelMethod | None = None,
     static = static_positions(_argnums(static_argnums, "static_argnums"), args)
     batch = batch_positions(batch_argnums_of(batch_argnums), batch_argnums is _DEFAULT_BATCH,
                             args)
-    program, _ = trace_call(fun, args, flatten_args(args, static), static=static, batch=batch,
-                            donate=_argnums(donate_argnums, "donate_argnums"), method=method,
-                            name=getattr(fun, "__name__", "the function"))
-    if method.devices is not None and len(resolve_devices(method.devices)[0]) != (
-            cluster.num_devices):
-        raise ValueError(
-            f"The method's devices ({len(resolve_devices(method.devices)[0])}) and the cluster "
-            f"({cluster.num_devices} devices, {cluster.name}) differ. Give one of the two.")
-    return method.plan_for(program, cluster)
+    with collector_paused():
+        program, _ = trace_call(fun, args, flatten_args(args, static), static=static,
+                                batch=batch, donate=_argnums(donate_argnums, "donate_argnums"),
+                                method=method, name=getattr(fun, "__name__", "the function"))
+        if method.devices is not None and len(resolve_devices(method.devices)[0]) != (
+                cluster.num_devices):
+            raise ValueError(
+                f"The method's devices ({len(resolve_devices(method.devices)[0])}) and the "
+                f"cluster ({cluster.num_devices} devices, {cluster.name}) differ. Give one of "
+                "the two.")
+        return method.plan_for(program, cluster)
 
 
 __all__ = ["plan"]

@@ -111,3 +111,22 @@ def test_the_sweeps_shapes_take_the_expert_plans_shardings(case):
     assert jax.tree.structure(shapes) == jax.tree.structure(case.init_state())
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), case.batch)
     assert jitted.lower(shapes, batch) is not None
+
+
+def test_the_sweep_is_judged_against_jit_of_the_same_plan_and_reports_the_others():
+    # The target is jax.jit's lower + compile of the same plan; the FSDP x TP
+    # expert's jit compiles another program, and our own lower + compile is reported beside.
+    sweep = {"layers": 16, "autoshard_total_s": 12.0, "lowering_s": 1.0, "compile_s": 7.0,
+             "jit_total_s": 5.0, "jit_same_plan_total_s": 8.5, "trace_s": 1.0,
+             "make_jaxpr_s": 1.0}
+    rows = [r for r in families.targets([], [sweep]) if r["target"].startswith("plan+compile")]
+    judged = [r for r in rows if r["met"] is not None]
+    assert [r["target"] for r in judged] == [
+        "plan+compile <= 1.5x jit of the same plan (its in/out shardings)"]
+    assert judged[0]["met"] and abs(judged[0]["value"] - 12.0 / 8.5) < 1e-12
+    reported = {r["target"]: r["value"] for r in rows if r["met"] is None}
+    assert reported == {
+        "plan+compile vs its own lower+compile (every pin; reported)": 1.5,
+        "plan+compile vs jit lower+compile of the 2x4 FSDP x TP expert (another plan; "
+        "reported)": 12.0 / 5.0}
+    assert not families.targets([], [dict(sweep, jit_same_plan_total_s=6.0)])[1]["met"]

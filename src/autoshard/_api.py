@@ -163,7 +163,8 @@ def collector_paused() -> Iterator[None]:
     free them by reference count; the collector's full passes over everything alive (the
     jaxpr, the planner's graph) found nothing to free and took a sixth of the 16-layer
     decoder's planning and a third of its lowering (families benchmark: planning 3.6 -> 3.0
-    s, lowering 0.95 -> 0.66 s). Garbage in cycles made meanwhile is collected after."""
+    s, lowering 0.95 -> 0.66 s). Garbage in cycles made meanwhile is collected after; the
+    peak memory did not grow (the 32-layer decoder's process: 1.21 GB paused, 1.25 GB not)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -16,7 +16,9 @@ Per plan: collective bytes one device receives per step (the audit's reader,
 (arguments + outputs + temporaries - aliased, the audit's ``compiled_memory``), autoshard's
 predicted bytes and memory (``Executable.audit()``), and the losses of 3 steps against a
 single-device ``jax.jit``. A layer sweep of the decoder times ``jax.make_jaxpr``, autoshard's
-trace, plan, lowering and compile, and ``jax.jit`` lower + compile of the 2x4 FSDP x TP plan.
+trace, plan, lowering and compile, ``jax.jit``'s lower + compile of the same plan (the step
+with the plan's input and output shardings: the judged baseline) and, reported, of the 2x4
+FSDP x TP plan.
 Writes ``families.json`` and ``families.md`` (the issue's targets as rows marked met/missed).
 """
 

@@ -129,4 +129,6 @@ def test_the_sweep_is_judged_against_jit_of_the_same_plan_and_reports_the_others
         "plan+compile vs its own lower+compile (every pin; reported)": 1.5,
         "plan+compile vs jit lower+compile of the 2x4 FSDP x TP expert (another plan; "
         "reported)": 12.0 / 5.0}
-    assert not families.targets([], [dict(sweep, jit_same_plan_total_s=6.0)])[1]["met"]
+    slower = {r["target"]: r for r in families.targets(
+        [], [dict(sweep, jit_same_plan_total_s=6.0)])}
+    assert not slower["plan+compile <= 1.5x jit of the same plan (its in/out shardings)"]["met"]
